@@ -1,0 +1,86 @@
+"""A tiny Qwen2 causal LM and a character-level chat tokenizer, built in code (no downloads).
+
+Used by the tests and the demo. The tokenizer is a real `PreTrainedTokenizerFast` (tokenizers library) with a
+chat template, pad and eos tokens, so TRL treats it like any hub tokenizer.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD, UNK, EOS = "<pad>", "<unk>", "<|end|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, UNK, EOS, *ROLE_TOKENS)
+CHARACTERS = string.printable  # digits, letters, punctuation, whitespace: enough for GSM8K-like text
+
+# Every turn is <|role|>content<|end|>; generation starts after <|assistant|>. Short on purpose: each
+# character is a token.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARACTERS:
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per char
+    backend.decoder = decoders.Fuse()  # join characters back without spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        unk_token=UNK,
+        eos_token=EOS,
+        additional_special_tokens=list(ROLE_TOKENS),
+        padding_side="left",
+        model_max_length=4096,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 512,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2 whose projections are NVFP4-compatible (in_features % 16 == 0)."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(dtype)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
+    return model
+
+
+def build_tiny(dtype: torch.dtype = torch.float32, seed: int = 0, **model_kwargs):
+    """(model, tokenizer) pair."""
+    tokenizer = build_tiny_tokenizer()
+    return build_tiny_model(tokenizer, dtype=dtype, seed=seed, **model_kwargs), tokenizer
