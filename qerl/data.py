@@ -1,0 +1,225 @@
+"""Training tasks: prompts (TRL's conversational format) plus the reward functions that score them.
+
+Named datasets use the QeRL reference's hub ids and prompt formats (NVlabs/QeRL utils/data.py):
+  gsm8k        openai/gsm8k (main): the question as the only user message, gold = the number after ####
+  bigmath      open-r1/Big-Math-RL-Verified-Processed (level_3_4_5), the processed release of
+               SynthLabsAI/Big-Math-RL-Verified; think/answer system prompt; prompts <= 1024 characters
+  bigmath_hard the same, level_4_5
+  dapomath     open-r1/DAPO-Math-17k-Processed (en), the processed release of BytedTsinghua-SIA/DAPO-Math-17k;
+               its own prompt (asks for "Answer: ..."); prompts <= 1024 characters
+  arithmetic   built in, no download: "23+45=" -> "68"
+Any local JSONL / JSON / parquet / CSV file works too, in one of those formats (picked from its columns, or
+named with `dataset_format`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from datasets import Dataset, Value, load_dataset
+
+from qerl import rewards
+
+THINK_ANSWER_SYSTEM_PROMPT = (
+    "\n        Solve the following math problem step by step. The reasoning process and direct answer are enclosed "
+    "within <think> </think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process here "
+    "</think> <answer> answer here </answer>: \n        <think>\n        ...\n        </think>\n        <answer>\n"
+    "        ...\n        </answer>\n    "
+)  # verbatim from the reference, indentation included: it is what its models were trained on
+
+MAX_PROMPT_CHARS = 1024  # the reference drops longer Big-Math / DAPO prompts
+
+
+@dataclass(frozen=True)
+class HubSource:
+    path: str
+    name: str | None
+    format: str
+
+
+HUB_DATASETS = {
+    "gsm8k": HubSource("openai/gsm8k", "main", "gsm8k"),
+    "bigmath": HubSource("open-r1/Big-Math-RL-Verified-Processed", "level_3_4_5", "bigmath"),
+    "bigmath_hard": HubSource("open-r1/Big-Math-RL-Verified-Processed", "level_4_5", "bigmath"),
+    "dapomath": HubSource("open-r1/DAPO-Math-17k-Processed", "en", "dapomath"),
+}
+BUILTIN_DATASETS = ("arithmetic",)
+KNOWN_DATASETS = (*HUB_DATASETS, *BUILTIN_DATASETS)
+
+# Columns each format reads, in the order auto-detection tries them.
+FORMAT_COLUMNS = {
+    "gsm8k": ("question", "answer"),
+    "dapomath": ("source_prompt", "solution"),
+    "bigmath": ("prompt", "solution"),
+    "arithmetic": ("prompt", "answer"),
+}
+LOCAL_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass
+class Task:
+    """A dataset with `prompt` (list of messages) and `answer` columns, and the rewards that score it."""
+
+    name: str
+    format: str
+    train: Dataset
+    reward_funcs: list[Callable] = field(default_factory=list)
+
+
+def reward_funcs_for(fmt: str) -> list[Callable]:
+    if fmt == "gsm8k":
+        return [rewards.think_answer_format_reward, rewards.gsm8k_correctness_reward]
+    if fmt == "bigmath":
+        return [rewards.think_answer_format_reward, rewards.math_verify_accuracy_reward]
+    if fmt == "dapomath":
+        return [rewards.dapo_answer_reward]
+    if fmt == "arithmetic":
+        return [rewards.exact_answer_reward]
+    raise ValueError(f"unknown dataset format {fmt!r}; known formats: {', '.join(FORMAT_COLUMNS)}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Formatting rows into prompts
+
+
+def _format_gsm8k(row):
+    return {"prompt": [{"role": "user", "content": row["question"]}], "answer": rewards.gsm8k_gold(row["answer"])}
+
+
+def _format_bigmath(row):
+    prompt = [{"role": "system", "content": THINK_ANSWER_SYSTEM_PROMPT}, {"role": "user", "content": row["prompt"]}]
+    return {"prompt": prompt, "answer": row["solution"]}
+
+
+def _format_dapomath(row):
+    return {"prompt": row["source_prompt"], "answer": row["solution"]}
+
+
+def _format_arithmetic(row):
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    return {"prompt": prompt, "answer": str(row["answer"])}
+
+
+_FORMATTERS = {
+    "gsm8k": _format_gsm8k,
+    "bigmath": _format_bigmath,
+    "dapomath": _format_dapomath,
+    "arithmetic": _format_arithmetic,
+}
+
+
+def _prompt_chars(row, fmt: str) -> int:
+    if fmt == "bigmath":
+        return len(row["prompt"])
+    if fmt == "dapomath":
+        return len(row["source_prompt"][0]["content"])
+    return 0
+
+
+def format_dataset(dataset: Dataset, fmt: str, source: str = "dataset") -> Dataset:
+    """Turn raw rows of format `fmt` into `prompt` / `answer` rows (other columns are kept for rewards)."""
+    if fmt not in FORMAT_COLUMNS:
+        raise ValueError(f"unknown dataset format {fmt!r}; known formats: {', '.join(FORMAT_COLUMNS)}")
+    for column in FORMAT_COLUMNS[fmt]:
+        if column not in dataset.column_names:
+            raise ValueError(
+                f"{source}: format {fmt!r} needs a column {column!r}, which is missing "
+                f"(columns: {', '.join(dataset.column_names)})"
+            )
+    if fmt in ("bigmath", "dapomath"):
+        dataset = dataset.filter(lambda row: _prompt_chars(row, fmt) <= MAX_PROMPT_CHARS)
+    # Drop the raw columns the formatter reads, so `prompt` and `answer` come back with their new types.
+    dataset = dataset.map(_FORMATTERS[fmt], remove_columns=list(FORMAT_COLUMNS[fmt]))
+    if dataset.features["answer"] != Value("string"):  # map keeps an int column's type; rewards want text
+        dataset = dataset.cast_column("answer", Value("string"))
+    return dataset
+
+
+def detect_format(column_names: list[str], source: str = "dataset") -> str:
+    for fmt, columns in FORMAT_COLUMNS.items():
+        if all(c in column_names for c in columns):
+            return fmt
+    wanted = "; ".join(f"{fmt}: {', '.join(cols)}" for fmt, cols in FORMAT_COLUMNS.items())
+    raise ValueError(
+        f"{source}: cannot tell the dataset format from its columns ({', '.join(column_names)}). "
+        f"Formats and the columns they need: {wanted}. Rename the columns or pass dataset_format."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The built-in arithmetic task
+
+
+def arithmetic_dataset(
+    num_examples: int = 2000, seed: int = 0, max_operand: int = 20, operations: str = "+-"
+) -> Dataset:
+    """Problems "a+b=" / "a-b=" with non-negative results; the answer is the decimal result."""
+    rng = random.Random(seed)
+    rows = {"prompt": [], "answer": []}
+    for _ in range(num_examples):
+        op = rng.choice(operations)
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        if op == "-" and b > a:
+            a, b = b, a
+        result = a + b if op == "+" else a - b if op == "-" else a * b
+        rows["prompt"].append([{"role": "user", "content": f"{a}{op}{b}="}])
+        rows["answer"].append(str(result))
+    return Dataset.from_dict(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _load_local(path: str, split: str) -> Dataset:
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in LOCAL_EXTENSIONS:
+        raise ValueError(f"{path}: unsupported file type {ext!r}; use one of {', '.join(LOCAL_EXTENSIONS)}")
+    return load_dataset(LOCAL_EXTENSIONS[ext], data_files={split: path}, split=split)
+
+
+def load_task(
+    dataset: str,
+    split: str = "train",
+    dataset_format: str = "auto",
+    num_examples: int | None = None,
+    seed: int = 0,
+) -> Task:
+    """Load a named dataset (see KNOWN_DATASETS), the built-in arithmetic task, or a local file."""
+    if dataset == "arithmetic":
+        train = arithmetic_dataset(num_examples or 2000, seed=seed + (0 if split == "train" else 1))
+        return Task(dataset, "arithmetic", train, reward_funcs_for("arithmetic"))
+    if dataset in HUB_DATASETS:
+        source = HUB_DATASETS[dataset]
+        raw = load_dataset(source.path, source.name, split=split)
+        fmt = source.format
+    elif os.path.exists(dataset):
+        raw = _load_local(dataset, split)
+        fmt = detect_format(raw.column_names, dataset) if dataset_format == "auto" else dataset_format
+    else:
+        raise ValueError(
+            f"unknown dataset {dataset!r}: known datasets are {', '.join(KNOWN_DATASETS)}, "
+            "or give the path of a local .jsonl / .json / .parquet / .csv file"
+        )
+    if num_examples is not None:
+        raw = raw.select(range(min(num_examples, len(raw))))
+    return Task(dataset, fmt, format_dataset(raw, fmt, dataset), reward_funcs_for(fmt))
+
+
+def drop_long_prompts(dataset: Dataset, tokenizer, max_prompt_length: int | None) -> Dataset:
+    """Drop rows whose chat-templated prompt exceeds max_prompt_length tokens (TRL 1.16 no longer truncates
+    prompts; dropping keeps every prompt whole, where truncation would cut questions)."""
+    if not max_prompt_length:
+        return dataset
+
+    def fits(row):
+        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return len(ids) <= max_prompt_length
+
+    return dataset.filter(fits)

@@ -1,0 +1,88 @@
+import json
+import os
+
+import pytest
+
+from qerl import data, rewards
+from qerl.tiny import build_tiny_tokenizer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_DIR = os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k")
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def test_local_gsm8k_file_in_reference_format():
+    path = os.path.join(GSM8K_DIR, "test.jsonl")
+    if not os.path.exists(path):
+        pytest.skip(f"GSM8K test set not found at {os.path.normpath(path)} (expected ../shared beside the repo)")
+    task = data.load_task(path, num_examples=50)
+    assert task.format == "gsm8k" and len(task.train) == 50
+    row = task.train[0]
+    assert row["prompt"] == [{"role": "user", "content": row["prompt"][0]["content"]}]  # question only, no system
+    assert row["answer"] == "18"
+    assert task.reward_funcs == [rewards.think_answer_format_reward, rewards.gsm8k_correctness_reward]
+
+
+def test_formats_by_columns(tmp_path):
+    dapo = _write_jsonl(tmp_path / "d.jsonl", [{"source_prompt": [{"role": "user", "content": "q"}], "solution": "3"}])
+    task = data.load_task(dapo)
+    assert task.format == "dapomath" and task.train[0]["prompt"] == [{"role": "user", "content": "q"}]
+    assert task.reward_funcs == [rewards.dapo_answer_reward]
+
+    big = _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "q", "solution": "3"}, {"prompt": "x" * 2000, "solution": "1"}])
+    task = data.load_task(big)
+    assert task.format == "bigmath" and len(task.train) == 1  # the reference drops prompts over 1024 chars
+    assert task.train[0]["prompt"][0]["role"] == "system" and task.train[0]["prompt"][1]["content"] == "q"
+    assert task.train[0]["answer"] == "3"
+
+    plain = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1=", "answer": 2}])
+    task = data.load_task(plain)
+    assert task.format == "arithmetic" and task.train[0]["answer"] == "2"
+
+
+def test_parquet(tmp_path):
+    from datasets import Dataset
+
+    path = str(tmp_path / "g.parquet")
+    Dataset.from_dict({"question": ["q"], "answer": ["so #### 1,000"]}).to_parquet(path)
+    assert data.load_task(path).train[0]["answer"] == "1000"
+
+
+def test_bad_input_messages(tmp_path):
+    with pytest.raises(ValueError, match="gsm8k, bigmath, bigmath_hard, dapomath, arithmetic"):
+        data.load_task("gsm9k")
+    odd = _write_jsonl(tmp_path / "odd.jsonl", [{"query": "q", "answer": "1"}])
+    with pytest.raises(ValueError, match="cannot tell the dataset format.*query"):
+        data.load_task(odd)
+    with pytest.raises(ValueError, match="needs a column 'question', which is missing"):
+        data.load_task(odd, dataset_format="gsm8k")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        data.load_task(_write_jsonl(tmp_path / "x.txt", []))
+
+
+def test_arithmetic_task():
+    task = data.load_task("arithmetic", num_examples=200, seed=3)
+    assert len(task.train) == 200
+    for row in task.train:
+        a, op, b = row["prompt"][0]["content"][:-1].partition("+") if "+" in row["prompt"][0]["content"] else \
+            row["prompt"][0]["content"][:-1].partition("-")
+        assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+    again = data.load_task("arithmetic", num_examples=200, seed=3)
+    assert again.train["answer"] == task.train["answer"]
+    assert data.load_task("arithmetic", split="test", num_examples=200, seed=3).train["prompt"] != task.train["prompt"]
+
+
+def test_drop_long_prompts():
+    tok = build_tiny_tokenizer()
+    ds = data.arithmetic_dataset(50, max_operand=999)
+    lengths = [len(tok.apply_chat_template(p, add_generation_prompt=True)["input_ids"]) for p in ds["prompt"]]
+    limit = max(lengths) - 1
+    kept = data.drop_long_prompts(ds, tok, limit)
+    assert len(kept) == sum(n <= limit for n in lengths) and 0 < len(kept) < 50
+    assert data.drop_long_prompts(ds, tok, None) is ds

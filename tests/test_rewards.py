@@ -1,0 +1,96 @@
+import json
+import os
+
+import pytest
+
+from qerl import rewards
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_TEST = os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
+
+
+def _msg(text):
+    return [{"role": "assistant", "content": text}]
+
+
+def _gsm8k_rows():
+    if not os.path.exists(GSM8K_TEST):
+        pytest.skip(f"GSM8K test set not found at {os.path.normpath(GSM8K_TEST)} (expected ../shared beside the repo)")
+    with open(GSM8K_TEST) as f:
+        return [json.loads(line) for line in f]
+
+
+def _as_completion(solution: str, final: str) -> list[dict]:
+    """A GSM8K gold solution written the way the reward asks: reasoning in <think>, the number in <answer>."""
+    reasoning = solution.split("####")[0].strip()
+    return _msg(f"<think>\n{reasoning}\n</think>\n<answer>\n{final}\n</answer>")
+
+
+def test_gsm8k_gold_solutions_all_score_correct():
+    rows = _gsm8k_rows()
+    answers = [rewards.gsm8k_gold(r["answer"]) for r in rows]
+    completions = [_as_completion(r["answer"], a) for r, a in zip(rows, answers)]
+    assert len(rows) == 1319
+    assert rewards.gsm8k_correctness_reward(completions, answers) == [2.0] * len(rows)
+    assert rewards.think_answer_format_reward(completions) == [0.2] * len(rows)
+    # The final line as written in the solution ("#### 1,234" style answers keep their commas there).
+    raw_finals = [r["answer"].split("####")[-1].strip() for r in rows]
+    completions = [_as_completion(r["answer"], f) for r, f in zip(rows, raw_finals)]
+    assert rewards.gsm8k_correctness_reward(completions, answers) == [2.0] * len(rows)
+
+
+def test_gsm8k_wrong_answers_score_zero():
+    rows = _gsm8k_rows()
+    answers = [rewards.gsm8k_gold(r["answer"]) for r in rows]
+    wrong = [str(int(a) + 1) if a.lstrip("-").isdigit() else a + "1" for a in answers]
+    completions = [_as_completion(r["answer"], w) for r, w in zip(rows, wrong)]
+    assert rewards.gsm8k_correctness_reward(completions, answers) == [0.0] * len(rows)
+    # Only the first character right (what the reference's eval compares) is still wrong here.
+    first_char = [a[0] + "9" * len(a) for a in answers]
+    completions = [_as_completion(r["answer"], w) for r, w in zip(rows, first_char)]
+    assert rewards.gsm8k_correctness_reward(completions, answers) == [0.0] * len(rows)
+
+
+@pytest.mark.parametrize(
+    "answer_text,score",
+    [
+        ("18", 2.0), ("$18", 2.0), ("18 dollars", 2.0), ("18.00", 2.0), ("18.", 2.0), ("\\boxed{18}", 2.0),
+        ("180", 0.0), ("1", 0.0), ("18 or 19", 0.0), ("x = 18", 0.0), ("", 0.0), ("eighteen", 0.0),
+    ],
+)  # fmt: skip
+def test_gsm8k_answer_parsing(answer_text, score):
+    assert rewards.gsm8k_correctness_reward([_msg(f"<think>t</think><answer>{answer_text}</answer>")], ["18"]) == [score]
+
+
+def test_gsm8k_needs_the_answer_tag_and_format():
+    assert rewards.gsm8k_correctness_reward([_msg("The answer is 18")], ["18"]) == [0.0]
+    assert rewards.think_answer_format_reward([_msg("<answer>18</answer>")]) == [0.0]
+    assert rewards.think_answer_format_reward(["<think>a\nb</think>\n<answer>1</answer>"]) == [0.2]  # plain text too
+
+
+def test_math_verify_accuracy():
+    completions = [_msg(r"so \boxed{\frac{1}{2}}"), _msg(r"\boxed{0.5}"), _msg(r"\boxed{3}"), _msg("no idea")]
+    assert rewards.math_verify_accuracy_reward(completions, [r"\frac{1}{2}"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert rewards.math_verify_accuracy_reward([_msg(r"\boxed{1}")], ["not math at all"]) == [None]
+
+
+def test_dapo_answer_score():
+    completions = [
+        _msg("work...\nAnswer: 42"),
+        _msg("Answer: 41\nmore work\nAnswer: $\\frac{1}{2}$"),
+        _msg("Answer: 1,000 dollars"),
+        _msg("Answer: 43"),
+        _msg("42"),
+    ]
+    gold = ["42", "\\frac{1}{2}", "1000", "42", "42"]
+    assert rewards.dapo_answer_reward(completions, gold) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert rewards.normalize_final_answer("\\text{5 cm}") == "5"
+    assert rewards.normalize_final_answer("x = \\frac12") == "\\frac{1}{2}"
+
+
+def test_exact_answer_and_overlong():
+    assert rewards.exact_answer_reward([_msg(" 68"), _msg("68 "), _msg("6"), "68"], ["68"] * 4) == [1.0, 1.0, 0.0, 1.0]
+    punish = rewards.soft_overlong_punishment(100, 20)
+    assert punish(completion_ids=[[1] * 50, [1] * 90, [1] * 100]) == [0.0, -0.5, -1.0]
+    with pytest.raises(ValueError):
+        rewards.soft_overlong_punishment(100, 0)
