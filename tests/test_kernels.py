@@ -1,0 +1,227 @@
+"""NVFP4 kernels: dequant bit-exact with the codec, fused GEMM against a float64 reference, dispatch, ops.
+
+Three layers of tests:
+  * CPU, plain: the public functions fall back to the torch path (bit-exact with the codec).
+  * CPU, TRITON_INTERPRET=1: the Triton kernels themselves on small odd shapes. The interpreter flag is
+    read when triton is imported, so those run in a subprocess (this file run as a script).
+  * GPU (marked `gpu`): real shapes, the inline-asm decode, torch.compile(fullgraph) and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qerl.nvfp4 import codec, kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _weight(n, k, device="cpu", zero_group=True):
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.05
+    if zero_group:
+        w[min(3, n - 1), :16] = 0  # an all-zero group takes the fp8-epsilon scale
+    return codec.quantize(w)
+
+
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _reference(x, q, bias=None):
+    """float64 y = x @ W^T (+ b) with W the codec's dequantized weight in x's dtype."""
+    w64 = codec.dequantize(q.packed, q.scale, q.global_scale, x.dtype).double()
+    y = x.double() @ w64.t()
+    return y if bias is None else y + bias.double()
+
+
+# ------------------------------------------------------------------------------------ CPU, torch path
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_cpu_dequantize_falls_back_to_codec(seed, dtype):
+    q = _weight(29, 80)
+    out = kernels.dequantize(q.packed, q.scale, q.global_scale, dtype)
+    assert torch.equal(_bits(out), _bits(codec.dequantize(q.packed, q.scale, q.global_scale, dtype)))
+
+
+def test_cpu_linear_forward_backward_and_bias_grad(seed):
+    q = _weight(23, 48)
+    x = torch.randn(2, 3, 48, dtype=torch.float32, requires_grad=True)
+    b = torch.randn(23, dtype=torch.float32, requires_grad=True)
+    y = kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, b)
+    assert y.shape == (2, 3, 23)
+    w = codec.dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+    torch.testing.assert_close(y.double(), x.double() @ w.t() + b.double(), rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    torch.testing.assert_close(x.grad.double(), g.double() @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad, g.sum((0, 1)))
+
+
+def test_ops_have_fake_kernels(seed):
+    # test_schema is left out: it compares inputs with ops that have no fp8 CPU kernel.
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    q = _weight(16, 32)
+    args = (q.packed, q.scale, q.global_scale, torch.float32)
+    torch.library.opcheck(torch.ops.qerl.nvfp4_dequantize.default, args, test_utils=utils)
+    x = torch.randn(3, 32, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    torch.library.opcheck(torch.ops.qerl.nvfp4_linear.default, (x, q.packed, q.scale, q.global_scale, b),
+                          test_utils=utils)
+
+
+# ------------------------------------------------------------------------------------ CPU, interpreter
+
+
+def _interpreter_checks():
+    """The Triton kernels under TRITON_INTERPRET=1 (run in a subprocess; see test_triton_interpreter)."""
+    from qerl.nvfp4 import triton_kernels as tk
+
+    assert tk.INTERPRET and kernels._tk is tk
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    # Dequant: odd N, K/2 not a multiple of the tile, every output dtype, output poisoned beforehand.
+    for n, k in ((37, 96), (5, 16)):
+        q = _weight(n, k)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            out = torch.full((n, k), float("nan"), dtype=dtype)
+            tk.dequantize(q.packed, q.scale, q.global_scale, dtype, out=out, block_n=16, block_k2=32)
+            ref = codec.dequantize(q.packed, q.scale, q.global_scale, dtype)
+            assert torch.equal(_bits(out), _bits(ref)), (n, k, dtype)
+    # Special codes: every byte value and scales across the fp8 range (subnormals included).
+    packed = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    scale = torch.tensor([1, 7, 8, 100, 126, 0x38, 0x40, 0x7E] * 4, dtype=torch.uint8).reshape(16, 2)
+    scale = scale.view(torch.float8_e4m3fn)
+    gs = torch.tensor([3.7], dtype=torch.float32)
+    out = tk.dequantize(packed, scale, gs, torch.bfloat16)
+    assert torch.equal(_bits(out), _bits(codec.dequantize(packed, scale, gs, torch.bfloat16)))
+
+    # Fused GEMM: odd M and N, K with a partial tile, split-K, bias, fp16 and bf16 activations.
+    n, k = 45, 160
+    q = _weight(n, k)
+    for m, split, dtype, with_bias in ((1, 1, torch.bfloat16, False), (5, 2, torch.bfloat16, True),
+                                       (19, 3, torch.float16, False), (33, 1, torch.bfloat16, True)):
+        x = torch.randn(m, k, dtype=dtype)
+        b = torch.randn(n, dtype=dtype) if with_bias else None
+        y = torch.full((m, n), float("nan"), dtype=dtype)
+        cfg = tk.GemmConfig(tk.block_m_for(m), 16, 64, split, 4, 1)
+        tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, config=cfg)
+        assert not y.isnan().any()
+        e = _rel_err(y, _reference(x, q, b))
+        assert e < 1e-2, (m, split, dtype, e)
+        # The split-K counters are re-armed: a second call on the same buffers gives the same answer.
+        y2 = tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, config=cfg)
+        assert torch.equal(y2, y)
+
+    # Public API under the interpreter: small M takes the fused kernel, large M dequant + matmul; grads.
+    q = _weight(24, 64)
+    for m in (3, kernels.FUSED_MAX_M + 1):
+        x = torch.randn(m, 64, dtype=torch.bfloat16, requires_grad=True)
+        y = kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
+        assert _rel_err(y, _reference(x.detach(), q)) < 1e-2
+        g = torch.randn_like(y)
+        y.backward(g)
+        w64 = codec.dequantize(q.packed, q.scale, q.global_scale).double()
+        assert _rel_err(x.grad, g.double() @ w64) < 1e-2
+    print("interpreter checks passed")
+
+
+def test_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "interpreter checks passed" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("n,k", [(4608, 3584), (1037, 3632), (40, 27648)])
+def test_gpu_dequant_bit_exact(seed, n, k):
+    from qerl.nvfp4 import triton_kernels as tk
+
+    q = _weight(n, k, "cuda")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out = torch.full((n, k), float("nan"), device="cuda", dtype=dtype)
+        tk.dequantize(q.packed, q.scale, q.global_scale, dtype, out=out)
+        assert torch.equal(_bits(out), _bits(codec.dequantize(q.packed, q.scale, q.global_scale, dtype)))
+
+
+@gpu
+@pytest.mark.parametrize("use_asm", [True, False])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 50, 64])
+def test_gpu_gemm_matches_float64(seed, m, use_asm):
+    from qerl.nvfp4 import triton_kernels as tk
+
+    n, k = 1037, 3632  # odd N, K not a multiple of the K tile
+    q = _weight(n, k, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ref = _reference(x, q, b)
+    base = tk.default_config(m, n, k, x.device)
+    for cfg in {base, tk.GemmConfig(base.block_m, 64, 256, 1), tk.GemmConfig(base.block_m, 128, 128, 5)}:
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, config=cfg, use_asm=use_asm)
+        assert not y.isnan().any()
+        assert _rel_err(y, ref) < 1e-2, cfg
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 8, 100, 2048])
+def test_gpu_linear_dispatch_and_grad(seed, m):
+    q = _weight(1000, 512, "cuda")
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
+    assert _rel_err(y, _reference(x.detach(), q)) < 1e-2
+    g = torch.randn_like(y)
+    y.backward(g)
+    w64 = codec.dequantize(q.packed, q.scale, q.global_scale).double()
+    assert _rel_err(x.grad, g.double() @ w64) < 1e-2
+
+
+@gpu
+def test_gpu_torch_compile_fullgraph_and_cuda_graph(seed):
+    from qerl.nvfp4.linear import NVFP4Linear
+
+    src = torch.nn.Linear(512, 384, bias=True, device="cuda", dtype=torch.bfloat16)
+    layer = NVFP4Linear.from_linear(src)
+
+    def f(x):
+        return torch.relu(layer(x)) * 2 + kernels.dequantize(
+            layer.weight_packed, layer.weight_scale, layer.weight_global_scale).sum()
+
+    compiled = torch.compile(f, fullgraph=True)  # raises on any graph break
+    for m in (4, 300):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(compiled(x), f(x))
+
+    x_static = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x_static)  # warm-up: compile, allocate the split-K counters
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = layer(x_static)
+    for _ in range(3):
+        x_static.copy_(torch.randn_like(x_static))
+        graph.replay()
+        torch.testing.assert_close(y_static, layer(x_static), rtol=0, atol=0)
+
+
+if __name__ == "__main__":
+    _interpreter_checks()
