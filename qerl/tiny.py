@@ -84,3 +84,21 @@ def build_tiny(dtype: torch.dtype = torch.float32, seed: int = 0, **model_kwargs
     """(model, tokenizer) pair."""
     tokenizer = build_tiny_tokenizer()
     return build_tiny_model(tokenizer, dtype=dtype, seed=seed, **model_kwargs), tokenizer
+
+
+def save_tiny_checkpoints(root, model=None, tokenizer=None, seed: int = 0) -> tuple[str, str]:
+    """Write a BF16 checkpoint folder and its NVFP4 quantization (our quantizer) under `root`.
+
+    Returns (bf16_dir, nvfp4_dir). The model is stored in bfloat16, as a hub checkpoint would be.
+    """
+    import os
+
+    from qerl.nvfp4.checkpoint import quantize_checkpoint
+
+    if model is None:
+        model, tokenizer = build_tiny(seed=seed)
+    bf16_dir, nvfp4_dir = os.path.join(root, "bf16"), os.path.join(root, "nvfp4")
+    model.to(torch.bfloat16).save_pretrained(bf16_dir)
+    tokenizer.save_pretrained(bf16_dir)
+    quantize_checkpoint(bf16_dir, nvfp4_dir, device="cpu", overwrite=True)
+    return bf16_dir, nvfp4_dir

@@ -1,0 +1,149 @@
+"""Load a policy for QeRL: an NVFP4 (or BF16) base model, frozen, with trainable LoRA adapters through peft.
+
+The base is whatever the checkpoint is: a compressed-tensors NVFP4A16 folder loads with NVFP4Linear layers
+(qerl.nvfp4.checkpoint), anything else through transformers. Only the LoRA matrices train, plus the
+per-layer RMSNorm scales when `trainable_norms` (QeRL's `ln`) asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+
+from qerl import aqn
+from qerl.nvfp4.linear import NVFP4Linear
+
+logger = logging.getLogger(__name__)
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PRECISIONS = ("auto", "nvfp4", "bf16")
+
+
+def is_nvfp4_checkpoint(name_or_path: str | os.PathLike) -> bool:
+    """Whether a local checkpoint folder declares compressed-tensors quantization (hub ids: False)."""
+    config_path = os.path.join(name_or_path, "config.json")
+    if not os.path.isfile(config_path):
+        return False
+    with open(config_path) as f:
+        qcfg = json.load(f).get("quantization_config") or {}
+    return qcfg.get("quant_method") == "compressed-tensors"
+
+
+def is_nvfp4_model(model: nn.Module) -> bool:
+    return any(isinstance(m, NVFP4Linear) for m in model.modules())
+
+
+def load_base_model(
+    name_or_path: str | os.PathLike,
+    precision: str = "auto",
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """The frozen base: NVFP4 checkpoint -> NVFP4Linear layers; BF16 checkpoint -> plain transformers model.
+
+    precision "auto" reads the checkpoint's config; "nvfp4" insists (and fails clearly on a BF16 folder).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if precision == "auto":
+        precision = "nvfp4" if is_nvfp4_checkpoint(name_or_path) else "bf16"
+    if precision == "nvfp4":
+        from qerl.nvfp4.checkpoint import load_nvfp4_model
+
+        model = load_nvfp4_model(name_or_path, device=device, dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        if is_nvfp4_checkpoint(name_or_path):
+            raise ValueError(f"{name_or_path} is a quantized checkpoint; load it with precision 'nvfp4' or 'auto'")
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    # transformers 5.17's AutoTokenizer swaps a generic tokenizers-backed tokenizer for the model type's class
+    # (Qwen2Tokenizer rebuilds its own pre-tokenizer, dropping whitespace of a character-level vocab): a folder
+    # that declares the generic class gets exactly what its tokenizer.json says.
+    config_path = os.path.join(name_or_path, "tokenizer_config.json")
+    declared = None
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            declared = json.load(f).get("tokenizer_class")
+    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(name_or_path, padding_side="left")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def lora_config(
+    model: nn.Module,
+    rank: int = 16,
+    alpha: int = 16,
+    targets: tuple[str, ...] | list[str] = LORA_TARGETS,
+    dropout: float = 0.0,
+    trainable_norms: bool = False,
+) -> LoraConfig:
+    """LoRA on the projections; with trainable_norms, the per-layer RMSNorms (found by what they are) train in
+    full through peft's modules_to_save, as QeRL's `ln` option does for input/post-attention norms."""
+    modules_to_save = aqn.layer_norm_names(model) if trainable_norms else None
+    if trainable_norms and not modules_to_save:
+        raise ValueError(f"trainable_norms: found no per-layer RMSNorm in {type(model).__name__}")
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        modules_to_save=modules_to_save,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: nn.Module, config: LoraConfig, gradient_checkpointing: bool = False) -> PeftModel:
+    """Wrap `model` with LoRA adapters; everything but the adapters (and modules_to_save) stays frozen."""
+    peft_model = get_peft_model(model, config)
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing recomputes through frozen layers without needing grad-carrying inputs.
+        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        peft_model.enable_input_require_grads()
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    unexpected = [n for n in trainable if "lora_" not in n and "modules_to_save" not in n]
+    if unexpected:  # a frozen base is the premise of everything downstream
+        raise RuntimeError(f"parameters outside the adapters are trainable: {unexpected[:5]}")
+    return peft_model
+
+
+def load_policy(
+    name_or_path: str | os.PathLike,
+    precision: str = "auto",
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    lora_rank: int = 16,
+    lora_alpha: int = 16,
+    lora_targets: tuple[str, ...] | list[str] = LORA_TARGETS,
+    lora_dropout: float = 0.0,
+    trainable_norms: bool = False,
+    gradient_checkpointing: bool = False,
+) -> PeftModel:
+    """Base model (NVFP4 or BF16) + LoRA, ready for QeRLTrainer."""
+    model = load_base_model(name_or_path, precision=precision, dtype=dtype, device=device)
+    config = lora_config(model, lora_rank, lora_alpha, lora_targets, lora_dropout, trainable_norms)
+    policy = apply_lora(model, config, gradient_checkpointing=gradient_checkpointing)
+    logger.info(
+        "policy %s: %s base, LoRA r=%d alpha=%d on %s%s", name_or_path,
+        "NVFP4" if is_nvfp4_model(policy) else str(dtype).removeprefix("torch."), lora_rank, lora_alpha,
+        ",".join(lora_targets), " + trainable norms" if trainable_norms else "",
+    )  # fmt: skip
+    return policy
