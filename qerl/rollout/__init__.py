@@ -1,0 +1,168 @@
+"""Rollout backends: what generates the completions of a GRPO round, behind one small interface.
+
+A backend takes token-id prompts and a `perturb` context factory (AQN: applied to the model the backend
+actually samples from, restored after) and returns completion ids plus the log-probability of every sampled
+token under the policy that sampled it (after temperature and the other sampling filters), which TRL's
+importance-sampling correction and the `sampling/*` metrics consume.
+
+Backends here: "transformers" (generate on the policy itself). Faster engines register in BACKENDS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ContextManager
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+if TYPE_CHECKING:
+    from trl import GRPOTrainer
+
+Perturb = Callable[[nn.Module], ContextManager]
+
+
+@dataclass
+class RolloutOutput:
+    completion_ids: list[list[int]]  # up to and including the first EOS
+    logprobs: list[list[float]]  # one per completion token, under the (noisy) rollout policy
+
+
+class RolloutBackend(ABC):
+    name: str
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput: ...
+
+
+class SampledTokenLogprobs(LogitsProcessor):
+    """Last logits processor of generate(): applies the sampling warpers itself and records the log-probability
+    of each token that gets sampled.
+
+    generate() puts user processors before its own warpers, so a recorder passed in would see the scores before
+    temperature; here the warpers are switched off in the GenerationConfig and applied in this processor,
+    which returns log-probs (softmax of log-probs is the same distribution). A token's log-prob is read on the
+    next call, when it appears in input_ids, so memory holds one [batch, vocab] row, not the whole sequence.
+    """
+
+    def __init__(self, warpers: LogitsProcessorList):
+        self.warpers = warpers
+        self._last: torch.Tensor | None = None
+        self._picked: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._last is not None:
+            self._picked.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        logprobs = torch.log_softmax(self.warpers(input_ids, scores.float()), dim=-1)
+        self._last = logprobs
+        return logprobs
+
+    def finish(self, completion_ids: torch.LongTensor) -> torch.Tensor:
+        """[batch, completion length] log-probs of `completion_ids` (the tokens generate() returned)."""
+        steps = completion_ids.size(1)
+        if steps == 0:
+            return completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
+        picked = [*self._picked, self._last.gather(-1, completion_ids[:, -1:]).squeeze(-1)]
+        if len(picked) < steps:
+            raise RuntimeError(f"recorded {len(picked)} sampling steps for {steps} generated tokens")
+        return torch.stack(picked[:steps], dim=1)
+
+
+# Sampling knobs this backend applies itself; others would make the recorded log-probs wrong, so refuse them.
+_UNSUPPORTED_SAMPLING = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "watermarking_config")
+
+
+def sampling_warpers(config: GenerationConfig) -> LogitsProcessorList:
+    """transformers' own warpers for temperature, top-k, top-p, min-p, in generate()'s order."""
+    for name in _UNSUPPORTED_SAMPLING:
+        value = getattr(config, name, None)
+        if value is not None and not (name == "typical_p" and value >= 1.0):
+            raise ValueError(f"generation option {name}={value!r} is not supported by the rollout backends")
+    warpers = LogitsProcessorList()
+    if config.temperature is not None and config.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=config.top_k))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=config.top_p))
+    if config.min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p=config.min_p))
+    return warpers
+
+
+def truncate_at_eos(completion_ids: torch.Tensor, logprobs: torch.Tensor, eos_token_ids) -> RolloutOutput:
+    """Keep each completion up to and including its first EOS (what follows is padding)."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
+    lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, completion_ids.size(1)).tolist()
+    ids, lps = completion_ids.cpu().tolist(), logprobs.float().cpu().tolist()
+    return RolloutOutput([row[:n] for row, n in zip(ids, lengths)], [row[:n] for row, n in zip(lps, lengths)])
+
+
+class TransformersRollout(RolloutBackend):
+    """Sample with transformers' generate() on the training policy itself (LoRA active, no merge)."""
+
+    name = "transformers"
+
+    def __init__(self, trainer: GRPOTrainer):
+        super().__init__(trainer)
+        config = GenerationConfig.from_dict(trainer.generation_config.to_dict())
+        self.warpers = sampling_warpers(config)
+        # The warpers run in SampledTokenLogprobs; neutral values here keep generate() from applying them twice.
+        config.update(temperature=1.0, top_k=0, top_p=1.0, min_p=None)
+        self.generation_config = config
+
+    def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
+        from trl.models import unwrap_model_for_generation
+        from trl.trainer.utils import pad
+
+        trainer = self.trainer
+        device = trainer.accelerator.device
+        prompts = [torch.tensor(ids) for ids in prompt_ids]
+        multiple = trainer.pad_to_multiple_of
+        input_ids = pad(prompts, trainer._tokenizer.pad_token_id, padding_side="left", pad_to_multiple_of=multiple)
+        attention_mask = pad([torch.ones_like(p) for p in prompts], 0, padding_side="left", pad_to_multiple_of=multiple)
+        recorder = SampledTokenLogprobs(self.warpers)
+        # FSDP needs its full parameters for generate(); TRL keeps that switch on a private helper.
+        dist = getattr(trainer, "_dist", None)
+        summon = dist.summon_full_params(trainer.model_wrapped, recurse=False) if dist else contextlib.nullcontext()
+        with (
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+            ) as model,
+            torch.no_grad(),
+            summon,
+            perturb(model),  # inside the unwrap, so that ZeRO-3 has gathered the norm scales it perturbs
+        ):
+            sequences = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=self.generation_config,
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+        completion_ids = sequences[:, input_ids.size(1) :]
+        return truncate_at_eos(completion_ids, recorder.finish(completion_ids), trainer.eos_token_ids)
+
+
+BACKENDS: dict[str, type[RolloutBackend]] = {"transformers": TransformersRollout}
+
+
+def create_backend(name: str, trainer: GRPOTrainer) -> RolloutBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown rollout_backend {name!r}; available: {', '.join(BACKENDS)}")
+    return BACKENDS[name](trainer)

@@ -1,0 +1,247 @@
+"""QeRLTrainer: TRL's GRPOTrainer with an NVFP4 + LoRA policy and Adaptive Quantization Noise on its rollouts.
+
+Everything RL (advantages, GRPO/DAPO losses, clipping, importance sampling, logging, checkpoints) is TRL's.
+QeRL changes one thing, the generation hook: every generation round samples from the policy with fresh
+Gaussian noise on its RMSNorm scales (sigma from the AQN schedule), and returns the log-probability of each
+sampled token under that noisy policy. The loss then runs on clean norms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from trl.extras.profiling import profiling_context
+from trl.models.utils import disable_gradient_checkpointing
+
+from qerl import aqn, policy
+from qerl.rollout import BACKENDS, create_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class QeRLConfig(GRPOConfig):
+    r"""GRPOConfig plus QeRL's knobs. Defaults follow the QeRL reference scripts where it sets them.
+
+    AQN (Adaptive Quantization Noise): `num_stages` equal intervals over the run; the first is noise-free,
+    interval i uses sigma_start * (sigma_end / sigma_start) ** ((i - 1) / (num_stages - 2)).
+    """
+
+    aqn: bool | None = field(
+        default=None,
+        metadata={"help": "Adaptive Quantization Noise on the rollout policy's RMSNorm scales. Default: on for "
+                  "an NVFP4 base, off for a BF16 base."},
+    )  # fmt: skip
+    sigma_start: float = field(default=1e-2, metadata={"help": "AQN noise std of the first noisy stage."})
+    sigma_end: float = field(default=1e-4, metadata={"help": "AQN noise std of the last stage."})
+    num_stages: int = field(default=10, metadata={"help": "AQN stages (the first is noise-free)."})
+    aqn_final_norm: bool = field(
+        default=False, metadata={"help": "Also perturb the final RMSNorm (the paper perturbs the per-layer norms)."}
+    )
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(policy.LORA_TARGETS),
+        metadata={"help": "Modules that get LoRA adapters.", "aliases": ["--target-modules"]},
+    )
+    trainable_norms: bool = field(
+        default=False,
+        metadata={"help": "Train the per-layer RMSNorm scales too (the reference's `ln`).", "aliases": ["--ln"]},
+    )
+    rollout_backend: str = field(
+        default="transformers",
+        metadata={"help": f"Rollout engine: {', '.join(BACKENDS)}."},
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={"help": "Correct the rollout/training mismatch (AQN makes one) with TRL's truncated importance "
+                  "sampling against the rollout log-probs, whatever the rollout backend. Off by default: the "
+                  "QeRL reference has no correction."},
+    )  # fmt: skip
+    metrics_jsonl: bool = field(
+        default=True, metadata={"help": "Append every log line to <output_dir>/metrics.jsonl."}
+    )
+
+    def __post_init__(self):
+        if self.rollout_backend not in BACKENDS:
+            raise ValueError(f"unknown rollout_backend {self.rollout_backend!r}; available: {', '.join(BACKENDS)}")
+        if self.use_vllm:
+            raise ValueError(
+                "use_vllm is TRL's own vLLM path, which would sample without AQN; QeRL picks its engine with "
+                f"rollout_backend (available: {', '.join(BACKENDS)})"
+            )
+        if self.aqn is not False:
+            aqn.sigma_trend(self.sigma_start, self.sigma_end, self.num_stages)  # validates the schedule
+        try:
+            super().__post_init__()
+        except ValueError as err:
+            if "divisible by num_generations" not in str(err):
+                raise
+            per_round = self.generation_batch_size
+            hint = ", ".join(str(n) for n in range(2, per_round + 1) if per_round % n == 0) or "none"
+            raise ValueError(
+                f"{err} Each generation round samples per_device_train_batch_size x processes x steps_per_generation "
+                f"= {per_round} completions, in groups of num_generations completions of one prompt. Fix: set "
+                f"num_generations to a divisor of {per_round} (here: {hint}), or raise per_device_train_batch_size "
+                f"or gradient_accumulation_steps so that the product is a multiple of {self.num_generations}."
+            ) from err
+
+
+class JsonlMetrics(TrainerCallback):
+    """Writes each log line as one JSON object (with the step) to a file, from the main process."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+
+
+class QeRLTrainer(GRPOTrainer):
+    """GRPOTrainer whose rollouts come from the AQN-perturbed policy through a rollout backend.
+
+    `model` may be a path (an NVFP4 or BF16 checkpoint folder), a model, or a peft model. Without a peft model
+    or `peft_config`, LoRA is applied from the config's lora_* fields (and trainable_norms).
+    """
+
+    _tag_names = ["trl", "grpo", "qerl"]
+    _name = "QeRL"
+
+    def __init__(self, model, reward_funcs=None, args: QeRLConfig | None = None, peft_config=None, **kwargs):
+        for unsupported in ("tools", "rollout_func", "environment_factory"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(f"QeRLTrainer does not support {unsupported}: its rollouts go through AQN + a backend")
+        if args is None:
+            args = QeRLConfig("qerl-output")
+        if not isinstance(args, QeRLConfig):
+            raise TypeError(f"QeRLTrainer needs a QeRLConfig, got {type(args).__name__}")
+        if isinstance(model, (str, os.PathLike)):
+            dtype = (args.model_init_kwargs or {}).get("dtype", torch.bfloat16)
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            model = policy.load_base_model(model, dtype=dtype, device=args.device)
+        self.is_nvfp4 = policy.is_nvfp4_model(model)
+        self.aqn_enabled = self.is_nvfp4 if args.aqn is None else args.aqn
+        if self.aqn_enabled and not self.is_nvfp4:
+            warnings.warn(
+                "AQN is on for a BF16 base. QeRL adds it to NVFP4 policies, whose quantization noise it extends; "
+                "on a BF16 base it is plain parameter noise (set aqn=False for the paper's BF16 baseline).",
+                stacklevel=2,
+            )
+        if peft_config is None and not is_peft_model(model):
+            peft_config = policy.lora_config(
+                model, args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout, args.trainable_norms
+            )
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, peft_config=peft_config, **kwargs)
+
+        self.rollout = create_backend(args.rollout_backend, self)
+        # TRL applies its importance-sampling correction only when `use_vllm` is set, i.e. when a separate engine
+        # samples. Our backends are such samplers (noisy norms at least), so declare it; the other use_vllm
+        # branches belong to tools / rollout_func, refused above, and to the generation hook, overridden below.
+        self.use_vllm = bool(args.vllm_importance_sampling_correction)
+        self._norm_sites: dict[int, aqn.NormSites] = {}
+        self.last_noise = aqn.NoiseStats()
+        if args.metrics_jsonl:
+            self.add_callback(JsonlMetrics(os.path.join(args.output_dir, "metrics.jsonl")))
+
+    # ------------------------------------------------------------------------------------------------------
+    # AQN
+
+    def current_sigma(self) -> float:
+        """AQN sigma for the current optimizer step (0 when AQN is off or outside training)."""
+        if not self.aqn_enabled or not self.model.training or not self.state.max_steps:
+            return 0.0
+        a = self.args
+        return aqn.sigma_at(self.state.global_step, self.state.max_steps, a.sigma_start, a.sigma_end, a.num_stages)
+
+    def _sites(self, model) -> aqn.NormSites:
+        key = id(model)
+        if key not in self._norm_sites:  # the module tree does not change during training
+            self._norm_sites[key] = aqn.find_norms(model)
+            if not self._norm_sites[key].layer_norms and self.aqn_enabled:
+                raise RuntimeError(f"AQN found no RMSNorm in {type(model).__name__}")
+        return self._norm_sites[key]
+
+    @contextlib.contextmanager
+    def _perturb(self, model, sigma: float):
+        # One seed per generation round, the same on every rank: all ranks sample from one noisy policy, as a
+        # single process would, and a run is reproducible.
+        generator = torch.Generator().manual_seed(hash((self.args.seed, self._step, self.state.global_step)))
+        sites = self._sites(model) if sigma > 0 else None
+        with aqn.noisy_norms(model, sigma, generator, self.args.aqn_final_norm, sites) as stats:
+            yield stats
+        self.last_noise = stats
+
+    # ------------------------------------------------------------------------------------------------------
+    # TRL hooks
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if images is not None or multimodal_fields:
+            raise NotImplementedError("QeRLTrainer trains text-only policies")
+        mode = "train" if self.model.training else "eval"
+        sigma = self.current_sigma()
+        with profiling_context(self, f"{self.rollout.name}.generate"):
+            output = self.rollout.generate(prompt_ids, lambda model: self._perturb(model, sigma))
+        if mode == "train":
+            self._metrics[mode]["aqn/sigma"].append(sigma)
+            self._metrics[mode]["aqn/changed_fraction"].append(self.last_noise.changed_fraction)
+        return output.completion_ids, output.logprobs
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        # With the correction on, TRL logs sampling/* itself; otherwise measure the same mismatch here.
+        if not self.use_vllm and "sampling_per_token_logps" in output:
+            self._log_rollout_mismatch(output)
+        return output
+
+    @torch.no_grad()
+    def _log_rollout_mismatch(self, output):
+        """TRL's sampling/* metrics: how far the rollout log-probs are from the clean training policy's."""
+        mode = "train" if self.model.training else "eval"
+        old = output.get("old_per_token_logps")
+        if old is None:
+            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            batch_size = (
+                self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+            )
+            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                old, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size
+                )
+        mask = output["completion_mask"].bool()
+        if "tool_mask" in output:
+            mask &= output["tool_mask"].bool()
+        diff = (old - output["sampling_per_token_logps"])[mask]
+        device = self.accelerator.device
+        zero = torch.tensor(0.0, device=device)
+        delta, ratio = diff.abs(), torch.exp(diff)
+        gather = self.accelerator.gather
+        stats = {
+            "sampling/sampling_logp_difference/mean": gather(delta.mean() if delta.numel() else zero).mean(),
+            "sampling/sampling_logp_difference/max": gather(delta.max() if delta.numel() else zero).max(),
+            "sampling/importance_sampling_ratio/min": gather(ratio.min() if ratio.numel() else zero).min(),
+            "sampling/importance_sampling_ratio/mean": gather(ratio.mean() if ratio.numel() else zero).mean(),
+            "sampling/importance_sampling_ratio/max": gather(ratio.max() if ratio.numel() else zero).max(),
+        }
+        for name, value in stats.items():
+            self._metrics[mode][name].append(value.item())
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # Steps that reuse an earlier generation (num_iterations > 1) still report the schedule's sigma.
+        if self.model.training and "loss" in logs and not self._metrics["train"].get("aqn/sigma"):
+            self._metrics["train"]["aqn/sigma"].append(self.current_sigma())
+        super().log(logs, start_time)

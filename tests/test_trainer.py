@@ -1,0 +1,207 @@
+"""Real GRPO/DAPO steps of QeRLTrainer on a tiny NVFP4 policy (CPU)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from qerl import aqn, data, policy
+from qerl.nvfp4.linear import NVFP4Linear
+from qerl.rollout import SampledTokenLogprobs, sampling_warpers
+from qerl.tiny import save_tiny_checkpoints
+from qerl.trainer import QeRLConfig, QeRLTrainer
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return save_tiny_checkpoints(str(tmp_path_factory.mktemp("tiny")))
+
+
+def digit_share_reward(completions, **kwargs):
+    """Varies across samples of a random model, so advantages (and the update) are non-zero."""
+    texts = [c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def _config(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+        max_steps=5, learning_rate=5e-3, logging_steps=1, report_to=[], lora_rank=4, lora_alpha=8, use_cpu=True,
+        bf16=False, gradient_checkpointing=False, save_strategy="no", beta=0.0, loss_type="dapo", epsilon_high=0.28,
+        sigma_start=0.2, sigma_end=0.02, num_stages=5, seed=3,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    return QeRLConfig(**kwargs)
+
+
+def _trainer(checkpoint, args, dtype=torch.float32):
+    task = data.load_task("arithmetic", num_examples=64)
+    model = policy.load_base_model(checkpoint, dtype=dtype, device="cpu")
+    return QeRLTrainer(model, [digit_share_reward], args=args, train_dataset=task.train,
+                       processing_class=policy.load_tokenizer(checkpoint))
+
+
+def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
+    _, nvfp4_dir = checkpoints
+    args = _config(tmp_path, trainable_norms=True)
+    trainer = _trainer(nvfp4_dir, args)
+    model = trainer.model
+    assert trainer.aqn_enabled and trainer.is_nvfp4  # AQN defaults on for an NVFP4 base
+    base = {n: b.clone() for n, b in model.named_buffers() if "weight_" in n}
+    assert len(base) == 3 * 14 and all(isinstance(m, NVFP4Linear) for m in [model.get_submodule(n.rsplit(".", 1)[0]) for n in base])
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+    # Watch every rollout: the noise the policy samples with, and the norms the trainer gets back.
+    rounds, backend_generate = [], trainer.rollout.generate
+
+    def watched_generate(prompt_ids, perturb):
+        sites = aqn.find_norms(model)
+        assert len(sites.layer_norms) == 4 and all("modules_to_save" in p for p in sites.layer_norms)
+        clean = {p: m.weight.detach().clone() for p, m in sites.layer_norms.items()}
+
+        def spy(inner_model):
+            cm = perturb(inner_model)
+
+            class Spy:
+                def __enter__(self):
+                    stats = cm.__enter__()
+                    noise = torch.cat([(m.weight - clean[p]).flatten() for p, m in sites.layer_norms.items()])
+                    rounds.append({"step": trainer.state.global_step, "noise_std": noise.std().item(), "sigma": stats.sigma})
+                    return stats
+
+                def __exit__(self, *exc):
+                    return cm.__exit__(*exc)
+
+            return Spy()
+
+        out = backend_generate(prompt_ids, spy)
+        for p, m in sites.layer_norms.items():
+            assert torch.equal(m.weight, clean[p]), f"{p} not restored after the rollout"
+        rounds[-1]["logprobs"] = out.logprobs
+        return out
+
+    trainer.rollout.generate = watched_generate
+    batches, score = [], trainer._generate_and_score_completions
+
+    def capture(inputs):
+        output = score(inputs)
+        batches.append(output)
+        return output
+
+    trainer._generate_and_score_completions = capture
+    trainer.train()
+
+    # LoRA moved, the NVFP4 base did not (bit for bit).
+    assert all(not torch.equal(p, lora[n]) for n, p in model.named_parameters() if "lora_B" in n)
+    for n, b in model.named_buffers():
+        if n in base:
+            assert torch.equal(b, base[n]), n
+
+    # Sigma follows the schedule, one fresh draw per generation round, with the measured spread.
+    assert [r["step"] for r in rounds] == [0, 1, 2, 3, 4]
+    expected = [aqn.sigma_at(s, 5, 0.2, 0.02, 5) for s in range(5)]
+    assert expected[0] == 0.0 and expected[1] == 0.2
+    assert [r["sigma"] for r in rounds] == expected
+    for r in rounds:
+        assert r["noise_std"] == (0.0 if r["sigma"] == 0 else pytest.approx(r["sigma"], rel=0.3))
+    logged = [h["aqn/sigma"] for h in trainer.state.log_history if "loss" in h]
+    assert logged == pytest.approx(expected)
+
+    # The rollout log-probs reached the trainer, token for token.
+    assert len(batches) == 5
+    for r, batch in zip(rounds, batches):
+        sampling = batch["sampling_per_token_logps"]
+        mask = batch["completion_mask"].bool()
+        for i, row in enumerate(r["logprobs"]):
+            torch.testing.assert_close(sampling[i, : len(row)], torch.tensor(row))
+        assert torch.isfinite(sampling[mask]).all() and (sampling[mask] <= 0).all()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert all("sampling/sampling_logp_difference/mean" in h for h in history)
+    # Step 0 samples from the clean policy: rollout and training log-probs agree; noisy steps do not.
+    assert history[0]["sampling/sampling_logp_difference/max"] < 1e-4
+    assert history[1]["sampling/sampling_logp_difference/max"] > 1e-3
+
+    # Every log line went to metrics.jsonl.
+    with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    assert [line["step"] for line in lines if "loss" in line] == [1, 2, 3, 4, 5]
+    assert all({"reward", "entropy", "aqn/sigma"} <= line.keys() for line in lines if "loss" in line)
+
+
+def test_rollout_logprobs_match_trl_at_the_sampling_temperature(checkpoints, tmp_path):
+    """With AQN off, the rollout log-probs must equal TRL's own training log-probs (logits / temperature)."""
+    _, nvfp4_dir = checkpoints
+    trainer = _trainer(nvfp4_dir, _config(tmp_path, aqn=False, temperature=0.7, max_steps=2))
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(h["aqn/sigma"] == 0.0 for h in history)
+    assert max(h["sampling/sampling_logp_difference/max"] for h in history) < 1e-4
+
+
+def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_path):
+    _, nvfp4_dir = checkpoints
+    args = _config(tmp_path, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+                   vllm_importance_sampling_clip_max=2.0, max_steps=2, sigma_start=0.5, sigma_end=0.1, num_stages=3)
+    trainer = _trainer(nvfp4_dir, args)
+    batches, score = [], trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: batches.append(score(inputs)) or batches[-1]
+    trainer.train()
+    noisy = batches[1]  # step 1 of 2 with 3 stages: sigma 0.5
+    mask = noisy["completion_mask"]
+    # TRL's token_truncate formula, applied to the rollout and training log-probs it was handed.
+    expected = torch.clamp(torch.exp((noisy["old_per_token_logps"] - noisy["sampling_per_token_logps"]) * mask), max=2.0)
+    torch.testing.assert_close(noisy["importance_sampling_ratio"], expected)
+    assert (noisy["importance_sampling_ratio"][mask.bool()] != 1).any()
+    assert "sampling/importance_sampling_ratio/mean" in trainer.state.log_history[0]
+
+
+def test_generation_config_of_the_model_does_not_leak(checkpoints, tmp_path):
+    """A checkpoint's own sampling defaults (here top_k=1) must not override the trainer's sampling."""
+    _, nvfp4_dir = checkpoints
+    trainer = _trainer(nvfp4_dir, _config(tmp_path, aqn=False, max_completion_length=6))
+    trainer.model.generation_config.update(do_sample=True, top_k=1, temperature=0.1)
+    prompt = trainer.processing_class.apply_chat_template([{"role": "user", "content": "1+1="}],
+                                                         add_generation_prompt=True)["input_ids"]
+    out = trainer.rollout.generate([prompt] * 16, lambda m: aqn.noisy_norms(m, 0.0))
+    assert len({tuple(c) for c in out.completion_ids}) > 1
+
+
+def test_sampled_token_logprobs_with_filters():
+    """The recorder's log-probs are those of the filtered, temperature-scaled distribution it samples from."""
+    from transformers import GenerationConfig
+
+    torch.manual_seed(0)
+    logits = [torch.randn(3, 20) for _ in range(4)]
+    warpers = sampling_warpers(GenerationConfig(temperature=0.5, top_k=5, top_p=0.9, do_sample=True))
+    recorder = SampledTokenLogprobs(warpers)
+    ids = torch.zeros(3, 1, dtype=torch.long)
+    expected = []
+    for step_logits in logits:
+        logp = recorder(ids, step_logits)
+        token = torch.multinomial(logp.exp(), 1)
+        ref = step_logits / 0.5
+        kth = ref.topk(5).values[:, -1:]
+        ref = ref.masked_fill(ref < kth, -float("inf"))
+        probs = ref.softmax(-1)
+        sorted_probs, order = probs.sort(descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > 0.9
+        ref = ref.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+        expected.append(ref.log_softmax(-1).gather(1, token).squeeze(1))
+        ids = torch.cat([ids, token], dim=1)
+    got = recorder.finish(ids[:, 1:])
+    torch.testing.assert_close(got, torch.stack(expected, 1))
+
+
+def test_bad_configs(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match=r"num_generations to a divisor of 6 \(here: 2, 3, 6\)"):
+        _config(tmp_path, per_device_train_batch_size=6, num_generations=4)
+    with pytest.raises(ValueError, match="rollout_backend"):
+        _config(tmp_path, use_vllm=True)
+    with pytest.raises(ValueError, match="unknown rollout_backend 'sglang'"):
+        _config(tmp_path, rollout_backend="sglang")
+    bf16_dir, _ = checkpoints
+    with pytest.warns(UserWarning, match="AQN is on for a BF16 base"):
+        trainer = _trainer(bf16_dir, _config(tmp_path, aqn=True))
+    assert trainer.aqn_enabled and not trainer.is_nvfp4
+    assert not _trainer(bf16_dir, _config(tmp_path)).aqn_enabled  # default: off for BF16
