@@ -43,15 +43,24 @@ def write_bf16_checkpoint(out: Path, hidden: int, layers: int, intermediate: int
 
     heads, kv_heads, head_dim = hidden // 128, max(1, hidden // 512), 128
     config = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False, dtype="bfloat16",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
     )
     out.mkdir(parents=True)
     config.save_pretrained(out)
     shapes = {
-        "self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
-        "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
-        "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+        "self_attn.q_proj": (heads * head_dim, hidden),
+        "self_attn.k_proj": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj": (hidden, heads * head_dim),
+        "mlp.gate_proj": (intermediate, hidden),
+        "mlp.up_proj": (intermediate, hidden),
         "mlp.down_proj": (hidden, intermediate),
     }
     weight_map = {}
@@ -67,11 +76,14 @@ def write_bf16_checkpoint(out: Path, hidden: int, layers: int, intermediate: int
         for norm in ("input_layernorm", "post_attention_layernorm"):
             t[f"model.layers.{i}.{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
         shard(f"layers-{i:03d}.safetensors", t)
-    shard("rest.safetensors", {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, dtype=torch.bfloat16) * 0.02,
-        "lm_head.weight": torch.randn(vocab, hidden, dtype=torch.bfloat16) * 0.02,
-        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-    })
+    shard(
+        "rest.safetensors",
+        {
+            "model.embed_tokens.weight": torch.randn(vocab, hidden, dtype=torch.bfloat16) * 0.02,
+            "lm_head.weight": torch.randn(vocab, hidden, dtype=torch.bfloat16) * 0.02,
+            "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        },
+    )
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 

@@ -41,11 +41,14 @@ def score(completion: str, gold: str) -> dict[str, bool]:
 def generate(model, tokenizer, prompts: list, batch_size: int, max_new_tokens: int) -> list[str]:
     completions = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="GSM8K", unit="batch"):
-        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-                 for p in prompts[start : start + batch_size]]
+        texts = [
+            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            for p in prompts[start : start + batch_size]
+        ]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
         completions += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     return completions
 
@@ -67,7 +70,10 @@ def evaluate(args) -> dict:
         for p, gold, c in zip(task.train["prompt"], task.train["answer"], completions, strict=True)
     ]
     result = {
-        "model": str(args.model), "load": args.load, "adapter": args.adapter, "examples": len(rows),
+        "model": str(args.model),
+        "load": args.load,
+        "adapter": args.adapter,
+        "examples": len(rows),
         "accuracy_strict": sum(r["strict"] for r in rows) / len(rows),
         "accuracy_flexible": sum(r["flexible"] for r in rows) / len(rows),
     }

@@ -67,8 +67,13 @@ def main(argv=None) -> int:
     try:
         if args.backend == "native":
             out = quantize_checkpoint(
-                args.model, args.output, device=args.device, dtype=DTYPES[args.dtype], ignore=args.ignore,
-                overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1024**3),
+                args.model,
+                args.output,
+                device=args.device,
+                dtype=DTYPES[args.dtype],
+                ignore=args.ignore,
+                overwrite=args.overwrite,
+                max_shard_bytes=int(args.max_shard_gb * 1024**3),
             )
         else:
             out = quantize_with_llmcompressor(

@@ -27,8 +27,13 @@ from qerl.nvfp4.quantize import quantize_model
 REPO = Path(__file__).resolve().parents[1]
 CLI = REPO / "llm-compressor" / "quantize_nvfp4.py"
 SIZES = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64,
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
 )
 CONFIGS = {
     "qwen2": lambda: Qwen2Config(**SIZES, tie_word_embeddings=False),  # q/k/v carry biases
@@ -59,7 +64,9 @@ def test_cli_round_trip_logits_equal_compressed_tensors(tmp_path, arch):
     _bf16_model(arch, tmp_path / "bf16")
     result = subprocess.run(
         [sys.executable, str(CLI), "--model", str(tmp_path / "bf16"), "--output", str(tmp_path / "nvfp4")],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
     ours = load_nvfp4_model(tmp_path / "nvfp4", device="cpu")
@@ -75,15 +82,21 @@ def test_native_bytes_match_compressed_tensors_compressor(tmp_path):
     bf16 = _bf16_model("qwen2", tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "nvfp4")
     written = load_file(tmp_path / "nvfp4" / "model.safetensors")
-    for i, layer in enumerate(bf16.model.layers):
-        for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                      (layer.mlp.gate_proj, layer.mlp.up_proj), (layer.self_attn.o_proj,), (layer.mlp.down_proj,)):
+    for layer in bf16.model.layers:
+        for group in (
+            (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+            (layer.mlp.gate_proj, layer.mlp.up_proj),
+            (layer.self_attn.o_proj,),
+            (layer.mlp.down_proj,),
+        ):
             gs = reference_global_scale(*(m.weight for m in group))
             for module in group:
                 name = next(n for n, m in bf16.named_modules() if m is module)
                 ref = reference_compress(module.weight.detach(), gs)
                 assert torch.equal(written[f"{name}.weight_packed"], ref["weight_packed"]), name
-                assert torch.equal(written[f"{name}.weight_scale"].view(torch.uint8), ref["weight_scale"].view(torch.uint8))
+                assert torch.equal(
+                    written[f"{name}.weight_scale"].view(torch.uint8), ref["weight_scale"].view(torch.uint8)
+                )
                 assert torch.equal(written[f"{name}.weight_global_scale"], gs.float().reshape(1))
     assert torch.equal(written["model.embed_tokens.weight"], bf16.model.embed_tokens.weight)
     assert "lm_head.weight" in written and "lm_head.weight_packed" not in written
@@ -98,7 +111,9 @@ def test_config_parses_as_compressed_tensors_nvfp4a16(tmp_path):
 
     _bf16_model("llama", tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "nvfp4")
-    ours = QuantizationConfig.model_validate(json.loads((tmp_path / "nvfp4" / "config.json").read_text())["quantization_config"])
+    ours = QuantizationConfig.model_validate(
+        json.loads((tmp_path / "nvfp4" / "config.json").read_text())["quantization_config"]
+    )
     preset = preset_name_to_scheme("NVFP4A16", ["Linear"]).weights
     weights = ours.config_groups["group_0"].weights
     for field in ("num_bits", "type", "symmetric", "group_size", "strategy", "dynamic", "scale_dtype"):
@@ -109,7 +124,10 @@ def test_in_memory_save_equals_streaming_quantizer(tmp_path):
     bf16 = _bf16_model("qwen2", tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "streamed")
     save_nvfp4_checkpoint(quantize_model(bf16), tmp_path / "in_memory")
-    a, b = load_file(tmp_path / "streamed" / "model.safetensors"), load_file(tmp_path / "in_memory" / "model.safetensors")
+    a, b = (
+        load_file(tmp_path / "streamed" / "model.safetensors"),
+        load_file(tmp_path / "in_memory" / "model.safetensors"),
+    )
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), key
@@ -140,10 +158,24 @@ def test_sharded_checkpoint_loads_and_missing_shard_is_named(tmp_path):
         (None, "not a quantized checkpoint"),
         ({"quant_method": "awq", "bits": 4}, "quant_method is 'awq'"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method is 'fp8'"),
-        ({"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-          "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "group_size": 128}}}}, "int"),
-        ({"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-          "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "group_size": None}}}}, "num_bits=8"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "quantization_status": "compressed",
+                "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "group_size": 128}}},
+            },
+            "int",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "quantization_status": "compressed",
+                "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "group_size": None}}},
+            },
+            "num_bits=8",
+        ),
     ],
 )
 def test_other_formats_are_refused_by_name(tmp_path, qcfg, message):
@@ -181,7 +213,9 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "odd")
     result = subprocess.run(
         [sys.executable, str(CLI), "--model", str(tmp_path / "odd"), "--output", str(tmp_path / "out")],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert result.returncode == 2
     assert "in_features=40 is not divisible" in result.stderr and "Traceback" not in result.stderr
@@ -194,9 +228,19 @@ def test_llmcompressor_backend_writes_the_same_bytes(tmp_path):
     _bf16_model("qwen2", tmp_path / "bf16")
     for backend in ("native", "llmcompressor"):
         result = subprocess.run(
-            [sys.executable, str(CLI), "--model", str(tmp_path / "bf16"), "--output", str(tmp_path / backend),
-             "--backend", backend],
-            capture_output=True, text=True, cwd=REPO,
+            [
+                sys.executable,
+                str(CLI),
+                "--model",
+                str(tmp_path / "bf16"),
+                "--output",
+                str(tmp_path / backend),
+                "--backend",
+                backend,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
         )
         assert result.returncode == 0, result.stderr
     configs = [json.loads((tmp_path / b / "config.json").read_text()) for b in ("native", "llmcompressor")]

@@ -21,7 +21,10 @@ def test_gold_answers_score_and_near_misses_do_not():
     for row in rows:
         gold = gsm8k_gold(row["answer"])
         reasoning = row["answer"].split("####")[0]
-        assert gsm8k.score(f"<think>{reasoning}</think> <answer>{gold}</answer>", gold) == {"strict": True, "flexible": True}
+        assert gsm8k.score(f"<think>{reasoning}</think> <answer>{gold}</answer>", gold) == {
+            "strict": True,
+            "flexible": True,
+        }
         assert gsm8k.score(f"{reasoning} So the answer is {gold}.", gold) == {"strict": False, "flexible": True}
         wrong = str(int(float(gold)) + 10)  # same first character as the gold for most answers
         assert gsm8k.score(f"<answer>{wrong}</answer>", gold) == {"strict": False, "flexible": False}
@@ -32,20 +35,43 @@ def test_gold_answers_score_and_near_misses_do_not():
 def test_runs_on_nvfp4_base_and_applies_the_adapter(tmp_path):
     _, nvfp4_dir = save_tiny_checkpoints(tmp_path / "ckpt")
     data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(
-        json.dumps({"question": f"What is {a} plus {a}?", "answer": f"{a}+{a}={2 * a}\n#### {2 * a}"}) + "\n"
-        for a in (3, 11, 40)
-    ))
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"What is {a} plus {a}?", "answer": f"{a}+{a}={2 * a}\n#### {2 * a}"}) + "\n"
+            for a in (3, 11, 40)
+        )
+    )
     base = load_base_model(nvfp4_dir, precision="nvfp4", device="cpu")
     torch.manual_seed(0)
-    adapter = get_peft_model(base, LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    adapter = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    )
     adapter.save_pretrained(tmp_path / "adapter")
 
     results = {}
     for name, extra in (("base", []), ("lora", ["--adapter", str(tmp_path / "adapter")])):
         out = tmp_path / f"{name}.jsonl"
-        gsm8k.main(["--model", nvfp4_dir, "--load", "nvfp4", "--data", str(data), "--split", "test",
-                    "--max-new-tokens", "6", "--batch-size", "2", "--device", "cpu", "--out", str(out), *extra])
+        gsm8k.main(
+            [
+                "--model",
+                nvfp4_dir,
+                "--load",
+                "nvfp4",
+                "--data",
+                str(data),
+                "--split",
+                "test",
+                "--max-new-tokens",
+                "6",
+                "--batch-size",
+                "2",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+                *extra,
+            ]
+        )
         lines = [json.loads(line) for line in out.read_text().splitlines()]
         summary, rows = lines[0], lines[1:]
         assert summary["examples"] == 3 and len(rows) == 3 and 0.0 <= summary["accuracy_flexible"] <= 1.0

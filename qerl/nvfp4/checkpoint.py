@@ -107,7 +107,9 @@ def check_quantization_config(config: dict, config_path: Path) -> dict:
     if fmt != FORMAT and fmt != "mixed-precision":
         raise CheckpointError(f"{config_path}: format is {fmt!r}, expected {FORMAT!r}")
     if qcfg.get("quantization_status") != "compressed":
-        raise CheckpointError(f"{config_path}: quantization_status is {qcfg.get('quantization_status')!r}, expected 'compressed'")
+        raise CheckpointError(
+            f"{config_path}: quantization_status is {qcfg.get('quantization_status')!r}, expected 'compressed'"
+        )
     return qcfg
 
 
@@ -121,7 +123,11 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+        return Path(
+            snapshot_download(
+                str(name_or_path), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+            )
+        )
     except Exception as err:  # offline, unknown id, gated repo: say which, keep the cause
         raise CheckpointError(f"{name_or_path}: not a local folder and not downloadable from the hub ({err})") from err
 
@@ -216,7 +222,9 @@ def load_nvfp4_model(
                 value = f.get_tensor(name)
                 want = expected[name]
                 if value.shape != want.shape:
-                    raise CheckpointError(f"{shard}: {name} has shape {tuple(value.shape)}, the model expects {tuple(want.shape)}")
+                    raise CheckpointError(
+                        f"{shard}: {name} has shape {tuple(value.shape)}, the model expects {tuple(want.shape)}"
+                    )
                 if want.is_floating_point() and want.dtype in (torch.float32, torch.bfloat16, torch.float16):
                     value = value.to(want.dtype)
                 elif value.dtype != want.dtype:
@@ -226,7 +234,10 @@ def load_nvfp4_model(
         model.tie_weights()
     missing = [name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta]
     if missing:
-        raise CheckpointError(f"{model_dir}: tensors missing from the checkpoint: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+        raise CheckpointError(
+            f"{model_dir}: tensors missing from the checkpoint: {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )
     model.to(device)  # the buffers that were built rather than loaded (rotary tables)
     model.eval()
     return model
@@ -281,7 +292,9 @@ class _AtomicOutputDir:
     def __init__(self, output: str | os.PathLike, overwrite: bool):
         self.final = Path(output).resolve()
         if self.final.exists() and not overwrite:
-            raise FileExistsError(f"{self.final}: output folder exists; pass --overwrite (overwrite=True) to replace it")
+            raise FileExistsError(
+                f"{self.final}: output folder exists; pass --overwrite (overwrite=True) to replace it"
+            )
         self.tmp = self.final.parent / f".{self.final.name}.partial-{os.getpid()}"
 
     def __enter__(self) -> Path:
@@ -343,7 +356,9 @@ def _read_tensors(index: dict[str, Path], names: list[str]) -> dict[str, torch.T
     and its pages would count against the memory we promise to stay within."""
     tensors = {}
     with ExitStack() as stack:
-        handles = {shard: stack.enter_context(safe_open(shard, "pt", device="cpu")) for shard in {index[n] for n in names}}
+        handles = {
+            shard: stack.enter_context(safe_open(shard, "pt", device="cpu")) for shard in {index[n] for n in names}
+        }
         for name in names:
             tensors[name] = handles[index[name]].get_tensor(name)
     return tensors
@@ -391,9 +406,12 @@ def quantize_checkpoint(
     src = resolve_model_dir(model)
     config = read_config(src)
     if config.get("quantization_config"):
-        raise CheckpointError(f"{src / 'config.json'}: already quantized ({config['quantization_config'].get('quant_method')}); give a BF16 checkpoint")
+        method = config["quantization_config"].get("quant_method")
+        raise CheckpointError(f"{src / 'config.json'}: already quantized ({method}); give a BF16 checkpoint")
     index = tensor_index(src)
-    targets = {f"{name}.weight" for name in quantization_targets(_meta_model(AutoConfig.from_pretrained(src), dtype), ignore)}
+    targets = {
+        f"{name}.weight" for name in quantization_targets(_meta_model(AutoConfig.from_pretrained(src), dtype), ignore)
+    }
     absent = sorted(targets - index.keys())
     if absent:
         raise CheckpointError(f"{src}: checkpoint lacks Linear weights the architecture has: {', '.join(absent[:8])}")
@@ -410,13 +428,19 @@ def quantize_checkpoint(
                     writer.add(name, tensor)
             weights = {n[: -len(".weight")]: tensors[n].to(device=device, dtype=dtype) for n in names if n in targets}
             for module_name, scale in global_scales(weights).items():
-                q = codec.quantize(weights[module_name], scale, name=f"{module_name}.weight ({index[module_name + '.weight'].name})")
+                q = codec.quantize(
+                    weights[module_name], scale, name=f"{module_name}.weight ({index[module_name + '.weight'].name})"
+                )
                 writer.add(f"{module_name}.weight_packed", q.packed)
                 writer.add(f"{module_name}.weight_scale", q.scale)
                 writer.add(f"{module_name}.weight_global_scale", q.global_scale.clone())  # fused siblings share one
         writer.finish()
         _write_config(config, tmp, ignore)
         for extra in sorted(src.iterdir()):  # tokenizer, generation config, chat template, license, ...
-            if extra.is_file() and extra.name not in ("config.json", INDEX_FILE) and extra.suffix not in (".safetensors", ".bin"):
+            if (
+                extra.is_file()
+                and extra.name not in ("config.json", INDEX_FILE)
+                and extra.suffix not in (".safetensors", ".bin")
+            ):
                 shutil.copy2(extra, tmp / extra.name)
     return Path(output).resolve()

@@ -53,9 +53,7 @@ def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
     if weight.ndim != 2:
         raise ValueError(f"{name}: NVFP4 quantizes 2-D Linear weights, got shape {tuple(weight.shape)}")
     if weight.shape[1] % GROUP_SIZE != 0:
-        raise ValueError(
-            f"{name}: in_features={weight.shape[1]} is not divisible by the NVFP4 group size {GROUP_SIZE}"
-        )
+        raise ValueError(f"{name}: in_features={weight.shape[1]} is not divisible by the NVFP4 group size {GROUP_SIZE}")
     if not weight.is_floating_point():
         raise ValueError(f"{name}: expected a floating-point weight, got {weight.dtype}")
     if not torch.isfinite(weight).all():
@@ -112,9 +110,7 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-def quantize(
-    weight: torch.Tensor, global_scale: torch.Tensor | None = None, name: str = "weight"
-) -> NVFP4Weight:
+def quantize(weight: torch.Tensor, global_scale: torch.Tensor | None = None, name: str = "weight") -> NVFP4Weight:
     """Quantize a [N, K] weight; pass the fused group's `global_scale` for q/k/v or gate/up members."""
     check_weight(weight, name)
     if global_scale is None:

@@ -26,9 +26,7 @@ def is_ignored(module_name: str, ignore=DEFAULT_IGNORE) -> bool:
 def quantization_targets(model: nn.Module, ignore=DEFAULT_IGNORE) -> list[str]:
     """Names of the plain nn.Linear modules that NVFP4A16 quantizes."""
     return [
-        name
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear and not is_ignored(name, ignore)
+        name for name, module in model.named_modules() if type(module) is nn.Linear and not is_ignored(name, ignore)
     ]
 
 
