@@ -154,6 +154,7 @@ class QeRLTrainer(GRPOTrainer):
         self.use_vllm = bool(args.vllm_importance_sampling_correction)
         self._norm_sites: dict[int, aqn.NormSites] = {}
         self.last_noise = aqn.NoiseStats()
+        self._noise_round = (-1, 0)
         if args.metrics_jsonl:
             self.add_callback(JsonlMetrics(os.path.join(args.output_dir, "metrics.jsonl")))
 
@@ -177,9 +178,11 @@ class QeRLTrainer(GRPOTrainer):
 
     @contextlib.contextmanager
     def _perturb(self, model, sigma: float):
-        # One seed per generation round, the same on every rank: all ranks sample from one noisy policy, as a
-        # single process would, and a run is reproducible.
-        generator = torch.Generator().manual_seed(hash((self.args.seed, self._step, self.state.global_step)))
+        # One seed per generation round from (seed, optimizer step, round within the step): the same on every
+        # rank, so all ranks sample from one noisy policy as a single process would, and the same after a resume.
+        step = self.state.global_step
+        self._noise_round = (step, self._noise_round[1] + 1 if self._noise_round[0] == step else 0)
+        generator = torch.Generator().manual_seed(hash((self.args.seed, *self._noise_round)))
         sites = self._sites(model) if sigma > 0 else None
         with aqn.noisy_norms(model, sigma, generator, self.args.aqn_final_norm, sites) as stats:
             yield stats

@@ -1,0 +1,132 @@
+"""The `python -m qerl.train` entry point: flags in the reference's names, YAML recipes, scripts, resume."""
+
+import glob
+import os
+import shlex
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from qerl import rewards, train
+from qerl.tiny import save_tiny_checkpoints
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return save_tiny_checkpoints(str(tmp_path_factory.mktemp("tiny")))
+
+
+def test_reference_flag_names(tmp_path):
+    script, config = train.parse_args([
+        "--model-name", "m", "--dataset", "dapomath", "--lora-rank", "32", "--lora-alpha", "64", "--ln", "True",
+        "--sigma-start", "5e-2", "--sigma-end", "5e-4", "--num-stages", "6", "--random-state", "7",
+        "--loss-type", "bnpo", "--beta", "0.04", "--epsilon-high", "0.2", "--max-prompt-length", "300",
+        "--mask-truncated-completions", "True", "--output-dir", str(tmp_path), "--use-cpu", "True",
+        "--fast-inference", "True", "--max-seq-length", "10000", "--warmup-ratio", "0.1",
+    ])  # fmt: skip
+    assert (script.model_name, script.dataset, script.max_prompt_length) == ("m", "dapomath", 300)
+    assert (config.lora_rank, config.lora_alpha, config.trainable_norms, config.seed) == (32, 64, True, 7)
+    assert (config.sigma_start, config.sigma_end, config.num_stages) == (5e-2, 5e-4, 6)
+    assert (config.loss_type, config.beta, config.epsilon_high, config.mask_truncated_completions) == ("bnpo", 0.04, 0.2, True)
+    assert config.warmup_steps == 0.1 and config.get_warmup_steps(100) == 10
+    assert config.aqn is None and config.vllm_importance_sampling_correction is False  # defaults
+
+
+@pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(REPO_ROOT, "configs", "dapo_*.yaml"))))
+def test_yaml_recipes(recipe, tmp_path):
+    script, config = train.parse_args(["--config", recipe, "--model-name", "m", "--output-dir", str(tmp_path),
+                                       "--use-cpu", "True", "--bf16", "False", "--learning-rate", "3e-6"])
+    nvfp4 = recipe.endswith("_nvfp4.yaml")
+    assert config.learning_rate == 3e-6  # flags override the recipe
+    assert (config.loss_type, config.beta, config.epsilon_high, config.max_grad_norm) == ("dapo", 0.0, 0.28, 0.2)
+    assert (config.lora_rank, config.lora_alpha, config.trainable_norms) == (16, 16, True)
+    assert config.aqn is nvfp4 and (config.sigma_start, config.sigma_end, config.num_stages) == (1e-2, 1e-4, 10)
+    assert script.dataset in os.path.basename(recipe)
+
+
+@pytest.mark.parametrize("script_path", sorted(glob.glob(os.path.join(REPO_ROOT, "training", "dapo_qwen2.5-*.sh"))))
+def test_training_scripts(script_path, tmp_path):
+    env = dict(os.environ, DRY_RUN="1", MODEL_PATH="/models/x", CKPTS_DIR=str(tmp_path))
+    out = subprocess.run(["bash", script_path, "--use-cpu", "True", "--bf16", "False"], env=env, check=True,
+                         capture_output=True, text=True, cwd="/").stdout
+    argv = shlex.split(out)
+    assert argv[1:3] == ["-m", "qerl.train"]
+    os.chdir(REPO_ROOT)  # the script cds there; the recipe path in its command is relative to it
+    script, config = train.parse_args(argv[3:])
+    name = os.path.basename(script_path)
+    nvfp4 = "_nvfp4_" in name
+    assert config.learning_rate == (1e-5 if nvfp4 else 5e-6)
+    assert config.aqn is nvfp4 and script.dataset == "gsm8k" and script.max_prompt_length == 256
+    batch = 8 if name.startswith("dapo_qwen2.5-32b_nvfp4") else 2
+    assert config.per_device_train_batch_size == config.num_generations == batch
+    assert (config.beta, config.epsilon_high, config.adam_beta2, config.weight_decay) == (0.0, 0.28, 0.99, 0.1)
+    assert (config.seed, config.max_completion_length, config.resume_from_checkpoint) == (2025, 2048, "true")
+
+
+def digit_share_reward(completions, answer, **kwargs):
+    """Stands in for the arithmetic reward: it varies across a random model's samples, so every step updates."""
+    return [sum(ch.isdigit() for ch in c[0]["content"]) / max(len(c[0]["content"]), 1) for c in completions]
+
+
+def _argv(checkpoint, output_dir, steps, *extra):
+    return [
+        "--model-name", checkpoint, "--dataset", "arithmetic", "--num-examples", "64", "--dtype", "float32",
+        "--output-dir", output_dir, "--per-device-train-batch-size", "8", "--num-generations", "4",
+        "--max-completion-length", "6", "--max-steps", str(steps), "--save-steps", "1", "--report-to", "none",
+        "--use-cpu", "True", "--bf16", "False", "--gradient-checkpointing", "False", "--lora-rank", "4",
+        "--ln", "True", "--learning-rate", "5e-3", "--sigma-start", "0.1", "--sigma-end", "0.01", "--num-stages", "3",
+        "--random-state", "11", "--logging-steps", "1", *extra,
+    ]  # fmt: skip
+
+
+def _run(checkpoint, output_dir, steps, *extra):
+    return train.main(_argv(checkpoint, output_dir, steps, *extra))
+
+
+class StopAfter(TrainerCallback):
+    """Interrupts a run after `step` optimizer steps, as a crash or a preemption would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_resume_continues_exactly(checkpoints, tmp_path, monkeypatch):
+    """A 3-step run == the same run interrupted after 2 steps and resumed: same adapters, noise and samples."""
+    monkeypatch.setattr(rewards, "exact_answer_reward", digit_share_reward)
+    _, nvfp4_dir = checkpoints
+    straight = _run(nvfp4_dir, str(tmp_path / "a"), 3)
+    interrupted = train.build_trainer(*train.parse_args(_argv(nvfp4_dir, str(tmp_path / "b"), 3)))
+    interrupted.add_callback(StopAfter(2))
+    interrupted.train()
+    assert interrupted.state.global_step == 2
+    resumed = _run(nvfp4_dir, str(tmp_path / "b"), 3, "--resume-from-checkpoint", "true")
+    assert resumed.state.global_step == 3
+    a = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
+    at_two = load_file(str(tmp_path / "b" / "checkpoint-2" / "adapter_model.safetensors"))
+    assert any("layernorm" in k for k in a)  # trained norms are saved with the adapter
+    assert not all(torch.equal(b[k], at_two[k]) for k in b)  # the resumed step trained
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7)
+    rewards_a = [h["reward"] for h in straight.state.log_history if "reward" in h]
+    rewards_b = [h["reward"] for h in resumed.state.log_history if "reward" in h]
+    assert rewards_b[-1] == pytest.approx(rewards_a[-1])
+
+
+def test_cli_bad_input(checkpoints, tmp_path):
+    _, nvfp4_dir = checkpoints
+    with pytest.raises(ValueError, match="known datasets are gsm8k, bigmath"):
+        _run(nvfp4_dir, str(tmp_path / "x"), 1, "--dataset", "gsm9k")
+    with pytest.raises(ValueError, match="num_generations to a divisor of 8"):
+        _run(nvfp4_dir, str(tmp_path / "x"), 1, "--num-generations", "3")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--dataset", "gsm8k"])  # no --model-name
