@@ -129,4 +129,4 @@ def test_cli_bad_input(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="num_generations to a divisor of 8"):
         _run(nvfp4_dir, str(tmp_path / "x"), 1, "--num-generations", "3")
     with pytest.raises(SystemExit):
-        train.parse_args(["--dataset", "gsm8k"])  # no --model-name
+        train.parse_args(["--dataset", "gsm8k", "--use-cpu", "True", "--output-dir", str(tmp_path)])  # no --model-name
