@@ -23,6 +23,7 @@ from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
 from qerl import aqn, policy
+from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout import BACKENDS, create_backend
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class QeRLTrainer(GRPOTrainer):
             )
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, peft_config=peft_config, **kwargs)
 
+        self._exclude_packed_weights_from_ddp()
         self.rollout = create_backend(args.rollout_backend, self)
         # TRL applies its importance-sampling correction only when `use_vllm` is set, i.e. when a separate engine
         # samples. Our backends are such samplers (noisy norms at least), so declare it; the other use_vllm
@@ -157,6 +159,21 @@ class QeRLTrainer(GRPOTrainer):
         self._noise_round = (-1, 0)
         if args.metrics_jsonl:
             self.add_callback(JsonlMetrics(os.path.join(args.output_dir, "metrics.jsonl")))
+
+    def _exclude_packed_weights_from_ddp(self):
+        """DDP broadcasts every buffer from rank 0 when it wraps the model (and, by default, before every
+        forward). The packed NVFP4 weights are frozen buffers that every rank loads identically; broadcasting
+        them is wasted bandwidth, and gloo cannot send float8 at all."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        packed = [
+            f"{module_name}.{buffer_name}"
+            for module_name, module in self.model.named_modules()
+            if isinstance(module, NVFP4Linear)
+            for buffer_name, _ in module.named_buffers(recurse=False)
+        ]
+        if packed:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, packed)
 
     # ------------------------------------------------------------------------------------------------------
     # AQN
