@@ -110,10 +110,12 @@ class Copies:
 
 
 def measure_ceilings(device):
-    x = torch.randn(2**28, device=device)  # 1 GiB in, 1 GiB out
+    # Best of a plain copy and a 16-byte-vector elementwise kernel: the roofline a streaming kernel can hit.
+    x = torch.randn(2**29, device=device)  # 2 GiB in, 2 GiB out
     y = torch.empty_like(x)
-    t = graph_time_us([lambda: y.copy_(x)], reps=5, calls=5)
-    copy_gbs = 2 * x.numel() * 4 / t / 1e3
+    t_copy = graph_time_us([lambda: y.copy_(x)], reps=5, calls=4)
+    t_mul = graph_time_us([lambda: torch.mul(x, 2.0, out=y)], reps=5, calls=4)
+    copy_gbs = 2 * x.numel() * 4 / min(t_copy, t_mul) / 1e3
     del x, y
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -223,16 +225,38 @@ def bench_layer(model, m, copy_gbs):
 
 
 def sweep_configs(m, n, k):
-    bm = tk.block_m_for(m)
-    base = tk.default_config(m, n, k, torch.device("cuda"))
-    out = {base}
-    for bn in (32, 64, 128):
+    dev = torch.device("cuda")
+    out = {tk.default_config(m, n, k, dev)}
+    if m <= 2:  # FMA GEMV
+        for bn, bk in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 128), (64, 256)):
+            split = tk.auto_split(n, k, bn, bk, dev)
+            for sp in {split, 2 * split}:
+                out.add(tk.GemmConfig(m, bn, bk, sp, 4, 4, 2))
+    bm = max(16, 1 << (m - 1).bit_length())
+    for bn in (64, 128):
         for bk in (128, 256, 512):
-            for split in sorted({1, max(1, base.split_k // 2), base.split_k, base.split_k * 2}):
-                if math.ceil(k / bk) < split:
-                    continue
-                out.add(tk.GemmConfig(bm, bn, bk, split, 4, 4))
+            if bm == 64 and bk == 512:
+                continue
+            split = tk.auto_split(n, k, bn, bk, dev)
+            for sp in {split, 2 * split}:
+                for warps in ((4, 8) if bm == 16 else (4,)):
+                    out.add(tk.GemmConfig(bm, bn, bk, sp, warps, 4, 1))
+    out.add(tk.GemmConfig(bm, 64, 256, tk.auto_split(n, k, 64, 256, dev), 4, 4, 0))
     return sorted(out)
+
+
+DEQUANT_CONFIGS = ((32, 256, 4), (64, 256, 8), (16, 512, 4), (32, 512, 8), (64, 128, 4), (128, 256, 8))
+
+
+def sweep_dequant(c: Copies, copy_gbs):
+    rows = []
+    for bn, bk2, warps in DEQUANT_CONFIGS:
+        out = torch.empty(c.n, c.k, device="cuda", dtype=torch.bfloat16)
+        fns = [lambda q=q: tk.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16, out=out, block_n=bn,
+                                         block_k2=bk2, num_warps=warps) for q in c.fp4]
+        t = graph_time_us(fns)
+        rows.append(((bn, bk2, warps), t, (nvfp4_bytes(c.n, c.k) + 2 * c.n * c.k) / t / 1e3))
+    return rows
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -293,6 +317,9 @@ def main(argv=None):
                                    f"{r['speedup']:.2f}x", f"{r['gbs']:.0f}", f"{r['pct']:.0f}%"))
                 print("  ", small_rows[-1], flush=True)
             if args.sweep and model in ("7B", "32B"):
+                for cfg, t, gbs in sweep_dequant(c, copy_gbs):
+                    result["sweep"].append(dict(model=model, shape=name, dequant=cfg, us=t, gbs=gbs))
+                    print("  dequant sweep", name, cfg, f"{t:.1f} us {gbs:.0f} GB/s", flush=True)
                 for m in (int(v) for v in args.sweep_m.split(",")):
                     best = None
                     for cfg in sweep_configs(m, n, k):
@@ -302,6 +329,9 @@ def main(argv=None):
                             best = (cfg, r)
                     base = tk.default_config(m, n, k, dev)
                     r_noasm = bench_small(c, m, copy_gbs, config=best[0], use_asm=False)
+                    top = sorted((r["nvfp4_us"], tuple(r["config"])) for r in result["sweep"]
+                                 if r.get("shape") == name and r.get("model") == model and r.get("m") == m)[:5]
+                    print("  top5", name, m, [(f"{u:.1f}", cf) for u, cf in top], flush=True)
                     sweep_rows.append((f"{model}.{name}", m, str(tuple(base)), str(tuple(best[0])),
                                        f"{best[1]['nvfp4_us']:.1f}", f"{best[1]['speedup']:.2f}x",
                                        f"{r_noasm['nvfp4_us']:.1f}"))

@@ -107,16 +107,20 @@ def _interpreter_checks():
     # Fused GEMM: odd M and N, K with a partial tile, split-K, bias, fp16 and bf16 activations.
     n, k = 45, 160
     q = _weight(n, k)
-    for m, split, dtype, with_bias in ((1, 1, torch.bfloat16, False), (5, 2, torch.bfloat16, True),
-                                       (19, 3, torch.float16, False), (33, 1, torch.bfloat16, True)):
+    cases = (  # (M, split, dtype, bias, mode, BLOCK_M)
+        (1, 1, torch.bfloat16, False, 1, 16), (5, 2, torch.bfloat16, True, 1, 16), (19, 3, torch.float16, False, 1, 32),
+        (33, 1, torch.bfloat16, True, 0, 64), (7, 2, torch.float16, True, 0, 16),
+        (1, 2, torch.bfloat16, True, 2, 1), (2, 1, torch.float16, False, 2, 2), (3, 3, torch.bfloat16, False, 2, 4),
+    )
+    for m, split, dtype, with_bias, mode, block_m in cases:
         x = torch.randn(m, k, dtype=dtype)
         b = torch.randn(n, dtype=dtype) if with_bias else None
         y = torch.full((m, n), float("nan"), dtype=dtype)
-        cfg = tk.GemmConfig(tk.block_m_for(m), 16, 64, split, 4, 1)
+        cfg = tk.GemmConfig(block_m, 16, 64, split, 4, 1, mode)
         tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, config=cfg)
         assert not y.isnan().any()
         e = _rel_err(y, _reference(x, q, b))
-        assert e < 1e-2, (m, split, dtype, e)
+        assert e < 1e-2, (m, split, dtype, mode, e)
         # The split-K counters are re-armed: a second call on the same buffers gives the same answer.
         y2 = tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, config=cfg)
         assert torch.equal(y2, y)
@@ -172,7 +176,12 @@ def test_gpu_gemm_matches_float64(seed, m, use_asm):
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     ref = _reference(x, q, b)
     base = tk.default_config(m, n, k, x.device)
-    for cfg in {base, tk.GemmConfig(base.block_m, 64, 256, 1), tk.GemmConfig(base.block_m, 128, 128, 5)}:
+    bm = max(16, 1 << (m - 1).bit_length())
+    configs = {base, tk.GemmConfig(bm, 64, 256, 1, 4, 4, 1), tk.GemmConfig(bm, 128, 128, 5, 8, 3, 1),
+               tk.GemmConfig(bm, 64, 256, 3, 4, 4, 0)}
+    if m <= 4:
+        configs.add(tk.GemmConfig(1 << (m - 1).bit_length(), 32, 256, 2, 4, 4, 2))
+    for cfg in configs:
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, config=cfg, use_asm=use_asm)
         assert not y.isnan().any()

@@ -35,7 +35,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # bf16x2 FMA applies the scale (exact: 2-bit x 4-bit significands). About 3 instructions per weight,
 # against ~8 for the shift/or/convert route, which matters: at the bandwidth roofline the decode kernel
 # has ~4 ALU instructions per weight to spend.
-_E2M1_BF16_ASM = """
+_E2M1_BF16_ASM = tl.constexpr("""
 {
 .reg .b32 a<14>;
 and.b32 a0, $4, 0x88888888;
@@ -61,7 +61,7 @@ fma.rn.bf16x2 $1, a1, $6, a13;
 fma.rn.bf16x2 $2, a2, $5, a13;
 fma.rn.bf16x2 $3, a3, $6, a13;
 }
-"""
+""")
 
 
 @triton.jit
@@ -127,13 +127,41 @@ def _dequant_kernel(
 
 
 @triton.jit
+def _decode_interleaved(p, s, USE_ASM: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """Packed bytes p [BLOCK_N, KG, 8] and fp32 scales s [BLOCK_N, KG] -> code * scale [BLOCK_N, BLOCK_K].
+
+    The scale broadcasts along a size-8 axis of its own (free, no reshuffle), and the two nibbles of a byte
+    are joined on a new minor axis, so the final reshape to K order is a relabelling of registers.
+    """
+    KG: tl.constexpr = BLOCK_K // 16
+    if USE_ASM:
+        s3 = tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, KG, 8))
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [p, s3],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        )
+    else:
+        s3 = s[:, :, None]
+        lo = (_e2m1_to_f32(p & 0xF) * s3).to(dtype)  # exact in bf16/fp16: no rounding here
+        hi = (_e2m1_to_f32(p >> 4) * s3).to(dtype)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, p_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, MODE: tl.constexpr, USE_ASM: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """y[M, N] = x[M, K] @ W[N, K]^T, computed as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T."""
+    """y[M, N] = x[M, K] @ W[N, K]^T, computed as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T.
+
+    MODE 0: even/odd nibbles in two dots against strided rows of x^T;
+    MODE 1: nibbles interleaved in registers, one dot against a contiguous x^T tile;
+    MODE 2: no tensor cores (GEMV, for 1-4 rows): fp32 FMAs into a [BLOCK_N, BLOCK_M, BLOCK_K] accumulator.
+    """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KH: tl.constexpr = BLOCK_K // 2
@@ -149,35 +177,59 @@ def _gemm_kernel(
     # compiler pipeline a loop of known length. A tile past the end of K loads nothing (masks).
     t0 = pid_k * TILES_PER_SPLIT
     x_dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if MODE == 2:
+        acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    r8 = tl.arange(0, 8)
     for i in range(0, TILES_PER_SPLIT):
         t = t0 + i
-        rj = t * KH + tl.arange(0, KH)
         rg = t * KG + tl.arange(0, KG)
-        p = tl.load(p_ptr + rn64[:, None] * K2 + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
-        sb = tl.load(s_ptr + rn64[:, None] * KS + rg[None, :], mask=n_ok[:, None] & (rg < KS)[None, :], other=0)
-        # Even and odd rows of x^T for this K tile, matching the low and high nibbles.
-        ke = 2 * rj
-        x_mask = (ke < K)[:, None] & m_ok[None, :]
-        xe = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=x_mask, other=0.0)
-        xo = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None], mask=x_mask, other=0.0)
+        g_ok = n_ok[:, None] & (rg < KS)[None, :]
+        sb = tl.load(s_ptr + rn64[:, None] * KS + rg[None, :], mask=g_ok, other=0)
         s = _e4m3_to_f32(sb)
-        if USE_ASM:
-            s16 = tl.reshape(tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH))
-            lo, hi = tl.inline_asm_elementwise(
-                _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [p, s16],
-                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-            )
+        if MODE == 0:
+            rj = t * KH + tl.arange(0, KH)
+            p = tl.load(p_ptr + rn64[:, None] * K2 + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
+            # Even and odd rows of x^T for this K tile, matching the low and high nibbles.
+            ke = 2 * rj
+            x_mask = (ke < K)[:, None] & m_ok[None, :]
+            xe = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=x_mask, other=0.0)
+            xo = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None], mask=x_mask, other=0.0)
+            if USE_ASM:
+                s16 = tl.reshape(tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH))
+                lo, hi = tl.inline_asm_elementwise(
+                    _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [p, s16],
+                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+                )
+            else:
+                sx = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH))
+                lo = (_e2m1_to_f32(p & 0xF) * sx).to(x_dtype)
+                hi = (_e2m1_to_f32(p >> 4) * sx).to(x_dtype)
+            if INTERPRET:  # the interpreter multiplies bf16 as raw integers
+                acc = tl.dot(lo.to(tl.float32), xe.to(tl.float32), acc)
+                acc = tl.dot(hi.to(tl.float32), xo.to(tl.float32), acc)
+            else:
+                acc = tl.dot(lo, xe, acc)
+                acc = tl.dot(hi, xo, acc)
         else:
-            sx = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH))
-            lo = (_e2m1_to_f32(p & 0xF) * sx).to(x_dtype)  # exact in bf16/fp16: no rounding here
-            hi = (_e2m1_to_f32(p >> 4) * sx).to(x_dtype)
-        if INTERPRET:  # the interpreter multiplies bf16 as raw integers
-            acc = tl.dot(lo.to(tl.float32), xe.to(tl.float32), acc)
-            acc = tl.dot(hi.to(tl.float32), xo.to(tl.float32), acc)
-        else:
-            acc = tl.dot(lo, xe, acc)
-            acc = tl.dot(hi, xo, acc)
+            rj3 = (t * KG + tl.arange(0, KG))[None, :, None] * 8 + r8[None, None, :]
+            p = tl.load(p_ptr + rn64[:, None, None] * K2 + rj3, mask=n_ok[:, None, None] & (rj3 < K2), other=0)
+            w = _decode_interleaved(p, s, USE_ASM, x_dtype, BLOCK_N, BLOCK_K)
+            rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
+            if MODE == 1:
+                xt = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=(rk < K)[:, None] & m_ok[None, :],
+                             other=0.0)
+                if INTERPRET:
+                    acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+                else:
+                    acc = tl.dot(w, xt, acc)
+            else:
+                xr = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
+                             other=0.0)
+                acc3 += w.to(tl.float32)[:, None, :] * xr.to(tl.float32)[None, :, :]
+    if MODE == 2:
+        acc = tl.sum(acc3, axis=2)
 
     y_mask = n_ok[:, None] & m_ok[None, :]
     y_off = rm[None, :] * stride_ym + rn[:, None]
@@ -211,7 +263,7 @@ DEQUANT_DTYPES = tuple(_TL_DTYPE)
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, block_n=32, block_k2=256):
+def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, block_n=32, block_k2=256, num_warps=4):
     """W [N, K] in `dtype`, bit-exact with codec.dequantize."""
     n, k2 = packed.shape
     if out is None:
@@ -223,16 +275,16 @@ def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, bloc
     _dequant_kernel[grid](
         packed, scale.view(torch.uint8), global_scale, out, n, k2,
         BLOCK_N=block_n, BLOCK_K2=block_k2, OUT_DTYPE=_TL_DTYPE[dtype], INTERPRET=INTERPRET,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out
 
 
 class GemmConfig(tuple):
-    """(block_m, block_n, block_k, split_k, num_warps, num_stages)."""
+    """(block_m, block_n, block_k, split_k, num_warps, num_stages, mode); mode as in _gemm_kernel."""
 
-    def __new__(cls, block_m, block_n, block_k, split_k, num_warps=4, num_stages=4):
-        return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages))
+    def __new__(cls, block_m, block_n, block_k, split_k, num_warps=4, num_stages=4, mode=1):
+        return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages, mode))
 
     block_m = property(lambda s: s[0])
     block_n = property(lambda s: s[1])
@@ -240,6 +292,7 @@ class GemmConfig(tuple):
     split_k = property(lambda s: s[3])
     num_warps = property(lambda s: s[4])
     num_stages = property(lambda s: s[5])
+    mode = property(lambda s: s[6])
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -254,22 +307,24 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def block_m_for(m: int) -> int:
-    return max(16, triton.next_power_of_2(m))
-
-
-def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
-    """Heuristic config: tiles of 64 (or 128) rows of W; split K until ~2 CTAs per SM are in flight."""
-    block_m = block_m_for(m)
-    block_n = 64 if block_m <= 32 else 128
-    block_k = 256
+def auto_split(n: int, k: int, block_n: int, block_k: int, device: torch.device, waves: int = 2) -> int:
+    """Split K until about `waves` CTAs per SM exist, keeping at least two K tiles per split."""
     k_tiles = triton.cdiv(k, block_k)
     n_tiles = triton.cdiv(n, block_n)
-    target = 2 * _sm_count(device)
+    target = waves * _sm_count(device)
     split = 1
     while n_tiles * split * 2 <= target and k_tiles // (split * 2) >= 2:
         split *= 2
-    return GemmConfig(block_m, block_n, block_k, split, 4, 4)
+    return split
+
+
+def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """Config by row count: FMA GEMV for 1-2 rows, tensor-core tiles above (see docs/kernel_notes.md)."""
+    if m <= 2:
+        block_m, block_n, block_k, mode = m, 16, 512 // m, 2
+    else:
+        block_m, block_n, block_k, mode = max(16, triton.next_power_of_2(m)), 64, 256, 1
+    return GemmConfig(block_m, block_n, block_k, auto_split(n, k, block_n, block_k, device), 4, 4, mode)
 
 
 class _Locks:
@@ -314,7 +369,7 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
         x, packed, scale.view(torch.uint8), global_scale, bias if bias is not None else out, out, ws, locks,
         m, n, k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, TILES_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k), USE_ASM=bool(use_asm), INTERPRET=INTERPRET,
+        SPLIT_K=cfg.split_k, TILES_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k), MODE=cfg.mode, USE_ASM=bool(use_asm), INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
