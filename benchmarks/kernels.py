@@ -225,27 +225,30 @@ def bench_layer(model, m, copy_gbs):
 
 
 def sweep_configs(m, n, k):
+    """A targeted grid per row bucket: (block_m, block_n, block_k, warps, mode, prefetch), split chosen by auto_split."""
     dev = torch.device("cuda")
+    if m <= 2:
+        grid = [(m, 16, 256, 4, 3, 0), (m, 16, 256, 4, 3, 1), (m, 32, 256, 4, 3, 0), (m, 32, 256, 4, 3, 1),
+                (m, 16, 512, 4, 3, 0), (m, 64, 128, 4, 3, 0), (m, 64, 128, 4, 3, 1), (m, 32, 128, 4, 3, 0)]
+        grid = [g for g in grid if m == 1 or g[4] != 3]
+        grid += [(16, 64, 256, 4, 0, 0), (16, 64, 256, 4, 0, 1), (16, 64, 128, 4, 0, 0), (16, 32, 256, 4, 0, 0)]
+    elif m <= 16:
+        grid = [(16, 64, 256, 4, 0, 0), (16, 64, 256, 4, 0, 1), (16, 64, 128, 4, 0, 0), (16, 64, 128, 4, 0, 1),
+                (16, 32, 256, 4, 0, 0), (16, 128, 256, 8, 0, 0), (16, 64, 128, 4, 1, 0), (16, 64, 128, 4, 1, 1),
+                (16, 64, 256, 8, 1, 0)]
+    else:
+        grid = [(64, 64, 128, 4, 1, 0), (64, 64, 128, 4, 1, 1), (64, 64, 64, 4, 1, 0), (64, 128, 128, 8, 1, 0),
+                (64, 64, 128, 4, 0, 0), (64, 64, 256, 4, 0, 0)]
     out = {tk.default_config(m, n, k, dev)}
-    if m <= 2:  # FMA GEMV
-        for bn, bk in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 128), (64, 256)):
-            split = tk.auto_split(n, k, bn, bk, dev)
-            for sp in {split, 2 * split}:
-                out.add(tk.GemmConfig(m, bn, bk, sp, 4, 4, 2))
-    bm = max(16, 1 << (m - 1).bit_length())
-    for bn in (64, 128):
-        for bk in (128, 256, 512):
-            if bm == 64 and bk == 512:
-                continue
-            split = tk.auto_split(n, k, bn, bk, dev)
-            for sp in {split, 2 * split}:
-                for warps in ((4, 8) if bm == 16 else (4,)):
-                    out.add(tk.GemmConfig(bm, bn, bk, sp, warps, 4, 1))
-    out.add(tk.GemmConfig(bm, 64, 256, tk.auto_split(n, k, 64, 256, dev), 4, 4, 0))
+    for bm, bn, bk, warps, mode, pf in grid:
+        split = tk.auto_split(n, k, bn, bk, dev)
+        out.add(tk.GemmConfig(bm, bn, bk, split, warps, 4, mode, pf))
+        if m == 1:
+            out.add(tk.GemmConfig(bm, bn, bk, 2 * split, warps, 4, mode, pf))
     return sorted(out)
 
 
-DEQUANT_CONFIGS = ((32, 256, 4), (64, 256, 8), (16, 512, 4), (32, 512, 8), (64, 128, 4), (128, 256, 8))
+DEQUANT_CONFIGS = ((32, 256, 4), (64, 128, 4), (16, 256, 4), (32, 128, 4), (16, 128, 2), (32, 256, 8))
 
 
 def sweep_dequant(c: Copies, copy_gbs):

@@ -111,12 +111,13 @@ def _interpreter_checks():
         (1, 1, torch.bfloat16, False, 1, 16), (5, 2, torch.bfloat16, True, 1, 16), (19, 3, torch.float16, False, 1, 32),
         (33, 1, torch.bfloat16, True, 0, 64), (7, 2, torch.float16, True, 0, 16),
         (1, 2, torch.bfloat16, True, 2, 1), (2, 1, torch.float16, False, 2, 2), (3, 3, torch.bfloat16, False, 2, 4),
+        (1, 2, torch.bfloat16, True, 3, 1), (1, 1, torch.float16, False, 3, 1),
     )
-    for m, split, dtype, with_bias, mode, block_m in cases:
+    for idx, (m, split, dtype, with_bias, mode, block_m) in enumerate(cases):
         x = torch.randn(m, k, dtype=dtype)
         b = torch.randn(n, dtype=dtype) if with_bias else None
         y = torch.full((m, n), float("nan"), dtype=dtype)
-        cfg = tk.GemmConfig(block_m, 16, 64, split, 4, 1, mode)
+        cfg = tk.GemmConfig(block_m, 16, 64, split, 4, 1, mode, idx % 2)  # with and without prefetch
         tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, config=cfg)
         assert not y.isnan().any()
         e = _rel_err(y, _reference(x, q, b))
@@ -181,6 +182,8 @@ def test_gpu_gemm_matches_float64(seed, m, use_asm):
                tk.GemmConfig(bm, 64, 256, 3, 4, 4, 0)}
     if m <= 4:
         configs.add(tk.GemmConfig(1 << (m - 1).bit_length(), 32, 256, 2, 4, 4, 2))
+    if m == 1:
+        configs |= {tk.GemmConfig(1, 32, 512, 2, 4, 1, 3), tk.GemmConfig(1, 64, 256, 1, 8, 1, 3, 0)}
     for cfg in configs:
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, config=cfg, use_asm=use_asm)

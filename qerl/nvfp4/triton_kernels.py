@@ -127,12 +127,27 @@ def _dequant_kernel(
 
 
 @triton.jit
-def _decode_interleaved(p, s, USE_ASM: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    """Packed bytes p [BLOCK_N, KG, 8] and fp32 scales s [BLOCK_N, KG] -> code * scale [BLOCK_N, BLOCK_K].
+def _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t, K2, KS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FLAT: tl.constexpr):
+    """K tile t of the packed weight ([BLOCK_N, BLOCK_K/2] if FLAT else [BLOCK_N, groups, 8]) and its scales."""
+    KG: tl.constexpr = BLOCK_K // 16
+    rg = t * KG + tl.arange(0, KG)
+    sb = tl.load(s_ptr + rn64[:, None] * KS + rg[None, :], mask=n_ok[:, None] & (rg < KS)[None, :], other=0)
+    if FLAT:
+        rj = t * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        p = tl.load(p_ptr + rn64[:, None] * K2 + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
+    else:
+        rj3 = rg[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        p = tl.load(p_ptr + rn64[:, None, None] * K2 + rj3, mask=n_ok[:, None, None] & (rj3 < K2), other=0)
+    return p, sb
 
-    The scale broadcasts along a size-8 axis of its own (free, no reshuffle), and the two nibbles of a byte
-    are joined on a new minor axis, so the final reshape to K order is a relabelling of registers.
+
+@triton.jit
+def _decode_split(p, s, USE_ASM: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed bytes p [BLOCK_N, KG, 8] and fp32 scales s [BLOCK_N, KG] -> (even-k, odd-k) code * scale.
+
+    The scale broadcasts along a size-8 axis of its own (free, no reshuffle). Joining the two on a new minor
+    axis and merging it gives K order.
     """
     KG: tl.constexpr = BLOCK_K // 16
     if USE_ASM:
@@ -145,22 +160,23 @@ def _decode_interleaved(p, s, USE_ASM: tl.constexpr, dtype: tl.constexpr, BLOCK_
         s3 = s[:, :, None]
         lo = (_e2m1_to_f32(p & 0xF) * s3).to(dtype)  # exact in bf16/fp16: no rounding here
         hi = (_e2m1_to_f32(p >> 4) * s3).to(dtype)
-    return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    return lo, hi
 
 
 @triton.jit
 def _gemm_kernel(
     x_ptr, p_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
-    M, N, K, stride_xm, stride_ym,
+    M, N, K, stride_xm, stride_ym, tiles_per_split,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, MODE: tl.constexpr, USE_ASM: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """y[M, N] = x[M, K] @ W[N, K]^T, computed as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T.
 
     MODE 0: even/odd nibbles in two dots against strided rows of x^T;
     MODE 1: nibbles interleaved in registers, one dot against a contiguous x^T tile;
-    MODE 2: no tensor cores (GEMV, for 1-4 rows): fp32 FMAs into a [BLOCK_N, BLOCK_M, BLOCK_K] accumulator.
+    MODE 2: no tensor cores (GEMV, for 1-4 rows): fp32 FMAs into a [BLOCK_N, BLOCK_M, BLOCK_K] accumulator;
+    MODE 3: no tensor cores, one row of x, everything kept as [BLOCK_N, groups, 8] (no reshape or join).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -173,24 +189,30 @@ def _gemm_kernel(
     n_ok = rn < N
     m_ok = rm < M
     rn64 = rn.to(tl.int64)
-    # A constexpr trip count (K is one of a few model widths): the interpreter needs it, and it lets the
-    # compiler pipeline a loop of known length. A tile past the end of K loads nothing (masks).
-    t0 = pid_k * TILES_PER_SPLIT
+    # The interpreter needs a constexpr trip count; compiled kernels take it at run time (one binary for all
+    # K). A tile past the end of K loads nothing (masks).
+    t0 = pid_k * tiles_per_split
     x_dtype = x_ptr.dtype.element_ty
     if MODE == 2:
         acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
+    elif MODE == 3:
+        acc3 = tl.zeros((BLOCK_N, KG, 8), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     r8 = tl.arange(0, 8)
-    for i in range(0, TILES_PER_SPLIT):
+    # Prefetch: the next tile's packed bytes and scales are loaded before this tile is decoded, so each CTA
+    # keeps two tiles of loads in flight (Triton does not software-pipeline loads that feed inline asm).
+    p_nx, sb_nx = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t0, K2, KS, BLOCK_N, BLOCK_K, MODE == 0)
+    for i in range(0, TILES_PER_SPLIT if INTERPRET else tiles_per_split):
         t = t0 + i
-        rg = t * KG + tl.arange(0, KG)
-        g_ok = n_ok[:, None] & (rg < KS)[None, :]
-        sb = tl.load(s_ptr + rn64[:, None] * KS + rg[None, :], mask=g_ok, other=0)
+        if PREFETCH:
+            p, sb = p_nx, sb_nx
+            p_nx, sb_nx = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t + 1, K2, KS, BLOCK_N, BLOCK_K, MODE == 0)
+        else:
+            p, sb = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t, K2, KS, BLOCK_N, BLOCK_K, MODE == 0)
         s = _e4m3_to_f32(sb)
         if MODE == 0:
             rj = t * KH + tl.arange(0, KH)
-            p = tl.load(p_ptr + rn64[:, None] * K2 + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
             # Even and odd rows of x^T for this K tile, matching the low and high nibbles.
             ke = 2 * rj
             x_mask = (ke < K)[:, None] & m_ok[None, :]
@@ -212,10 +234,16 @@ def _gemm_kernel(
             else:
                 acc = tl.dot(lo, xe, acc)
                 acc = tl.dot(hi, xo, acc)
+        elif MODE == 3:
+            # One row of x: even/odd x as [KG, 8] tiles broadcast over the W rows; no reshape, no join.
+            lo, hi = _decode_split(p, s, USE_ASM, x_dtype, BLOCK_N, BLOCK_K)
+            ke3 = 2 * ((t * KG + tl.arange(0, KG))[:, None] * 8 + r8[None, :])
+            xe = tl.load(x_ptr + ke3, mask=ke3 < K, other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + ke3 + 1, mask=ke3 < K, other=0.0).to(tl.float32)
+            acc3 += lo.to(tl.float32) * xe[None, :, :] + hi.to(tl.float32) * xo[None, :, :]
         else:
-            rj3 = (t * KG + tl.arange(0, KG))[None, :, None] * 8 + r8[None, None, :]
-            p = tl.load(p_ptr + rn64[:, None, None] * K2 + rj3, mask=n_ok[:, None, None] & (rj3 < K2), other=0)
-            w = _decode_interleaved(p, s, USE_ASM, x_dtype, BLOCK_N, BLOCK_K)
+            lo, hi = _decode_split(p, s, USE_ASM, x_dtype, BLOCK_N, BLOCK_K)
+            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
             rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
             if MODE == 1:
                 xt = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=(rk < K)[:, None] & m_ok[None, :],
@@ -228,6 +256,8 @@ def _gemm_kernel(
                 xr = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
                              other=0.0)
                 acc3 += w.to(tl.float32)[:, None, :] * xr.to(tl.float32)[None, :, :]
+    if MODE == 3:
+        acc = tl.reshape(tl.sum(tl.sum(acc3, axis=2), axis=1), (BLOCK_N, 1))
     if MODE == 2:
         acc = tl.sum(acc3, axis=2)
 
@@ -263,7 +293,7 @@ DEQUANT_DTYPES = tuple(_TL_DTYPE)
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, block_n=32, block_k2=256, num_warps=4):
+def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, block_n=16, block_k2=256, num_warps=4):
     """W [N, K] in `dtype`, bit-exact with codec.dequantize."""
     n, k2 = packed.shape
     if out is None:
@@ -281,10 +311,10 @@ def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, bloc
 
 
 class GemmConfig(tuple):
-    """(block_m, block_n, block_k, split_k, num_warps, num_stages, mode); mode as in _gemm_kernel."""
+    """(block_m, block_n, block_k, split_k, num_warps, num_stages, mode, prefetch); see _gemm_kernel."""
 
-    def __new__(cls, block_m, block_n, block_k, split_k, num_warps=4, num_stages=4, mode=1):
-        return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages, mode))
+    def __new__(cls, block_m, block_n, block_k, split_k, num_warps=4, num_stages=4, mode=1, prefetch=1):
+        return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages, mode, prefetch))
 
     block_m = property(lambda s: s[0])
     block_n = property(lambda s: s[1])
@@ -293,6 +323,7 @@ class GemmConfig(tuple):
     num_warps = property(lambda s: s[4])
     num_stages = property(lambda s: s[5])
     mode = property(lambda s: s[6])
+    prefetch = property(lambda s: s[7])
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -319,12 +350,16 @@ def auto_split(n: int, k: int, block_n: int, block_k: int, device: torch.device,
 
 
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
-    """Config by row count: FMA GEMV for 1-2 rows, tensor-core tiles above (see docs/kernel_notes.md)."""
-    if m <= 2:
-        block_m, block_n, block_k, mode = m, 16, 512 // m, 2
+    """Best of the H200 sweep (docs/kernel_notes.md) by row count: one row, a CUDA-core GEMV on [N, groups, 8]
+    tiles; up to 16 rows, tensor cores with even/odd dots and prefetch; more, interleaved decode, one dot."""
+    if m == 1:
+        cfg = (1, 16, 256, 4, 4, 3, 0)
+    elif m <= 16:
+        cfg = (16, 64, 256, 4, 4, 0, 1)
     else:
-        block_m, block_n, block_k, mode = max(16, triton.next_power_of_2(m)), 64, 256, 1
-    return GemmConfig(block_m, block_n, block_k, auto_split(n, k, block_n, block_k, device), 4, 4, mode)
+        cfg = (max(16, triton.next_power_of_2(m)), 64, 128, 4, 4, 1, 1)
+    bm, bn, bk, warps, stages, mode, prefetch = cfg
+    return GemmConfig(bm, bn, bk, auto_split(n, k, bn, bk, device), warps, stages, mode, prefetch)
 
 
 class _Locks:
@@ -360,6 +395,7 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
     if use_asm is None:
         use_asm = x.dtype == torch.bfloat16 and x.is_cuda and not INTERPRET
     n_tiles = triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         locks = _LOCKS.get(x.device, n_tiles)
@@ -367,9 +403,9 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
         ws = locks = out  # unused
     _gemm_kernel[(n_tiles, cfg.split_k)](
         x, packed, scale.view(torch.uint8), global_scale, bias if bias is not None else out, out, ws, locks,
-        m, n, k, x.stride(0), out.stride(0),
+        m, n, k, x.stride(0), out.stride(0), tiles,
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, TILES_PER_SPLIT=triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k), MODE=cfg.mode, USE_ASM=bool(use_asm), INTERPRET=INTERPRET,
+        SPLIT_K=cfg.split_k, TILES_PER_SPLIT=tiles if INTERPRET else 0, MODE=cfg.mode, PREFETCH=bool(cfg.prefetch), USE_ASM=bool(use_asm), INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
