@@ -359,7 +359,9 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     else:
         cfg = (max(16, triton.next_power_of_2(m)), 64, 128, 4, 4, 1, 1)
     bm, bn, bk, warps, stages, mode, prefetch = cfg
-    return GemmConfig(bm, bn, bk, auto_split(n, k, bn, bk, device), warps, stages, mode, prefetch)
+    # The one-row kernel keeps few bytes in flight per CTA, so it wants more CTAs (sweep: split 2x the rest).
+    split = auto_split(n, k, bn, bk, device, waves=8 if mode == 3 else 2)
+    return GemmConfig(bm, bn, bk, split, warps, stages, mode, prefetch)
 
 
 class _Locks:
