@@ -113,8 +113,8 @@ def measure_ceilings(device):
     # Best of a plain copy and a 16-byte-vector elementwise kernel: the roofline a streaming kernel can hit.
     x = torch.randn(2**29, device=device)  # 2 GiB in, 2 GiB out
     y = torch.empty_like(x)
-    t_copy = graph_time_us([lambda: y.copy_(x)], reps=5, calls=4)
-    t_mul = graph_time_us([lambda: torch.mul(x, 2.0, out=y)], reps=5, calls=4)
+    t_copy = graph_time_us([lambda x=x, y=y: y.copy_(x)], reps=5, calls=4)
+    t_mul = graph_time_us([lambda x=x, y=y: torch.mul(x, 2.0, out=y)], reps=5, calls=4)
     copy_gbs = 2 * x.numel() * 4 / min(t_copy, t_mul) / 1e3
     del x, y
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -225,7 +225,7 @@ def bench_layer(model, m, copy_gbs):
 
 
 def sweep_configs(m, n, k):
-    """A targeted grid per row bucket: (block_m, block_n, block_k, warps, mode, prefetch), split chosen by auto_split."""
+    """A targeted grid per row bucket: (block_m, block_n, block_k, warps, mode, prefetch); split from auto_split."""
     dev = torch.device("cuda")
     if m <= 2:
         grid = [(m, 16, 256, 4, 3, 0), (m, 16, 256, 4, 3, 1), (m, 32, 256, 4, 3, 0), (m, 32, 256, 4, 3, 1),
@@ -255,8 +255,9 @@ def sweep_dequant(c: Copies, copy_gbs):
     rows = []
     for bn, bk2, warps in DEQUANT_CONFIGS:
         out = torch.empty(c.n, c.k, device="cuda", dtype=torch.bfloat16)
-        fns = [lambda q=q: tk.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16, out=out, block_n=bn,
-                                         block_k2=bk2, num_warps=warps) for q in c.fp4]
+        fns = [lambda q=q, out=out, bn=bn, bk2=bk2, warps=warps: tk.dequantize(
+            q.packed, q.scale, q.global_scale, torch.bfloat16, out=out, block_n=bn, block_k2=bk2, num_warps=warps)
+            for q in c.fp4]
         t = graph_time_us(fns)
         rows.append(((bn, bk2, warps), t, (nvfp4_bytes(c.n, c.k) + 2 * c.n * c.k) / t / 1e3))
     return rows
@@ -267,9 +268,9 @@ def sweep_dequant(c: Copies, copy_gbs):
 
 def fmt_table(header, rows):
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
-    lines = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths))]
+    lines = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths, strict=True))]
     lines.append("-|-".join("-" * w for w in widths))
-    lines += [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += [" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
 
 

@@ -407,7 +407,8 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
         x, packed, scale.view(torch.uint8), global_scale, bias if bias is not None else out, out, ws, locks,
         m, n, k, x.stride(0), out.stride(0), tiles,
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, TILES_PER_SPLIT=tiles if INTERPRET else 0, MODE=cfg.mode, PREFETCH=bool(cfg.prefetch), USE_ASM=bool(use_asm), INTERPRET=INTERPRET,
+        SPLIT_K=cfg.split_k, TILES_PER_SPLIT=tiles if INTERPRET else 0, MODE=cfg.mode,
+        PREFETCH=bool(cfg.prefetch), USE_ASM=bool(use_asm), INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
