@@ -205,3 +205,14 @@ def test_bad_configs(checkpoints, tmp_path):
         trainer = _trainer(bf16_dir, _config(tmp_path, aqn=True))
     assert trainer.aqn_enabled and not trainer.is_nvfp4
     assert not _trainer(bf16_dir, _config(tmp_path)).aqn_enabled  # default: off for BF16
+
+
+def test_demo_pipeline(tmp_path):
+    """`make demo` end to end at toy length: warm-up, NVFP4 quantization, QeRL, metrics and plot."""
+    from qerl import demo, plotting
+
+    summary = demo.main(["--output-dir", str(tmp_path), "--warmup-steps", "20", "--rl-steps", "10", "--problems", "8"])
+    rows = plotting.read_metrics(summary["metrics"])
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert os.path.getsize(summary["plot"]) > 10_000
+    assert os.path.isfile(os.path.join(tmp_path, "checkpoints", "nvfp4", "config.json"))
