@@ -29,7 +29,7 @@ MAX_OPERAND = 20
 def _encode_sft(tokenizer, rows):
     """Prompt + answer + EOS, with the loss on the answer only."""
     ids, labels = [], []
-    for prompt, answer in zip(rows["prompt"], rows["answer"]):
+    for prompt, answer in zip(rows["prompt"], rows["answer"], strict=True):
         p = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
         a = tokenizer(answer + tokenizer.eos_token)["input_ids"]
         ids.append(p + a)
@@ -71,7 +71,7 @@ def sample_accuracy(model, tokenizer, n: int = 256, seed: int = 7) -> float:
         temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    return sum(t.strip() == a for t, a in zip(texts, rows["answer"])) / n
+    return sum(t.strip() == a for t, a in zip(texts, rows["answer"], strict=True)) / n
 
 
 def tenth_means(rewards: list[float]) -> tuple[float, float]:

@@ -36,13 +36,13 @@ def plot_metrics(metrics_path: str, png_path: str, title: str | None = None) -> 
     panels = [("reward", "mean reward"), ("entropy", "token entropy (nats)"), ("aqn/sigma", "AQN sigma")]
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 7.5), sharex=True)
     window = max(1, len(rows) // 20)
-    for ax, (key, label) in zip(axes, panels):
+    for ax, (key, label) in zip(axes, panels, strict=True):
         values = [r.get(key) for r in rows]
-        points = [(s, v) for s, v in zip(steps, values) if v is not None]
+        points = [(s, v) for s, v in zip(steps, values, strict=True) if v is not None]
         if not points:
             ax.text(0.5, 0.5, f"{key}: not logged", ha="center", va="center", transform=ax.transAxes)
             continue
-        xs, ys = zip(*points)
+        xs, ys = zip(*points, strict=True)
         if key == "aqn/sigma":
             ax.step(xs, ys, where="post", color="tab:purple")
         else:

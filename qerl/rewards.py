@@ -179,7 +179,9 @@ def dapo_answer_reward(completions, answer, **kwargs) -> list[float]:
 
 def exact_answer_reward(completions, answer, **kwargs) -> list[float]:
     """1.0 when the completion, stripped, is exactly the answer (the built-in arithmetic task)."""
-    return [1.0 if completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer, strict=True)]
+    return [
+        1.0 if completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 def soft_overlong_punishment(max_completion_length: int, cache: int):
@@ -187,5 +189,7 @@ def soft_overlong_punishment(max_completion_length: int, cache: int):
     from trl.rewards import get_soft_overlong_punishment
 
     if not 0 < cache <= max_completion_length:
-        raise ValueError(f"soft overlong cache must be in (0, max_completion_length={max_completion_length}], got {cache}")
+        raise ValueError(
+            f"soft overlong cache must be in (0, max_completion_length={max_completion_length}], got {cache}"
+        )
     return get_soft_overlong_punishment(max_completion_length, cache)

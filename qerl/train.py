@@ -117,7 +117,9 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig) -> QeRLT
         raise ValueError(f"no prompt of {script_args.dataset} fits --max-prompt-length {script_args.max_prompt_length}")
     reward_funcs = list(task.reward_funcs)
     if script_args.soft_overlong_cache:
-        reward_funcs.append(rewards.soft_overlong_punishment(config.max_completion_length, script_args.soft_overlong_cache))
+        reward_funcs.append(
+            rewards.soft_overlong_punishment(config.max_completion_length, script_args.soft_overlong_cache)
+        )
     logger.info("task %s (%s format): %d prompts, rewards %s", task.name, task.format, len(train_dataset),
                 [getattr(f, "__name__", type(f).__name__) for f in reward_funcs])  # fmt: skip
     return QeRLTrainer(model, reward_funcs, args=config, train_dataset=train_dataset, processing_class=tokenizer)

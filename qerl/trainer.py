@@ -69,9 +69,7 @@ class QeRLConfig(GRPOConfig):
                   "sampling against the rollout log-probs, whatever the rollout backend. Off by default: the "
                   "QeRL reference has no correction."},
     )  # fmt: skip
-    metrics_jsonl: bool = field(
-        default=True, metadata={"help": "Append every log line to <output_dir>/metrics.jsonl."}
-    )
+    metrics_jsonl: bool = field(default=True, metadata={"help": "Append every log line to <output_dir>/metrics.jsonl."})
 
     def __post_init__(self):
         if self.rollout_backend not in BACKENDS:
@@ -144,7 +142,12 @@ class QeRLTrainer(GRPOTrainer):
             )
         if peft_config is None and not is_peft_model(model):
             peft_config = policy.lora_config(
-                model, args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout, args.trainable_norms
+                model,
+                args.lora_rank,
+                args.lora_alpha,
+                args.lora_target_modules,
+                args.lora_dropout,
+                args.trainable_norms,
             )
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, peft_config=peft_config, **kwargs)
 

@@ -35,7 +35,9 @@ def test_formats_by_columns(tmp_path):
     assert task.format == "dapomath" and task.train[0]["prompt"] == [{"role": "user", "content": "q"}]
     assert task.reward_funcs == [rewards.dapo_answer_reward]
 
-    big = _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "q", "solution": "3"}, {"prompt": "x" * 2000, "solution": "1"}])
+    big = _write_jsonl(
+        tmp_path / "b.jsonl", [{"prompt": "q", "solution": "3"}, {"prompt": "x" * 2000, "solution": "1"}]
+    )
     task = data.load_task(big)
     assert task.format == "bigmath" and len(task.train) == 1  # the reference drops prompts over 1024 chars
     assert task.train[0]["prompt"][0]["role"] == "system" and task.train[0]["prompt"][1]["content"] == "q"
@@ -70,8 +72,11 @@ def test_arithmetic_task():
     task = data.load_task("arithmetic", num_examples=200, seed=3)
     assert len(task.train) == 200
     for row in task.train:
-        a, op, b = row["prompt"][0]["content"][:-1].partition("+") if "+" in row["prompt"][0]["content"] else \
-            row["prompt"][0]["content"][:-1].partition("-")
+        a, op, b = (
+            row["prompt"][0]["content"][:-1].partition("+")
+            if "+" in row["prompt"][0]["content"]
+            else row["prompt"][0]["content"][:-1].partition("-")
+        )
         assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
     again = data.load_task("arithmetic", num_examples=200, seed=3)
     assert again.train["answer"] == task.train["answer"]

@@ -14,7 +14,7 @@ from qerl.tiny import save_tiny_checkpoints
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs inside each process: the real entry point, plus a dump of this rank's trainable weights.
-HARNESS = textwrap.dedent('''
+HARNESS = textwrap.dedent("""
     import os, sys, torch
     from qerl import rewards, train
 
@@ -33,7 +33,7 @@ HARNESS = textwrap.dedent('''
     rank = trainer.accelerator.process_index
     torch.save({"before": before, "after": trainable(), "prompts": seen, "world": trainer.accelerator.num_processes},
                os.path.join(trainer.args.output_dir, f"rank{rank}.pt"))
-''')
+""")
 
 
 def _free_port():

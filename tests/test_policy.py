@@ -34,8 +34,9 @@ def test_nvfp4_checkpoint_loads_as_nvfp4_linear(checkpoints):
 @pytest.mark.parametrize("trainable_norms", [False, True])
 def test_only_lora_and_asked_norms_train(checkpoints, trainable_norms):
     _, nvfp4_dir = checkpoints
-    model = policy.load_policy(nvfp4_dir, dtype=torch.float32, device="cpu", lora_rank=4, lora_alpha=8,
-                               trainable_norms=trainable_norms)
+    model = policy.load_policy(
+        nvfp4_dir, dtype=torch.float32, device="cpu", lora_rank=4, lora_alpha=8, trainable_norms=trainable_norms
+    )
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     lora = [n for n in trainable if "lora_" in n]
     norms = [n for n in trainable if "modules_to_save" in n]
@@ -78,8 +79,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(checkpoints):
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = policy.load_policy(nvfp4_dir, dtype=torch.float32, device="cpu", lora_rank=4,
-                                   gradient_checkpointing=checkpointing)
+        model = policy.load_policy(
+            nvfp4_dir, dtype=torch.float32, device="cpu", lora_rank=4, gradient_checkpointing=checkpointing
+        )
         with torch.no_grad():  # non-zero B so that every adapter gets a gradient
             for n, p in model.named_parameters():
                 if "lora_B" in n:

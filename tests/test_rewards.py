@@ -29,13 +29,13 @@ def _as_completion(solution: str, final: str) -> list[dict]:
 def test_gsm8k_gold_solutions_all_score_correct():
     rows = _gsm8k_rows()
     answers = [rewards.gsm8k_gold(r["answer"]) for r in rows]
-    completions = [_as_completion(r["answer"], a) for r, a in zip(rows, answers)]
+    completions = [_as_completion(r["answer"], a) for r, a in zip(rows, answers, strict=True)]
     assert len(rows) == 1319
     assert rewards.gsm8k_correctness_reward(completions, answers) == [2.0] * len(rows)
     assert rewards.think_answer_format_reward(completions) == [0.2] * len(rows)
     # The final line as written in the solution ("#### 1,234" style answers keep their commas there).
     raw_finals = [r["answer"].split("####")[-1].strip() for r in rows]
-    completions = [_as_completion(r["answer"], f) for r, f in zip(rows, raw_finals)]
+    completions = [_as_completion(r["answer"], f) for r, f in zip(rows, raw_finals, strict=True)]
     assert rewards.gsm8k_correctness_reward(completions, answers) == [2.0] * len(rows)
 
 
@@ -43,11 +43,11 @@ def test_gsm8k_wrong_answers_score_zero():
     rows = _gsm8k_rows()
     answers = [rewards.gsm8k_gold(r["answer"]) for r in rows]
     wrong = [str(int(a) + 1) if a.lstrip("-").isdigit() else a + "1" for a in answers]
-    completions = [_as_completion(r["answer"], w) for r, w in zip(rows, wrong)]
+    completions = [_as_completion(r["answer"], w) for r, w in zip(rows, wrong, strict=True)]
     assert rewards.gsm8k_correctness_reward(completions, answers) == [0.0] * len(rows)
     # Only the first character right (what the reference's eval compares) is still wrong here.
     first_char = [a[0] + "9" * len(a) for a in answers]
-    completions = [_as_completion(r["answer"], w) for r, w in zip(rows, first_char)]
+    completions = [_as_completion(r["answer"], w) for r, w in zip(rows, first_char, strict=True)]
     assert rewards.gsm8k_correctness_reward(completions, answers) == [0.0] * len(rows)
 
 
@@ -59,7 +59,9 @@ def test_gsm8k_wrong_answers_score_zero():
     ],
 )  # fmt: skip
 def test_gsm8k_answer_parsing(answer_text, score):
-    assert rewards.gsm8k_correctness_reward([_msg(f"<think>t</think><answer>{answer_text}</answer>")], ["18"]) == [score]
+    assert rewards.gsm8k_correctness_reward([_msg(f"<think>t</think><answer>{answer_text}</answer>")], ["18"]) == [
+        score
+    ]
 
 
 def test_gsm8k_needs_the_answer_tag_and_format():

@@ -32,15 +32,34 @@ def test_reference_flag_names(tmp_path):
     assert (script.model_name, script.dataset, script.max_prompt_length) == ("m", "dapomath", 300)
     assert (config.lora_rank, config.lora_alpha, config.trainable_norms, config.seed) == (32, 64, True, 7)
     assert (config.sigma_start, config.sigma_end, config.num_stages) == (5e-2, 5e-4, 6)
-    assert (config.loss_type, config.beta, config.epsilon_high, config.mask_truncated_completions) == ("bnpo", 0.04, 0.2, True)
+    assert (config.loss_type, config.beta, config.epsilon_high, config.mask_truncated_completions) == (
+        "bnpo",
+        0.04,
+        0.2,
+        True,
+    )
     assert config.warmup_steps == 0.1 and config.get_warmup_steps(100) == 10
     assert config.aqn is None and config.vllm_importance_sampling_correction is False  # defaults
 
 
 @pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(REPO_ROOT, "configs", "dapo_*.yaml"))))
 def test_yaml_recipes(recipe, tmp_path):
-    script, config = train.parse_args(["--config", recipe, "--model-name", "m", "--output-dir", str(tmp_path),
-                                       "--use-cpu", "True", "--bf16", "False", "--learning-rate", "3e-6"])
+    script, config = train.parse_args(
+        [
+            "--config",
+            recipe,
+            "--model-name",
+            "m",
+            "--output-dir",
+            str(tmp_path),
+            "--use-cpu",
+            "True",
+            "--bf16",
+            "False",
+            "--learning-rate",
+            "3e-6",
+        ]
+    )
     nvfp4 = recipe.endswith("_nvfp4.yaml")
     assert config.learning_rate == 3e-6  # flags override the recipe
     assert (config.loss_type, config.beta, config.epsilon_high, config.max_grad_norm) == ("dapo", 0.0, 0.28, 0.2)
@@ -52,8 +71,14 @@ def test_yaml_recipes(recipe, tmp_path):
 @pytest.mark.parametrize("script_path", sorted(glob.glob(os.path.join(REPO_ROOT, "training", "dapo_qwen2.5-*.sh"))))
 def test_training_scripts(script_path, tmp_path):
     env = dict(os.environ, DRY_RUN="1", MODEL_PATH="/models/x", CKPTS_DIR=str(tmp_path))
-    out = subprocess.run(["bash", script_path, "--use-cpu", "True", "--bf16", "False"], env=env, check=True,
-                         capture_output=True, text=True, cwd="/").stdout
+    out = subprocess.run(
+        ["bash", script_path, "--use-cpu", "True", "--bf16", "False"],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd="/",
+    ).stdout
     argv = shlex.split(out)
     assert argv[1:3] == ["-m", "qerl.train"]
     os.chdir(REPO_ROOT)  # the script cds there; the recipe path in its command is relative to it

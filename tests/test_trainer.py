@@ -38,8 +38,13 @@ def _config(tmp_path, **overrides):
 def _trainer(checkpoint, args, dtype=torch.float32):
     task = data.load_task("arithmetic", num_examples=64)
     model = policy.load_base_model(checkpoint, dtype=dtype, device="cpu")
-    return QeRLTrainer(model, [digit_share_reward], args=args, train_dataset=task.train,
-                       processing_class=policy.load_tokenizer(checkpoint))
+    return QeRLTrainer(
+        model,
+        [digit_share_reward],
+        args=args,
+        train_dataset=task.train,
+        processing_class=policy.load_tokenizer(checkpoint),
+    )
 
 
 def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
@@ -49,7 +54,9 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     model = trainer.model
     assert trainer.aqn_enabled and trainer.is_nvfp4  # AQN defaults on for an NVFP4 base
     base = {n: b.clone() for n, b in model.named_buffers() if "weight_" in n}
-    assert len(base) == 3 * 14 and all(isinstance(m, NVFP4Linear) for m in [model.get_submodule(n.rsplit(".", 1)[0]) for n in base])
+    assert len(base) == 3 * 14 and all(
+        isinstance(m, NVFP4Linear) for m in [model.get_submodule(n.rsplit(".", 1)[0]) for n in base]
+    )
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
     # Watch every rollout: the noise the policy samples with, and the norms the trainer gets back.
@@ -67,7 +74,9 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
                 def __enter__(self):
                     stats = cm.__enter__()
                     noise = torch.cat([(m.weight - clean[p]).flatten() for p, m in sites.layer_norms.items()])
-                    rounds.append({"step": trainer.state.global_step, "noise_std": noise.std().item(), "sigma": stats.sigma})
+                    rounds.append(
+                        {"step": trainer.state.global_step, "noise_std": noise.std().item(), "sigma": stats.sigma}
+                    )
                     return stats
 
                 def __exit__(self, *exc):
@@ -110,7 +119,7 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
 
     # The rollout log-probs reached the trainer, token for token.
     assert len(batches) == 5
-    for r, batch in zip(rounds, batches):
+    for r, batch in zip(rounds, batches, strict=True):
         sampling = batch["sampling_per_token_logps"]
         mask = batch["completion_mask"].bool()
         for i, row in enumerate(r["logprobs"]):
@@ -141,8 +150,16 @@ def test_rollout_logprobs_match_trl_at_the_sampling_temperature(checkpoints, tmp
 
 def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    args = _config(tmp_path, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
-                   vllm_importance_sampling_clip_max=2.0, max_steps=2, sigma_start=0.5, sigma_end=0.1, num_stages=3)
+    args = _config(
+        tmp_path,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=2.0,
+        max_steps=2,
+        sigma_start=0.5,
+        sigma_end=0.1,
+        num_stages=3,
+    )
     trainer = _trainer(nvfp4_dir, args)
     batches, score = [], trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: batches.append(score(inputs)) or batches[-1]
@@ -150,7 +167,9 @@ def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_p
     noisy = batches[1]  # step 1 of 2 with 3 stages: sigma 0.5
     mask = noisy["completion_mask"]
     # TRL's token_truncate formula, applied to the rollout and training log-probs it was handed.
-    expected = torch.clamp(torch.exp((noisy["old_per_token_logps"] - noisy["sampling_per_token_logps"]) * mask), max=2.0)
+    expected = torch.clamp(
+        torch.exp((noisy["old_per_token_logps"] - noisy["sampling_per_token_logps"]) * mask), max=2.0
+    )
     torch.testing.assert_close(noisy["importance_sampling_ratio"], expected)
     assert (noisy["importance_sampling_ratio"][mask.bool()] != 1).any()
     assert "sampling/importance_sampling_ratio/mean" in trainer.state.log_history[0]
@@ -161,8 +180,9 @@ def test_generation_config_of_the_model_does_not_leak(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
     trainer = _trainer(nvfp4_dir, _config(tmp_path, aqn=False, max_completion_length=6))
     trainer.model.generation_config.update(do_sample=True, top_k=1, temperature=0.1)
-    prompt = trainer.processing_class.apply_chat_template([{"role": "user", "content": "1+1="}],
-                                                         add_generation_prompt=True)["input_ids"]
+    prompt = trainer.processing_class.apply_chat_template(
+        [{"role": "user", "content": "1+1="}], add_generation_prompt=True
+    )["input_ids"]
     out = trainer.rollout.generate([prompt] * 16, lambda m: aqn.noisy_norms(m, 0.0))
     assert len({tuple(c) for c in out.completion_ids}) > 1
 

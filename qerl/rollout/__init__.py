@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ContextManager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from transformers.generation.logits_process import (
 if TYPE_CHECKING:
     from trl import GRPOTrainer
 
-Perturb = Callable[[nn.Module], ContextManager]
+Perturb = Callable[[nn.Module], AbstractContextManager]
 
 
 @dataclass
@@ -108,7 +109,9 @@ def truncate_at_eos(completion_ids: torch.Tensor, logprobs: torch.Tensor, eos_to
     is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
     lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, completion_ids.size(1)).tolist()
     ids, lps = completion_ids.cpu().tolist(), logprobs.float().cpu().tolist()
-    return RolloutOutput([row[:n] for row, n in zip(ids, lengths)], [row[:n] for row, n in zip(lps, lengths)])
+    return RolloutOutput(
+        [row[:n] for row, n in zip(ids, lengths, strict=True)], [row[:n] for row, n in zip(lps, lengths, strict=True)]
+    )
 
 
 class TransformersRollout(RolloutBackend):
