@@ -22,13 +22,16 @@ def checkpoints(tmp_path_factory):
 
 
 def test_reference_flag_names(tmp_path):
-    script, config = train.parse_args([
+    argv = [
         "--model-name", "m", "--dataset", "dapomath", "--lora-rank", "32", "--lora-alpha", "64", "--ln", "True",
         "--sigma-start", "5e-2", "--sigma-end", "5e-4", "--num-stages", "6", "--random-state", "7",
         "--loss-type", "bnpo", "--beta", "0.04", "--epsilon-high", "0.2", "--max-prompt-length", "300",
         "--mask-truncated-completions", "True", "--output-dir", str(tmp_path), "--use-cpu", "True",
         "--fast-inference", "True", "--max-seq-length", "10000", "--warmup-ratio", "0.1",
-    ])  # fmt: skip
+    ]  # fmt: skip
+    with pytest.warns(UserWarning, match="ignoring --fast-inference") as caught:
+        script, config = train.parse_args(argv)
+    assert any("--max-seq-length" in str(w.message) for w in caught)
     assert (script.model_name, script.dataset, script.max_prompt_length) == ("m", "dapomath", 300)
     assert (config.lora_rank, config.lora_alpha, config.trainable_norms, config.seed) == (32, 64, True, 7)
     assert (config.sigma_start, config.sigma_end, config.num_stages) == (5e-2, 5e-4, 6)
