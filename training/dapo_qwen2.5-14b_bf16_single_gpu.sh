@@ -1,45 +1,5 @@
 #!/usr/bin/env bash
-# QeRL: DAPO on Qwen2.5-14B-Instruct with a BF16 base + LoRA (the baseline), on one GPU.
-# Hyper-parameters of the QeRL reference script training/dapo_qwen2.5-14b_bf16_single_gpu.sh
-# (configs/dapo_<dataset>_bf16.yaml holds the shared recipe; the lines below set what this size changes).
-#
-# Usage: MODEL_PATH=Qwen/Qwen2.5-14B-Instruct bash training/dapo_qwen2.5-14b_bf16_single_gpu.sh [--flag value ...]
-#   DATA_NAME=gsm8k|bigmath|dapomath (default gsm8k), CKPTS_DIR=... (default ./ckpt/<run name>),
-#   DRY_RUN=1 prints the command instead of running it. Extra flags override the recipe.
-# Re-running continues from the newest checkpoint in CKPTS_DIR, as the reference does.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-
-MODEL_NAME="qwen2.5-14B-single-gpus"
-MODEL_PATH="${MODEL_PATH:-Qwen/Qwen2.5-14B-Instruct}"
-DATA_NAME="${DATA_NAME:-gsm8k}"
-PYTHON="${PYTHON:-python}"
-
-perdevice_train_batch_size=2
-gradient_accumulation_steps=1
-lora_rank=16
-lora_alpha=16
-lr=5e-6
-ln=True
-epsilon_high=0.28
-
-runname=${MODEL_NAME}_${lr}_${epsilon_high}_${DATA_NAME}_b${perdevice_train_batch_size}_g${gradient_accumulation_steps}_r${lora_rank}_${ln}
-CKPTS_DIR="${CKPTS_DIR:-./ckpt/${runname}}"
-
-${DRY_RUN:+echo} "$PYTHON" -m qerl.train \
-    --config "configs/dapo_${DATA_NAME}_bf16.yaml" \
-    --model-name "$MODEL_PATH" \
-    --dataset "$DATA_NAME" \
-    --output-dir "$CKPTS_DIR" \
-    --run-name "$runname" \
-    --per-device-train-batch-size "$perdevice_train_batch_size" \
-    --num-generations "$perdevice_train_batch_size" \
-    --gradient-accumulation-steps "$gradient_accumulation_steps" \
-    --learning-rate "$lr" \
-    --lora-rank "$lora_rank" \
-    --lora-alpha "$lora_alpha" \
-    --ln "$ln" \
-    --epsilon-high "$epsilon_high" \
-    --random-state 2025 \
-    --resume-from-checkpoint true \
-    "$@"
+# QeRL: DAPO on Qwen2.5-14B-Instruct with a BF16 base + LoRA (the baseline), on one GPU;
+# the QeRL reference's training/dapo_qwen2.5-14b_bf16_single_gpu.sh. Settings: dapo_single_gpu.sh.
+# Usage: bash training/dapo_qwen2.5-14b_bf16_single_gpu.sh [--flag value ...]   (MODEL_PATH defaults to Qwen/Qwen2.5-14B-Instruct)
+SIZE=14B PRECISION=bf16 BATCH=2 exec bash "$(dirname "$0")/dapo_single_gpu.sh" "$@"
