@@ -225,26 +225,16 @@ def bench_layer(model, m, copy_gbs):
 
 
 def sweep_configs(m, n, k):
-    """A targeted grid per row bucket: (block_m, block_n, block_k, warps, mode, prefetch); split from auto_split."""
+    """A targeted grid per row bucket: (block_m, block_n, block_k, warps, stages, mode, prefetch) x split (auto for
+    1, 2 and 4 CTAs per SM); mode 0 streaming tensor-core kernel, mode 1 interleaved decode."""
     dev = torch.device("cuda")
-    if m <= 2:
-        grid = [(m, 16, 256, 4, 3, 0), (m, 16, 256, 4, 3, 1), (m, 32, 256, 4, 3, 0), (m, 32, 256, 4, 3, 1),
-                (m, 16, 512, 4, 3, 0), (m, 64, 128, 4, 3, 0), (m, 64, 128, 4, 3, 1), (m, 32, 128, 4, 3, 0)]
-        grid = [g for g in grid if m == 1 or g[4] != 3]
-        grid += [(16, 64, 256, 4, 0, 0), (16, 64, 256, 4, 0, 1), (16, 64, 128, 4, 0, 0), (16, 32, 256, 4, 0, 0)]
-    elif m <= 16:
-        grid = [(16, 64, 256, 4, 0, 0), (16, 64, 256, 4, 0, 1), (16, 64, 128, 4, 0, 0), (16, 64, 128, 4, 0, 1),
-                (16, 32, 256, 4, 0, 0), (16, 128, 256, 8, 0, 0), (16, 64, 128, 4, 1, 0), (16, 64, 128, 4, 1, 1),
-                (16, 64, 256, 8, 1, 0)]
-    else:
-        grid = [(64, 64, 128, 4, 1, 0), (64, 64, 128, 4, 1, 1), (64, 64, 64, 4, 1, 0), (64, 128, 128, 8, 1, 0),
-                (64, 64, 128, 4, 0, 0), (64, 64, 256, 4, 0, 0)]
+    bm = 16 if m <= 16 else max(16, 1 << (m - 1).bit_length())
+    grid = [(bm, 64, 256, 4, 4, 0, 0), (bm, 64, 256, 4, 6, 0, 0), (bm, 128, 256, 8, 3, 0, 0), (bm, 128, 128, 8, 4, 0, 0),
+            (bm, 64, 128, 4, 4, 0, 0), (bm, 64, 128, 4, 4, 1, 1), (bm, 64, 128, 4, 4, 1, 0)]
     out = {tk.default_config(m, n, k, dev)}
-    for bm, bn, bk, warps, mode, pf in grid:
-        split = tk.auto_split(n, k, bn, bk, dev)
-        out.add(tk.GemmConfig(bm, bn, bk, split, warps, 4, mode, pf))
-        if m == 1:
-            out.add(tk.GemmConfig(bm, bn, bk, 2 * split, warps, 4, mode, pf))
+    for bm_, bn, bk, warps, stages, mode, pf in grid:
+        for waves in (1, 2, 4):
+            out.add(tk.GemmConfig(bm_, bn, bk, tk.auto_split(n, k, bn, bk, dev, waves), warps, stages, mode, pf))
     return sorted(out)
 
 

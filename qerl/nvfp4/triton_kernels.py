@@ -25,6 +25,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -65,10 +66,10 @@ fma.rn.bf16x2 $3, a3, $6, a13;
 
 
 @triton.jit
-def _e4m3_to_f32(b):
-    """FP8 E4M3 bits (uint8) -> fp32, exact: the 7 magnitude bits placed as an fp16 is the value / 256."""
+def _e4m3_to_f32(b, mult: tl.constexpr = 256.0):
+    """FP8 E4M3 bits (uint8) -> fp32 * mult / 256, exact: the 7 magnitude bits placed as an fp16 is value / 256."""
     bits = ((b & 0x7F).to(tl.int16) << 7) | ((b & 0x80).to(tl.int16) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * mult
 
 
 @triton.jit
@@ -127,18 +128,13 @@ def _dequant_kernel(
 
 
 @triton.jit
-def _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t, K2, KS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FLAT: tl.constexpr):
-    """K tile t of the packed weight ([BLOCK_N, BLOCK_K/2] if FLAT else [BLOCK_N, groups, 8]) and its scales."""
+def _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t, K2, KS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K tile t of the packed weight as [BLOCK_N, groups, 8] bytes and its scales [BLOCK_N, groups]."""
     KG: tl.constexpr = BLOCK_K // 16
     rg = t * KG + tl.arange(0, KG)
     sb = tl.load(s_ptr + rn64[:, None] * KS + rg[None, :], mask=n_ok[:, None] & (rg < KS)[None, :], other=0)
-    if FLAT:
-        rj = t * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        p = tl.load(p_ptr + rn64[:, None] * K2 + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
-    else:
-        rj3 = rg[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-        p = tl.load(p_ptr + rn64[:, None, None] * K2 + rj3, mask=n_ok[:, None, None] & (rj3 < K2), other=0)
+    rj3 = rg[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    p = tl.load(p_ptr + rn64[:, None, None] * K2 + rj3, mask=n_ok[:, None, None] & (rj3 < K2), other=0)
     return p, sb
 
 
@@ -168,20 +164,14 @@ def _gemm_kernel(
     x_ptr, p_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, stride_xm, stride_ym, tiles_per_split,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """y[M, N] = x[M, K] @ W[N, K]^T, computed as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T.
-
-    MODE 0: even/odd nibbles in two dots against strided rows of x^T;
-    MODE 1: nibbles interleaved in registers, one dot against a contiguous x^T tile;
-    MODE 2: no tensor cores (GEMV, for 1-4 rows): fp32 FMAs into a [BLOCK_N, BLOCK_M, BLOCK_K] accumulator;
-    MODE 3: no tensor cores, one row of x, everything kept as [BLOCK_N, groups, 8] (no reshape or join).
-    """
+    """y[M, N] = x[M, K] @ W[N, K]^T for 17-64 rows, computed as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T:
+    nibbles decoded and interleaved in registers, one dot against a contiguous x^T tile, plain loads with an
+    optional register prefetch of the next K tile (Triton does not pipeline loads that feed inline asm)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    KH: tl.constexpr = BLOCK_K // 2
-    KG: tl.constexpr = BLOCK_K // 16
     K2 = K // 2
     KS = K // 16
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,84 +183,87 @@ def _gemm_kernel(
     # K). A tile past the end of K loads nothing (masks).
     t0 = pid_k * tiles_per_split
     x_dtype = x_ptr.dtype.element_ty
-    if MODE == 2:
-        acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
-    elif MODE == 3:
-        acc3 = tl.zeros((BLOCK_N, KG, 8), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    r8 = tl.arange(0, 8)
-    # Prefetch: the next tile's packed bytes and scales are loaded before this tile is decoded, so each CTA
-    # keeps two tiles of loads in flight (Triton does not software-pipeline loads that feed inline asm).
-    p_nx, sb_nx = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t0, K2, KS, BLOCK_N, BLOCK_K, MODE == 0)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    p_nx, sb_nx = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t0, K2, KS, BLOCK_N, BLOCK_K)
     for i in range(0, TILES_PER_SPLIT if INTERPRET else tiles_per_split):
         t = t0 + i
         if PREFETCH:
             p, sb = p_nx, sb_nx
-            p_nx, sb_nx = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t + 1, K2, KS, BLOCK_N, BLOCK_K, MODE == 0)
+            p_nx, sb_nx = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t + 1, K2, KS, BLOCK_N, BLOCK_K)
         else:
-            p, sb = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t, K2, KS, BLOCK_N, BLOCK_K, MODE == 0)
-        s = _e4m3_to_f32(sb)
-        if MODE == 0:
-            rj = t * KH + tl.arange(0, KH)
-            # Even and odd rows of x^T for this K tile, matching the low and high nibbles.
-            ke = 2 * rj
-            x_mask = (ke < K)[:, None] & m_ok[None, :]
-            xe = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=x_mask, other=0.0)
-            xo = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None], mask=x_mask, other=0.0)
-            if USE_ASM:
-                s16 = tl.reshape(tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH))
-                lo, hi = tl.inline_asm_elementwise(
-                    _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [p, s16],
-                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-                )
-            else:
-                sx = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH))
-                lo = (_e2m1_to_f32(p & 0xF) * sx).to(x_dtype)
-                hi = (_e2m1_to_f32(p >> 4) * sx).to(x_dtype)
-            if INTERPRET:  # the interpreter multiplies bf16 as raw integers
-                acc = tl.dot(lo.to(tl.float32), xe.to(tl.float32), acc)
-                acc = tl.dot(hi.to(tl.float32), xo.to(tl.float32), acc)
-            else:
-                acc = tl.dot(lo, xe, acc)
-                acc = tl.dot(hi, xo, acc)
-        elif MODE == 3:
-            # One row of x: even/odd x as [KG, 8] tiles broadcast over the W rows; no reshape, no join.
-            lo, hi = _decode_split(p, s, USE_ASM, x_dtype, BLOCK_N, BLOCK_K)
-            ke3 = 2 * ((t * KG + tl.arange(0, KG))[:, None] * 8 + r8[None, :])
-            xe = tl.load(x_ptr + ke3, mask=ke3 < K, other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + ke3 + 1, mask=ke3 < K, other=0.0).to(tl.float32)
-            acc3 += lo.to(tl.float32) * xe[None, :, :] + hi.to(tl.float32) * xo[None, :, :]
+            p, sb = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t, K2, KS, BLOCK_N, BLOCK_K)
+        lo, hi = _decode_split(p, _e4m3_to_f32(sb), USE_ASM, x_dtype, BLOCK_N, BLOCK_K)
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+        rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=(rk < K)[:, None] & m_ok[None, :], other=0.0)
+        if INTERPRET:  # the interpreter multiplies bf16 as raw integers
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
         else:
-            lo, hi = _decode_split(p, s, USE_ASM, x_dtype, BLOCK_N, BLOCK_K)
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-            rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
-            if MODE == 1:
-                xt = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=(rk < K)[:, None] & m_ok[None, :],
-                             other=0.0)
-                if INTERPRET:
-                    acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
-                else:
-                    acc = tl.dot(w, xt, acc)
-            else:
-                xr = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
-                             other=0.0)
-                acc3 += w.to(tl.float32)[:, None, :] * xr.to(tl.float32)[None, :, :]
-    if MODE == 3:
-        acc = tl.reshape(tl.sum(tl.sum(acc3, axis=2), axis=1), (BLOCK_N, 1))
-    if MODE == 2:
-        acc = tl.sum(acc3, axis=2)
+            acc = tl.dot(w, xt, acc)
+    _split_epilogue(acc, 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm, M, N, stride_ym, pid_n, pid_k,
+                    HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K, INTERPRET)
 
+
+# E2M1 -> BF16 without tables (pack=4: one 32-bit register of 4 packed bytes b0..b3). A byte permute makes the
+# word (b0, b2, b1, b3); round r shifts it left by 4r so that one nibble sits at the top of each 16-bit half:
+# its sign is already the BF16 sign bit and its 3 magnitude bits, moved right by 6, land on the two low exponent
+# bits and the top mantissa bit. Read as a BF16 that is value * 2^-126 exactly (code 1 = 0.5 becomes a BF16
+# subnormal); the scale operand carries 2^110, so the bf16x2 FMA gives code * scale * 2^-16
+# exactly. 18 instructions per 8 weights (the table decode takes 22 plus constant moves).
+_E2M1_BF16_SHIFT_ASM = tl.constexpr("""
+{
+.reg .b32 t<4>, u<4>, w<4>;
+prmt.b32 t0, $4, 0, 0x3120;
+shl.b32 t1, t0, 4;
+shl.b32 t2, t0, 8;
+shl.b32 t3, t0, 12;
+and.b32 u0, t0, 0x70007000;
+and.b32 u1, t1, 0x70007000;
+and.b32 u2, t2, 0x70007000;
+and.b32 u3, t3, 0x70007000;
+shr.b32 u0, u0, 6;
+shr.b32 u1, u1, 6;
+shr.b32 u2, u2, 6;
+shr.b32 u3, u3, 6;
+lop3.b32 w0, t0, 0x80008000, u0, 0xEA;
+lop3.b32 w1, t1, 0x80008000, u1, 0xEA;
+lop3.b32 w2, t2, 0x80008000, u2, 0xEA;
+lop3.b32 w3, t3, 0x80008000, u3, 0xEA;
+mov.b32 t0, 0x80008000;
+fma.rn.bf16x2 $0, w3, $5, t0;
+fma.rn.bf16x2 $1, w1, $6, t0;
+fma.rn.bf16x2 $2, w2, $5, t0;
+fma.rn.bf16x2 $3, w0, $6, t0;
+}
+""")
+# The shift decode's weights are code * scale * 2^-16 (exact); the scale carries 2^110, the epilogue 2^16.
+_SHIFT_SCALE = tl.constexpr(2.0**110)
+_SHIFT_UNDO = tl.constexpr(2.0**16)
+
+
+@triton.jit
+def _perm_k(t, BLOCK_N: tl.constexpr, KH: tl.constexpr):
+    """Reorder each 16-byte chunk of a [BLOCK_N, KH] tile: physical byte 4q + 2h + b goes to MMA position
+    8h + 2q + b, so each thread's wgmma A fragment (K pairs 2q, 2q+1 and 2q+8, 2q+9 of every 16) is 4
+    consecutive bytes in shared memory (one 32-bit load, one scale group)."""
+    return tl.reshape(tl.permute(tl.reshape(t, (BLOCK_N, KH // 16, 4, 2, 2)), (0, 1, 3, 2, 4)), (BLOCK_N, KH))
+
+
+@triton.jit
+def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm, M, N, stride_ym, pid_n, pid_k,
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """y = acc * scale / global_scale (+ bias); with split-K the last CTA of the N tile sums the partials."""
+    n_ok = rn < N
+    m_ok = rm < M
     y_mask = n_ok[:, None] & m_ok[None, :]
     y_off = rm[None, :] * stride_ym + rn[:, None]
     if SPLIT_K == 1:
-        acc = acc / tl.load(gs_ptr)
+        acc = acc * scale / tl.load(gs_ptr)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + y_off, _to_out(acc, y_ptr.dtype.element_ty, INTERPRET), mask=y_mask)
     else:
-        # Partials go to an fp32 workspace [SPLIT_K, M, N]; the CTA that arrives last for this N tile sums
-        # them, writes y and re-arms the counter, so the next launch finds it at zero (graph-replay safe).
         w_off = rm[None, :] * N + rn[:, None]
         tl.store(ws_ptr + pid_k * M * N + w_off, acc, mask=y_mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
@@ -279,11 +272,89 @@ def _gemm_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for i in range(SPLIT_K):
                 total += tl.load(ws_ptr + i * M * N + w_off, mask=y_mask, other=0.0, cache_modifier=".cg")
-            total = total / tl.load(gs_ptr)
+            total = total * scale / tl.load(gs_ptr)
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptr + y_off, _to_out(total, y_ptr.dtype.element_ty, INTERPRET), mask=y_mask)
             tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+@triton.jit
+def _gemm_tc_kernel(
+    x_ptr, p_ptr, s_ptr, p_desc, s_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_ym, tiles_per_split,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, STAGES: tl.constexpr, TMA_P: tl.constexpr,
+    TMA_S: tl.constexpr, USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """y[M, N] = x @ W^T as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T on the tensor cores, the weight streamed.
+
+    The packed bytes (and the scales) arrive by TMA into a STAGES-deep shared-memory ring (Triton's pipeliner
+    turns the descriptor loads inside tl.range into async copies + mbarriers), so the bytes in flight do not
+    depend on registers. The low and high nibbles of a byte are two dots against the even and odd rows of x.
+    K order inside each tile is permuted (_perm_k) so that the packed tile is read from shared memory straight
+    into the wgmma A-operand layout, 4 bytes per load; x is gathered in the same order.
+    USE_ASM: the table-free shift decode in inline PTX (else the portable shift/convert decode, fp32 dot).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KH: tl.constexpr = BLOCK_K // 2
+    KG: tl.constexpr = BLOCK_K // 16
+    K2 = K // 2
+    KS = K // 16
+    n0 = pid_n * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_ok = rn < N
+    m_ok = rm < M
+    rn64 = rn.to(tl.int64)
+    x_dtype = x_ptr.dtype.element_ty
+    # Physical byte (within the tile) behind each MMA K position, matching _perm_k and the decode's order.
+    L = tl.arange(0, KH)
+    Lr = L % 16
+    P = (L - Lr) + 4 * ((Lr % 8) // 2) + 2 * (Lr // 8) + (Lr % 2)
+    t0 = pid_k * tiles_per_split
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in tl.range(0, TILES_PER_SPLIT if INTERPRET else tiles_per_split, num_stages=STAGES):
+        t = t0 + i
+        if TMA_P:
+            p = p_desc.load([n0, t * KH])
+        else:
+            rj = t * KH + tl.arange(0, KH)
+            p = tl.load(p_ptr + rn64[:, None] * K2 + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
+        if TMA_S:
+            sb = s_desc.load([n0, t * KG])
+        else:
+            rg = t * KG + tl.arange(0, KG)
+            sb = tl.load(s_ptr + rn64[:, None] * KS + rg[None, :], mask=n_ok[:, None] & (rg < KS)[None, :], other=0)
+        p = _perm_k(p, BLOCK_N, KH)
+        if USE_ASM:
+            s = _e4m3_to_f32(sb, 256.0 * _SHIFT_SCALE)
+        else:
+            s = _e4m3_to_f32(sb)
+        if not USE_ASM:
+            s16 = _perm_k(tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH)), BLOCK_N, KH)
+            lo = (_e2m1_to_f32(p & 0xF) * s16).to(x_dtype)  # exact: no rounding
+            hi = (_e2m1_to_f32(p >> 4) * s16).to(x_dtype)
+        else:
+            s16 = _perm_k(tl.reshape(tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, KG, 8)),
+                                     (BLOCK_N, KH)), BLOCK_N, KH)
+            lo, hi = tl.inline_asm_elementwise(
+                _E2M1_BF16_SHIFT_ASM, "=r,=r,=r,=r,r,r,r", [p, s16],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+            )
+        ke = 2 * (t * KH + P)
+        x_mask = (ke < K)[:, None] & m_ok[None, :]
+        xe = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=x_mask, other=0.0)
+        xo = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None], mask=x_mask, other=0.0)
+        if INTERPRET:  # the interpreter multiplies bf16 as raw integers
+            acc = tl.dot(lo.to(tl.float32), xe.to(tl.float32), acc)
+            acc = tl.dot(hi.to(tl.float32), xo.to(tl.float32), acc)
+        else:
+            acc = tl.dot(lo, xe, acc)
+            acc = tl.dot(hi, xo, acc)
+    _split_epilogue(acc, _SHIFT_UNDO if USE_ASM else 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm,
+                    M, N, stride_ym, pid_n, pid_k, HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K, INTERPRET)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -311,9 +382,13 @@ def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, bloc
 
 
 class GemmConfig(tuple):
-    """(block_m, block_n, block_k, split_k, num_warps, num_stages, mode, prefetch); see _gemm_kernel."""
+    """(block_m, block_n, block_k, split_k, num_warps, num_stages, mode, prefetch).
 
-    def __new__(cls, block_m, block_n, block_k, split_k, num_warps=4, num_stages=4, mode=1, prefetch=1):
+    mode 0: the streaming tensor-core kernel (_gemm_tc_kernel; num_stages is its TMA ring depth);
+    mode 1: the interleaved-decode kernel (_gemm_kernel; prefetch = register prefetch of the next K tile).
+    """
+
+    def __new__(cls, block_m, block_n, block_k, split_k, num_warps=4, num_stages=4, mode=0, prefetch=0):
         return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages, mode, prefetch))
 
     block_m = property(lambda s: s[0])
@@ -339,29 +414,23 @@ def _sm_count(device: torch.device) -> int:
 
 
 def auto_split(n: int, k: int, block_n: int, block_k: int, device: torch.device, waves: int = 2) -> int:
-    """Split K until about `waves` CTAs per SM exist, keeping at least two K tiles per split."""
+    """Split K (powers of two) until at least `waves` CTAs per SM exist, keeping at least two K tiles per split."""
     k_tiles = triton.cdiv(k, block_k)
     n_tiles = triton.cdiv(n, block_n)
     target = waves * _sm_count(device)
     split = 1
-    while n_tiles * split * 2 <= target and k_tiles // (split * 2) >= 2:
+    while n_tiles * split < target and k_tiles // (split * 2) >= 2:
         split *= 2
     return split
 
 
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
-    """Best of the H200 sweep (docs/kernel_notes.md) by row count: one row, a CUDA-core GEMV on [N, groups, 8]
-    tiles; up to 16 rows, tensor cores with even/odd dots and prefetch; more, interleaved decode, one dot."""
-    if m == 1:
-        cfg = (1, 16, 256, 4, 4, 3, 0)
-    elif m <= 16:
-        cfg = (16, 64, 256, 4, 4, 0, 1)
-    else:
-        cfg = (max(16, triton.next_power_of_2(m)), 64, 128, 4, 4, 1, 1)
-    bm, bn, bk, warps, stages, mode, prefetch = cfg
-    # The one-row kernel keeps few bytes in flight per CTA, so it wants more CTAs (sweep: split 2x the rest).
-    split = auto_split(n, k, bn, bk, device, waves=8 if mode == 3 else 2)
-    return GemmConfig(bm, bn, bk, split, warps, stages, mode, prefetch)
+    """From the H200 runs (docs/kernel_notes.md): up to 16 rows the streaming tensor-core kernel with 64 x 256
+    tiles, 4 warps and a 4-deep TMA ring; 17-64 rows the interleaved-decode kernel with register prefetch."""
+    if m <= 16:
+        return GemmConfig(16, 64, 256, auto_split(n, k, 64, 256, device), 4, 4, 0, 0)
+    bm = max(16, triton.next_power_of_2(m))
+    return GemmConfig(bm, 64, 128, auto_split(n, k, 64, 128, device, waves=1), 4, 4, 1, 1)
 
 
 class _Locks:
@@ -379,6 +448,12 @@ class _Locks:
 
 
 _LOCKS = _Locks()
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a 16-byte aligned base and 16-byte aligned row strides (K % 32 for the packed bytes, K % 256 for
+    the scales); anything else takes the kernel's plain-load path."""
+    return t.is_cuda and not INTERPRET and t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[1] % 16 == 0
 
 
 def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig | None = None, use_asm=None):
@@ -403,12 +478,21 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
         locks = _LOCKS.get(x.device, n_tiles)
     else:
         ws = locks = out  # unused
-    _gemm_kernel[(n_tiles, cfg.split_k)](
-        x, packed, scale.view(torch.uint8), global_scale, bias if bias is not None else out, out, ws, locks,
-        m, n, k, x.stride(0), out.stride(0), tiles,
-        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, TILES_PER_SPLIT=tiles if INTERPRET else 0, MODE=cfg.mode,
-        PREFETCH=bool(cfg.prefetch), USE_ASM=bool(use_asm), INTERPRET=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    scale_u8 = scale.view(torch.uint8)
+    common = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  SPLIT_K=cfg.split_k, TILES_PER_SPLIT=tiles if INTERPRET else 0, USE_ASM=bool(use_asm),
+                  INTERPRET=INTERPRET, num_warps=cfg.num_warps)
+    args = (global_scale, bias if bias is not None else out, out, ws, locks, m, n, k, x.stride(0), out.stride(0), tiles)
+    if cfg.mode == 0:
+        # Host-side TMA descriptors (passed by value, so CUDA graphs capture them); the scale tile's rows are
+        # BLOCK_K/16 bytes, which TMA takes from 16 up.
+        tma_p = _tma_ok(packed)
+        tma_s = tma_p and cfg.block_k >= 256 and _tma_ok(scale_u8)
+        p_desc = TensorDescriptor.from_tensor(packed, [cfg.block_n, cfg.block_k // 2]) if tma_p else packed
+        s_desc = TensorDescriptor.from_tensor(scale_u8, [cfg.block_n, cfg.block_k // 16]) if tma_s else scale_u8
+        _gemm_tc_kernel[(n_tiles, cfg.split_k)](
+            x, packed, scale_u8, p_desc, s_desc, *args, STAGES=cfg.num_stages, TMA_P=tma_p, TMA_S=tma_s, **common)
+    else:
+        _gemm_kernel[(n_tiles, cfg.split_k)](
+            x, packed, scale_u8, *args, PREFETCH=bool(cfg.prefetch), num_stages=cfg.num_stages, **common)
     return out
