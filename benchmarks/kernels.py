@@ -229,8 +229,8 @@ def sweep_configs(m, n, k):
     1, 2 and 4 CTAs per SM); mode 0 streaming tensor-core kernel, mode 1 interleaved decode."""
     dev = torch.device("cuda")
     bm = 16 if m <= 16 else max(16, 1 << (m - 1).bit_length())
-    grid = [(bm, 64, 256, 4, 4, 0, 0), (bm, 64, 256, 4, 6, 0, 0), (bm, 128, 256, 8, 3, 0, 0), (bm, 128, 128, 8, 4, 0, 0),
-            (bm, 64, 128, 4, 4, 0, 0), (bm, 64, 128, 4, 4, 1, 1), (bm, 64, 128, 4, 4, 1, 0)]
+    grid = [(bm, 64, 256, 4, 4, 0, 0), (bm, 64, 256, 4, 6, 0, 0), (bm, 128, 256, 8, 3, 0, 0),
+            (bm, 128, 128, 8, 4, 0, 0), (bm, 64, 128, 4, 4, 0, 0), (bm, 64, 128, 4, 4, 1, 1), (bm, 64, 128, 4, 4, 1, 0)]
     out = {tk.default_config(m, n, k, dev)}
     for bm_, bn, bk, warps, stages, mode, pf in grid:
         for waves in (1, 2, 4):

@@ -5,9 +5,11 @@ Two kernels, both reading compressed-tensors' standard layout as it sits in the 
     0.5625 bytes and writes 2 bytes per weight).
   * `gemm`: y = x @ W^T for small M (decode), the weight dequantized in registers and fed to the tensor
     cores, so each packed byte is read from memory once. The tile is computed transposed (W tile is the
-    MMA's M side, the few rows of x its N side), the even and odd K halves of a byte go to two dots
-    against the even and odd rows of x (no interleave needed), split-K fills the machine on narrow N and
-    the last CTA of each N tile reduces the partials (one launch, no memset).
+    MMA's M side, the few rows of x its N side); split-K fills the machine on narrow N and the last CTA of
+    each N tile reduces the partials (one launch, no memset). Two kernels: up to 16 rows `_gemm_tc_kernel`
+    streams the packed tiles through a TMA shared-memory ring and decodes them in the wgmma operand layout
+    (low and high nibbles as two dots against the even and odd rows of x); 17-64 rows `_gemm_kernel`
+    interleaves the nibbles in registers and runs one dot.
 
 The GEMM multiplies code values by the FP8 scale in BF16 (exact: a 2-bit times a 4-bit significand) and
 divides by the global scale once on the FP32 accumulator: this skips one rounding of the weight to BF16
