@@ -18,12 +18,32 @@ import statistics
 import time
 
 import torch
+from transformers import PrinterCallback, TrainerCallback
 
 from qerl import data, plotting, policy
 from qerl.tiny import build_tiny, save_tiny_checkpoints
 from qerl.trainer import QeRLConfig, QeRLTrainer
 
 MAX_OPERAND = 20
+
+
+class CompactProgress(TrainerCallback):
+    """One line every `every` steps (reward, entropy, sigma) instead of the full log dict of every step;
+    every step still goes to metrics.jsonl."""
+
+    def __init__(self, every: int):
+        self.every, self.start, self.window = max(every, 1), time.time(), []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "reward" not in logs:
+            return
+        self.window.append(logs)
+        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
+            mean = lambda key: statistics.fmean(row.get(key, 0.0) for row in self.window)  # noqa: E731
+            print(f"[demo] step {state.global_step:4d}/{state.max_steps}  reward {mean('reward'):.3f}  "
+                  f"entropy {mean('entropy'):.3f}  sigma {logs.get('aqn/sigma', 0.0):.1e}  "
+                  f"({time.time() - self.start:.0f} s)", flush=True)  # fmt: skip
+            self.window = []
 
 
 def _encode_sft(tokenizer, rows):
@@ -139,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = QeRLTrainer(
         base, data.reward_funcs_for("arithmetic"), args=config, train_dataset=problems, processing_class=tokenizer
     )
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(CompactProgress(every=max(args.rl_steps // 20, 1)))
     trainer.train()
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
