@@ -225,16 +225,15 @@ def bench_layer(model, m, copy_gbs):
 
 
 def sweep_configs(m, n, k):
-    """A targeted grid per row bucket: (block_m, block_n, block_k, warps, stages, mode, prefetch) x split (auto for
-    1, 2 and 4 CTAs per SM); mode 0 streaming tensor-core kernel, mode 1 interleaved decode."""
+    """A targeted grid per row bucket: (block_m, block_n, block_k, warps, stages) x split (auto for 1, 2 and 4
+    CTAs per SM)."""
     dev = torch.device("cuda")
     bm = 16 if m <= 16 else max(16, 1 << (m - 1).bit_length())
-    grid = [(bm, 64, 256, 4, 4, 0, 0), (bm, 64, 256, 4, 6, 0, 0), (bm, 128, 256, 8, 3, 0, 0),
-            (bm, 128, 128, 8, 4, 0, 0), (bm, 64, 128, 4, 4, 0, 0), (bm, 64, 128, 4, 4, 1, 1), (bm, 64, 128, 4, 4, 1, 0)]
+    grid = [(bm, 64, 256, 4, 3), (bm, 64, 256, 4, 4), (bm, 128, 256, 8, 3), (bm, 64, 128, 4, 4), (bm, 64, 128, 4, 6)]
     out = {tk.default_config(m, n, k, dev)}
-    for bm_, bn, bk, warps, stages, mode, pf in grid:
+    for bm_, bn, bk, warps, stages in grid:
         for waves in (1, 2, 4):
-            out.add(tk.GemmConfig(bm_, bn, bk, tk.auto_split(n, k, bn, bk, dev, waves), warps, stages, mode, pf))
+            out.add(tk.GemmConfig(bm_, bn, bk, tk.auto_split(n, k, bn, bk, dev, waves), warps, stages))
     return sorted(out)
 
 

@@ -6,10 +6,9 @@ Two kernels, both reading compressed-tensors' standard layout as it sits in the 
   * `gemm`: y = x @ W^T for small M (decode), the weight dequantized in registers and fed to the tensor
     cores, so each packed byte is read from memory once. The tile is computed transposed (W tile is the
     MMA's M side, the few rows of x its N side); split-K fills the machine on narrow N and the last CTA of
-    each N tile reduces the partials (one launch, no memset). Two kernels: up to 16 rows `_gemm_tc_kernel`
-    streams the packed tiles through a TMA shared-memory ring and decodes them in the wgmma operand layout
-    (low and high nibbles as two dots against the even and odd rows of x); 17-64 rows `_gemm_kernel`
-    interleaves the nibbles in registers and runs one dot.
+    each N tile reduces the partials (one launch, no memset). One kernel, `_gemm_tc_kernel`, for 1-64 rows:
+    the packed tiles, their scales and x stream through a TMA shared-memory ring; the weight is decoded in
+    the wgmma operand layout (low and high nibbles as two dots against the even and odd K of x).
 
 The GEMM multiplies code values by the FP8 scale in BF16 (exact: a 2-bit times a 4-bit significand) and
 divides by the global scale once on the FP32 accumulator: this skips one rounding of the weight to BF16
@@ -31,47 +30,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# E2M1 -> BF16 for 8 codes held in one 32-bit register, times the group scale, 2 BF16 per output register.
-# The two prmt lookups read the low and the high byte of each BF16 magnitude from byte tables held in
-# immediates (0, .5, 1, 1.5, 2, 3, 4, 6 = 0x0000 3F00 3F80 3FC0 4000 4040 4080 40C0); the sign byte is a
-# third lookup. Selectors 0x6240 / 0x7351 pick the even (low nibble) and odd (high nibble) codes. Then one
-# bf16x2 FMA applies the scale (exact: 2-bit x 4-bit significands). About 3 instructions per weight,
-# against ~8 for the shift/or/convert route, which matters: at the bandwidth roofline the decode kernel
-# has ~4 ALU instructions per weight to spend.
-_E2M1_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 a<14>;
-and.b32 a0, $4, 0x88888888;
-shr.u32 a1, a0, 3;
-and.b32 a2, $4, 0x77777777;
-shr.u32 a3, a2, 16;
-shr.u32 a4, a0, 19;
-prmt.b32 a5, 0xC0800000, 0xC0804000, a2;
-prmt.b32 a6, 0xC0800000, 0xC0804000, a3;
-prmt.b32 a7, 0x3F3F3F00, 0x40404040, a2;
-prmt.b32 a8, 0x3F3F3F00, 0x40404040, a3;
-prmt.b32 a9, 0x8000, 0, a1;
-prmt.b32 a10, 0x8000, 0, a4;
-or.b32 a11, a7, a9;
-or.b32 a12, a8, a10;
-mov.b32 a13, 0x80008000;
-prmt.b32 a0, a5, a11, 0x6240;
-prmt.b32 a1, a6, a12, 0x6240;
-prmt.b32 a2, a5, a11, 0x7351;
-prmt.b32 a3, a6, a12, 0x7351;
-fma.rn.bf16x2 $0, a0, $5, a13;
-fma.rn.bf16x2 $1, a1, $6, a13;
-fma.rn.bf16x2 $2, a2, $5, a13;
-fma.rn.bf16x2 $3, a3, $6, a13;
-}
-""")
-
-
 @triton.jit
-def _e4m3_to_f32(b, mult: tl.constexpr = 256.0):
-    """FP8 E4M3 bits (uint8) -> fp32 * mult / 256, exact: the 7 magnitude bits placed as an fp16 is value / 256."""
+def _e4m3_to_f32(b):
+    """FP8 E4M3 bits (uint8) -> fp32, exact: the 7 magnitude bits placed as an fp16 is value / 256."""
     bits = ((b & 0x7F).to(tl.int16) << 7) | ((b & 0x80).to(tl.int16) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * mult
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
 @triton.jit
@@ -102,7 +65,7 @@ def _to_out(x, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _dequant_kernel(
-    p_ptr, s_ptr, gs_ptr, out_ptr, N, K2,
+    p_ptr, s_ptr, gs_ptr, out_ptr, N, K2, stride_p, stride_s, stride_o,
     BLOCK_N: tl.constexpr, BLOCK_K2: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One [BLOCK_N, 2*BLOCK_K2] tile of W = out_dtype(value(code) * (fp32(scale) / global_scale))."""
@@ -114,8 +77,8 @@ def _dequant_kernel(
     rg = pid_k * BLOCK_G + tl.arange(0, BLOCK_G)
     n_ok = rn < N
     rn64 = rn.to(tl.int64)  # N * K can pass 2^31 (32B gate_up: 55296 x 5120)
-    p = tl.load(p_ptr + rn64[:, None] * K2 + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
-    sb = tl.load(s_ptr + rn64[:, None] * (K2 // 8) + rg[None, :],
+    p = tl.load(p_ptr + rn64[:, None] * stride_p + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
+    sb = tl.load(s_ptr + rn64[:, None] * stride_s + rg[None, :],
                  mask=n_ok[:, None] & (rg < K2 // 8)[None, :], other=0)
     gs = tl.load(gs_ptr)
     # Division rounded as IEEE does (Triton's `/` is approximate on GPU): the codec divides in fp32.
@@ -125,85 +88,8 @@ def _dequant_kernel(
     hi = _e2m1_to_f32(p >> 4) * eff
     w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * BLOCK_K2))  # even k from the low nibble
     rk = 2 * pid_k * BLOCK_K2 + tl.arange(0, 2 * BLOCK_K2)
-    tl.store(out_ptr + rn64[:, None] * (2 * K2) + rk[None, :], _to_out(w, OUT_DTYPE, INTERPRET),
+    tl.store(out_ptr + rn64[:, None] * stride_o + rk[None, :], _to_out(w, OUT_DTYPE, INTERPRET),
              mask=n_ok[:, None] & (rk < 2 * K2)[None, :])
-
-
-@triton.jit
-def _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t, K2, KS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """K tile t of the packed weight as [BLOCK_N, groups, 8] bytes and its scales [BLOCK_N, groups]."""
-    KG: tl.constexpr = BLOCK_K // 16
-    rg = t * KG + tl.arange(0, KG)
-    sb = tl.load(s_ptr + rn64[:, None] * KS + rg[None, :], mask=n_ok[:, None] & (rg < KS)[None, :], other=0)
-    rj3 = rg[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    p = tl.load(p_ptr + rn64[:, None, None] * K2 + rj3, mask=n_ok[:, None, None] & (rj3 < K2), other=0)
-    return p, sb
-
-
-@triton.jit
-def _decode_split(p, s, USE_ASM: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed bytes p [BLOCK_N, KG, 8] and fp32 scales s [BLOCK_N, KG] -> (even-k, odd-k) code * scale.
-
-    The scale broadcasts along a size-8 axis of its own (free, no reshuffle). Joining the two on a new minor
-    axis and merging it gives K order.
-    """
-    KG: tl.constexpr = BLOCK_K // 16
-    if USE_ASM:
-        s3 = tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, KG, 8))
-        lo, hi = tl.inline_asm_elementwise(
-            _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [p, s3],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-        )
-    else:
-        s3 = s[:, :, None]
-        lo = (_e2m1_to_f32(p & 0xF) * s3).to(dtype)  # exact in bf16/fp16: no rounding here
-        hi = (_e2m1_to_f32(p >> 4) * s3).to(dtype)
-    return lo, hi
-
-
-@triton.jit
-def _gemm_kernel(
-    x_ptr, p_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
-    M, N, K, stride_xm, stride_ym, tiles_per_split,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """y[M, N] = x[M, K] @ W[N, K]^T for 17-64 rows, computed as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T:
-    nibbles decoded and interleaved in registers, one dot against a contiguous x^T tile, plain loads with an
-    optional register prefetch of the next K tile (Triton does not pipeline loads that feed inline asm)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    K2 = K // 2
-    KS = K // 16
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    n_ok = rn < N
-    m_ok = rm < M
-    rn64 = rn.to(tl.int64)
-    # The interpreter needs a constexpr trip count; compiled kernels take it at run time (one binary for all
-    # K). A tile past the end of K loads nothing (masks).
-    t0 = pid_k * tiles_per_split
-    x_dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    p_nx, sb_nx = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t0, K2, KS, BLOCK_N, BLOCK_K)
-    for i in range(0, TILES_PER_SPLIT if INTERPRET else tiles_per_split):
-        t = t0 + i
-        if PREFETCH:
-            p, sb = p_nx, sb_nx
-            p_nx, sb_nx = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t + 1, K2, KS, BLOCK_N, BLOCK_K)
-        else:
-            p, sb = _load_w_tile(p_ptr, s_ptr, rn64, n_ok, t, K2, KS, BLOCK_N, BLOCK_K)
-        lo, hi = _decode_split(p, _e4m3_to_f32(sb), USE_ASM, x_dtype, BLOCK_N, BLOCK_K)
-        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-        rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=(rk < K)[:, None] & m_ok[None, :], other=0.0)
-        if INTERPRET:  # the interpreter multiplies bf16 as raw integers
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
-        else:
-            acc = tl.dot(w, xt, acc)
-    _split_epilogue(acc, 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm, M, N, stride_ym, pid_n, pid_k,
-                    HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K, INTERPRET)
 
 
 # E2M1 -> BF16 without tables (pack=4: one 32-bit register of 4 packed bytes b0..b3). A byte permute makes the
@@ -233,13 +119,39 @@ lop3.b32 w2, t2, 0x80008000, u2, 0xEA;
 lop3.b32 w3, t3, 0x80008000, u3, 0xEA;
 mov.b32 t0, 0x80008000;
 fma.rn.bf16x2 $0, w3, $5, t0;
-fma.rn.bf16x2 $1, w1, $6, t0;
+fma.rn.bf16x2 $1, w1, $7, t0;
 fma.rn.bf16x2 $2, w2, $5, t0;
-fma.rn.bf16x2 $3, w0, $6, t0;
+fma.rn.bf16x2 $3, w0, $7, t0;
+}
+""")
+# FP8 E4M3 scales -> the shift decode's scale operand, 4 bytes per call (pack=4): two packed conversions
+# e4m3x2 -> f16x2 (exact), each f16 widened to f32, times 2^110, and rounded into both halves of a bf16x2 word
+# (exact: 4-bit significand), so the decode reads one register per scale.
+_E4M3_SCALE_ASM = tl.constexpr("""
+{
+.reg .b16 p<2>, h<4>;
+.reg .b32 f<2>;
+.reg .f32 g<4>;
+mov.b32 {p0, p1}, $4;
+cvt.rn.f16x2.e4m3x2 f0, p0;
+cvt.rn.f16x2.e4m3x2 f1, p1;
+mov.b32 {h0, h1}, f0;
+mov.b32 {h2, h3}, f1;
+cvt.f32.f16 g0, h0;
+cvt.f32.f16 g1, h1;
+cvt.f32.f16 g2, h2;
+cvt.f32.f16 g3, h3;
+mul.f32 g0, g0, 0f76800000;
+mul.f32 g1, g1, 0f76800000;
+mul.f32 g2, g2, 0f76800000;
+mul.f32 g3, g3, 0f76800000;
+cvt.rn.bf16x2.f32 $0, g0, g0;
+cvt.rn.bf16x2.f32 $1, g1, g1;
+cvt.rn.bf16x2.f32 $2, g2, g2;
+cvt.rn.bf16x2.f32 $3, g3, g3;
 }
 """)
 # The shift decode's weights are code * scale * 2^-16 (exact); the scale carries 2^110, the epilogue 2^16.
-_SHIFT_SCALE = tl.constexpr(2.0**110)
 _SHIFT_UNDO = tl.constexpr(2.0**16)
 
 
@@ -283,7 +195,7 @@ def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm, 
 
 @triton.jit
 def _gemm_tc_kernel(
-    x_ptr, p_ptr, s_ptr, p_desc, s_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    x_ptr, p_ptr, s_ptr, x_desc, p_desc, s_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, stride_xm, stride_ym, tiles_per_split,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, STAGES: tl.constexpr, TMA_P: tl.constexpr,
@@ -291,12 +203,14 @@ def _gemm_tc_kernel(
 ):
     """y[M, N] = x @ W^T as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T on the tensor cores, the weight streamed.
 
-    The packed bytes (and the scales) arrive by TMA into a STAGES-deep shared-memory ring (Triton's pipeliner
+    The packed bytes, the scales and x arrive by TMA into a STAGES-deep shared-memory ring (Triton's pipeliner
     turns the descriptor loads inside tl.range into async copies + mbarriers), so the bytes in flight do not
-    depend on registers. The low and high nibbles of a byte are two dots against the even and odd rows of x.
+    depend on registers. The low and high nibbles of a byte are two dots against the even and odd K of x.
     K order inside each tile is permuted (_perm_k) so that the packed tile is read from shared memory straight
-    into the wgmma A-operand layout, 4 bytes per load; x is gathered in the same order.
-    USE_ASM: the table-free shift decode in inline PTX (else the portable shift/convert decode, fp32 dot).
+    into the wgmma A-operand layout, 4 bytes per load; x is read as 32-bit (even, odd) pairs in natural order,
+    split and permuted the same way on its way into the B-operand buffer (no gathers).
+    USE_ASM: scales converted 4 per call, then the table-free shift decode, in inline PTX (else the portable
+    shift/convert decode, fp32 dot). Without TMA (K % 256 != 0, the interpreter) the same tiles take plain loads.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -311,10 +225,8 @@ def _gemm_tc_kernel(
     m_ok = rm < M
     rn64 = rn.to(tl.int64)
     x_dtype = x_ptr.dtype.element_ty
-    # Physical byte (within the tile) behind each MMA K position, matching _perm_k and the decode's order.
-    L = tl.arange(0, KH)
-    Lr = L % 16
-    P = (L - Lr) + 4 * ((Lr % 8) // 2) + 2 * (Lr // 8) + (Lr % 2)
+    x32_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    stride_x32 = stride_xm // 2
     t0 = pid_k * tiles_per_split
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in tl.range(0, TILES_PER_SPLIT if INTERPRET else tiles_per_split, num_stages=STAGES):
@@ -330,25 +242,30 @@ def _gemm_tc_kernel(
             rg = t * KG + tl.arange(0, KG)
             sb = tl.load(s_ptr + rn64[:, None] * KS + rg[None, :], mask=n_ok[:, None] & (rg < KS)[None, :], other=0)
         p = _perm_k(p, BLOCK_N, KH)
-        if USE_ASM:
-            s = _e4m3_to_f32(sb, 256.0 * _SHIFT_SCALE)
-        else:
-            s = _e4m3_to_f32(sb)
         if not USE_ASM:
+            s = _e4m3_to_f32(sb)
             s16 = _perm_k(tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH)), BLOCK_N, KH)
             lo = (_e2m1_to_f32(p & 0xF) * s16).to(x_dtype)  # exact: no rounding
             hi = (_e2m1_to_f32(p >> 4) * s16).to(x_dtype)
         else:
-            s16 = _perm_k(tl.reshape(tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, KG, 8)),
-                                     (BLOCK_N, KH)), BLOCK_N, KH)
+            s = tl.inline_asm_elementwise(_E4M3_SCALE_ASM, "=r,=r,=r,=r,r", [sb], dtype=tl.int32, is_pure=True,
+                                          pack=4)
+            s16 = _perm_k(tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH)), BLOCK_N, KH)
             lo, hi = tl.inline_asm_elementwise(
-                _E2M1_BF16_SHIFT_ASM, "=r,=r,=r,=r,r,r,r", [p, s16],
+                _E2M1_BF16_SHIFT_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p, s16],
                 dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
             )
-        ke = 2 * (t * KH + P)
-        x_mask = (ke < K)[:, None] & m_ok[None, :]
-        xe = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=x_mask, other=0.0)
-        xo = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None], mask=x_mask, other=0.0)
+        # x as 32-bit (even, odd) pairs in natural K order (contiguous, vector loads), split, then K-permuted
+        # like the packed tile (the permutation lands in the shared-memory store of the dot operand).
+        if TMA_P:
+            xp = x_desc.load([0, t * KH])
+        else:
+            rj = t * KH + tl.arange(0, KH)
+            xp = tl.load(x32_ptr + rm[:, None] * stride_x32 + rj[None, :], mask=m_ok[:, None] & (rj < K2)[None, :],
+                         other=0)
+        xp = xp.to(tl.uint32, bitcast=True)
+        xe = tl.trans(_perm_k((xp & 0xFFFF).to(tl.uint16).to(x_dtype, bitcast=True), BLOCK_M, KH))
+        xo = tl.trans(_perm_k((xp >> 16).to(tl.uint16).to(x_dtype, bitcast=True), BLOCK_M, KH))
         if INTERPRET:  # the interpreter multiplies bf16 as raw integers
             acc = tl.dot(lo.to(tl.float32), xe.to(tl.float32), acc)
             acc = tl.dot(hi.to(tl.float32), xo.to(tl.float32), acc)
@@ -367,16 +284,20 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, block_n=16, block_k2=256, num_warps=4):
-    """W [N, K] in `dtype`, bit-exact with codec.dequantize."""
+    """W [N, K] in `dtype`, bit-exact with codec.dequantize. packed, scale and out may be row-strided views
+    (a column range of a bigger weight: the chunked dequant + matmul in kernels.py)."""
     n, k2 = packed.shape
     if out is None:
         out = torch.empty((n, 2 * k2), dtype=dtype, device=packed.device)
+    scale = scale.view(torch.uint8)
+    if packed.stride(1) != 1 or scale.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("dequantize needs unit column strides")
     if n == 0 or k2 == 0:
         return out
     block_k2 = min(block_k2, max(8, triton.next_power_of_2(k2)))
     grid = (triton.cdiv(n, block_n), triton.cdiv(k2, block_k2))
     _dequant_kernel[grid](
-        packed, scale.view(torch.uint8), global_scale, out, n, k2,
+        packed, scale, global_scale, out, n, k2, packed.stride(0), scale.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_K2=block_k2, OUT_DTYPE=_TL_DTYPE[dtype], INTERPRET=INTERPRET,
         num_warps=num_warps,
     )
@@ -384,14 +305,10 @@ def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, bloc
 
 
 class GemmConfig(tuple):
-    """(block_m, block_n, block_k, split_k, num_warps, num_stages, mode, prefetch).
+    """(block_m, block_n, block_k, split_k, num_warps, num_stages) of _gemm_tc_kernel (num_stages: TMA ring depth)."""
 
-    mode 0: the streaming tensor-core kernel (_gemm_tc_kernel; num_stages is its TMA ring depth);
-    mode 1: the interleaved-decode kernel (_gemm_kernel; prefetch = register prefetch of the next K tile).
-    """
-
-    def __new__(cls, block_m, block_n, block_k, split_k, num_warps=4, num_stages=4, mode=0, prefetch=0):
-        return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages, mode, prefetch))
+    def __new__(cls, block_m, block_n, block_k, split_k, num_warps=4, num_stages=3):
+        return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages))
 
     block_m = property(lambda s: s[0])
     block_n = property(lambda s: s[1])
@@ -399,8 +316,6 @@ class GemmConfig(tuple):
     split_k = property(lambda s: s[3])
     num_warps = property(lambda s: s[4])
     num_stages = property(lambda s: s[5])
-    mode = property(lambda s: s[6])
-    prefetch = property(lambda s: s[7])
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -415,24 +330,29 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def auto_split(n: int, k: int, block_n: int, block_k: int, device: torch.device, waves: int = 2) -> int:
-    """Split K (powers of two) until at least `waves` CTAs per SM exist, keeping at least two K tiles per split."""
+def auto_split(n: int, k: int, block_n: int, block_k: int, device: torch.device, waves: int = 2,
+               min_tiles: int = 2) -> int:
+    """Split K (powers of two) until at least `waves` CTAs per SM exist, keeping at least `min_tiles` K tiles per
+    split."""
     k_tiles = triton.cdiv(k, block_k)
     n_tiles = triton.cdiv(n, block_n)
     target = waves * _sm_count(device)
     split = 1
-    while n_tiles * split < target and k_tiles // (split * 2) >= 2:
+    while n_tiles * split < target and k_tiles // (split * 2) >= min_tiles:
         split *= 2
     return split
 
 
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
-    """From the H200 runs (docs/kernel_notes.md): up to 16 rows the streaming tensor-core kernel with 64 x 256
-    tiles, 4 warps and a 4-deep TMA ring; 17-64 rows the interleaved-decode kernel with register prefetch."""
+    """From the H200 runs (docs/kernel_notes.md): 64-row weight tiles, 4 warps. Up to 16 rows 256-wide K tiles in a
+    3-deep ring, split until 4 CTAs per SM (down to one K tile per split: the narrow 7B qkv/o); 17-32 rows the same
+    tiles, split until 2 CTAs per SM; 33-64 rows 128-wide K tiles (the x tile grows with BLOCK_M) in a 4-deep
+    ring, split until 1 CTA per SM."""
     if m <= 16:
-        return GemmConfig(16, 64, 256, auto_split(n, k, 64, 256, device), 4, 4, 0, 0)
-    bm = max(16, triton.next_power_of_2(m))
-    return GemmConfig(bm, 64, 128, auto_split(n, k, 64, 128, device, waves=1), 4, 4, 1, 1)
+        return GemmConfig(16, 64, 256, auto_split(n, k, 64, 256, device, waves=4, min_tiles=1), 4, 3)
+    if m <= 32:
+        return GemmConfig(32, 64, 256, auto_split(n, k, 64, 256, device, waves=2), 4, 3)
+    return GemmConfig(64, 64, 128, auto_split(n, k, 64, 128, device, waves=1), 4, 4)
 
 
 class _Locks:
@@ -464,8 +384,8 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
     n = packed.shape[0]
     if packed.shape[1] * 2 != k:
         raise ValueError(f"x has K={k} but the packed weight holds K={packed.shape[1] * 2}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)  # x is read as 32-bit (even, odd) pairs, by TMA if it can
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -485,16 +405,13 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
                   SPLIT_K=cfg.split_k, TILES_PER_SPLIT=tiles if INTERPRET else 0, USE_ASM=bool(use_asm),
                   INTERPRET=INTERPRET, num_warps=cfg.num_warps)
     args = (global_scale, bias if bias is not None else out, out, ws, locks, m, n, k, x.stride(0), out.stride(0), tiles)
-    if cfg.mode == 0:
-        # Host-side TMA descriptors (passed by value, so CUDA graphs capture them); the scale tile's rows are
-        # BLOCK_K/16 bytes, which TMA takes from 16 up.
-        tma_p = _tma_ok(packed)
-        tma_s = tma_p and cfg.block_k >= 256 and _tma_ok(scale_u8)
-        p_desc = TensorDescriptor.from_tensor(packed, [cfg.block_n, cfg.block_k // 2]) if tma_p else packed
-        s_desc = TensorDescriptor.from_tensor(scale_u8, [cfg.block_n, cfg.block_k // 16]) if tma_s else scale_u8
-        _gemm_tc_kernel[(n_tiles, cfg.split_k)](
-            x, packed, scale_u8, p_desc, s_desc, *args, STAGES=cfg.num_stages, TMA_P=tma_p, TMA_S=tma_s, **common)
-    else:
-        _gemm_kernel[(n_tiles, cfg.split_k)](
-            x, packed, scale_u8, *args, PREFETCH=bool(cfg.prefetch), num_stages=cfg.num_stages, **common)
+    # Host-side TMA descriptors (passed by value, so CUDA graphs capture them); the scale tile's rows are
+    # BLOCK_K/16 bytes, which TMA takes from 16 up; x is read as int32 (even, odd) pairs.
+    tma_p = _tma_ok(packed)
+    tma_s = tma_p and cfg.block_k >= 256 and _tma_ok(scale_u8)
+    p_desc = TensorDescriptor.from_tensor(packed, [cfg.block_n, cfg.block_k // 2]) if tma_p else packed
+    s_desc = TensorDescriptor.from_tensor(scale_u8, [cfg.block_n, cfg.block_k // 16]) if tma_s else scale_u8
+    x_desc = TensorDescriptor.from_tensor(x.view(torch.int32), [cfg.block_m, cfg.block_k // 2]) if tma_p else x
+    _gemm_tc_kernel[(n_tiles, cfg.split_k)](
+        x, packed, scale_u8, x_desc, p_desc, s_desc, *args, STAGES=cfg.num_stages, TMA_P=tma_p, TMA_S=tma_s, **common)
     return out
