@@ -65,7 +65,7 @@ def _to_out(x, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _dequant_kernel(
-    p_ptr, s_ptr, gs_ptr, out_ptr, N, K2, stride_p, stride_s, stride_o,
+    p_ptr, s_ptr, gs_ptr, out_ptr, N, K2,
     BLOCK_N: tl.constexpr, BLOCK_K2: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One [BLOCK_N, 2*BLOCK_K2] tile of W = out_dtype(value(code) * (fp32(scale) / global_scale))."""
@@ -77,8 +77,8 @@ def _dequant_kernel(
     rg = pid_k * BLOCK_G + tl.arange(0, BLOCK_G)
     n_ok = rn < N
     rn64 = rn.to(tl.int64)  # N * K can pass 2^31 (32B gate_up: 55296 x 5120)
-    p = tl.load(p_ptr + rn64[:, None] * stride_p + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
-    sb = tl.load(s_ptr + rn64[:, None] * stride_s + rg[None, :],
+    p = tl.load(p_ptr + rn64[:, None] * K2 + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
+    sb = tl.load(s_ptr + rn64[:, None] * (K2 // 8) + rg[None, :],
                  mask=n_ok[:, None] & (rg < K2 // 8)[None, :], other=0)
     gs = tl.load(gs_ptr)
     # Division rounded as IEEE does (Triton's `/` is approximate on GPU): the codec divides in fp32.
@@ -88,7 +88,7 @@ def _dequant_kernel(
     hi = _e2m1_to_f32(p >> 4) * eff
     w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * BLOCK_K2))  # even k from the low nibble
     rk = 2 * pid_k * BLOCK_K2 + tl.arange(0, 2 * BLOCK_K2)
-    tl.store(out_ptr + rn64[:, None] * stride_o + rk[None, :], _to_out(w, OUT_DTYPE, INTERPRET),
+    tl.store(out_ptr + rn64[:, None] * (2 * K2) + rk[None, :], _to_out(w, OUT_DTYPE, INTERPRET),
              mask=n_ok[:, None] & (rk < 2 * K2)[None, :])
 
 
@@ -284,20 +284,16 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, block_n=16, block_k2=256, num_warps=4):
-    """W [N, K] in `dtype`, bit-exact with codec.dequantize. packed, scale and out may be row-strided views
-    (a column range of a bigger weight: the chunked dequant + matmul in kernels.py)."""
+    """W [N, K] in `dtype`, bit-exact with codec.dequantize."""
     n, k2 = packed.shape
     if out is None:
         out = torch.empty((n, 2 * k2), dtype=dtype, device=packed.device)
-    scale = scale.view(torch.uint8)
-    if packed.stride(1) != 1 or scale.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError("dequantize needs unit column strides")
     if n == 0 or k2 == 0:
         return out
     block_k2 = min(block_k2, max(8, triton.next_power_of_2(k2)))
     grid = (triton.cdiv(n, block_n), triton.cdiv(k2, block_k2))
     _dequant_kernel[grid](
-        packed, scale, global_scale, out, n, k2, packed.stride(0), scale.stride(0), out.stride(0),
+        packed, scale.view(torch.uint8), global_scale, out, n, k2,
         BLOCK_N=block_n, BLOCK_K2=block_k2, OUT_DTYPE=_TL_DTYPE[dtype], INTERPRET=INTERPRET,
         num_warps=num_warps,
     )
