@@ -326,26 +326,39 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def auto_split(n: int, k: int, block_n: int, block_k: int, device: torch.device, waves: int = 2,
-               min_tiles: int = 2) -> int:
-    """Split K (powers of two) until at least `waves` CTAs per SM exist, keeping at least `min_tiles` K tiles per
-    split."""
+def auto_split(n: int, k: int, block_n: int, block_k: int, device: torch.device, waves: int = 2) -> int:
+    """Split K (powers of two) until at least `waves` CTAs per SM exist, keeping at least two K tiles per split."""
     k_tiles = triton.cdiv(k, block_k)
     n_tiles = triton.cdiv(n, block_n)
     target = waves * _sm_count(device)
     split = 1
-    while n_tiles * split < target and k_tiles // (split * 2) >= min_tiles:
+    while n_tiles * split < target and k_tiles // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
+def decode_split(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """Split-K for up to 16 rows, fitted to the H200 sweep (docs/kernel_notes.md; 4 CTAs fit per SM): double the
+    split until there are 3.3 CTAs per SM (down to one K tile per split: the narrow 7B qkv/o want 4.4 CTAs per SM
+    at 1.75 tiles), then keep doubling while that stays within 8 CTAs per SM and leaves 4 K tiles per split (the
+    long-K 7B down: split 16)."""
+    k_tiles = triton.cdiv(k, block_k)
+    n_tiles = triton.cdiv(n, block_n)
+    sms = _sm_count(device)
+    split = 1
+    while k_tiles // (split * 2) >= 1 and (
+        n_tiles * split < 3.3 * sms or (n_tiles * split * 2 <= 8 * sms and k_tiles // (split * 2) >= 4)
+    ):
         split *= 2
     return split
 
 
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """From the H200 runs (docs/kernel_notes.md): 64-row weight tiles, 4 warps. Up to 16 rows 256-wide K tiles in a
-    3-deep ring, split until 4 CTAs per SM (down to one K tile per split: the narrow 7B qkv/o); 17-32 rows the same
-    tiles, split until 2 CTAs per SM; 33-64 rows 128-wide K tiles (the x tile grows with BLOCK_M) in a 4-deep
+    3-deep ring, split by decode_split; 17-32 rows the same tiles, split until 2 CTAs per SM; 33-64 rows 128-wide K tiles (the x tile grows with BLOCK_M) in a 4-deep
     ring, split until 1 CTA per SM."""
     if m <= 16:
-        return GemmConfig(16, 64, 256, auto_split(n, k, 64, 256, device, waves=4, min_tiles=1), 4, 3)
+        return GemmConfig(16, 64, 256, decode_split(n, k, 64, 256, device), 4, 3)
     if m <= 32:
         return GemmConfig(32, 64, 256, auto_split(n, k, 64, 256, device, waves=2), 4, 3)
     return GemmConfig(64, 64, 128, auto_split(n, k, 64, 128, device, waves=1), 4, 4)
