@@ -1,7 +1,7 @@
 PYTHON ?= python3
 STAMP := .setup.stamp
 
-.PHONY: setup test demo bench bench-kernels lint clean
+.PHONY: setup test demo bench bench-kernels bench-memory lint clean
 
 # Re-run the install only when the dependency list changes.
 $(STAMP): pyproject.toml setup_env.sh
@@ -19,7 +19,10 @@ demo: $(STAMP)
 bench-kernels: $(STAMP)
 	$(PYTHON) -m benchmarks.kernels
 
-bench: bench-kernels
+bench-memory: $(STAMP)
+	$(PYTHON) -m benchmarks.load_memory
+
+bench: bench-kernels bench-memory
 
 lint: $(STAMP)
 	$(PYTHON) -m ruff check qerl tests benchmarks eval llm-compressor
