@@ -356,11 +356,14 @@ def decode_split(n: int, k: int, block_n: int, block_k: int, device: torch.devic
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """From the H200 runs (docs/kernel_notes.md): 64-row weight tiles, 4 warps. Up to 16 rows 256-wide K tiles in a
     3-deep ring, split by decode_split; 17-32 rows the same tiles, split until 2 CTAs per SM; 33-64 rows 128-wide
-    K tiles (the x tile grows with BLOCK_M) in a 4-deep ring, split until 1 CTA per SM."""
+    K tiles (the x tile grows with BLOCK_M), split until 1 CTA per SM: 128-row tiles on 8 warps (two warpgroups
+    share each x tile) for weights of 2^25 elements and more, 64-row tiles in a 4-deep ring below that."""
     if m <= 16:
         return GemmConfig(16, 64, 256, decode_split(n, k, 64, 256, device), 4, 3)
     if m <= 32:
         return GemmConfig(32, 64, 256, auto_split(n, k, 64, 256, device, waves=2), 4, 3)
+    if n * k >= 2**25:
+        return GemmConfig(64, 128, 128, auto_split(n, k, 128, 128, device, waves=1), 8, 3)
     return GemmConfig(64, 64, 128, auto_split(n, k, 64, 128, device, waves=1), 4, 4)
 
 
