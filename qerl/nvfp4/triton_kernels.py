@@ -190,7 +190,6 @@ def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm, 
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptr + y_off, _to_out(total, y_ptr.dtype.element_ty, INTERPRET), mask=y_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
 @triton.jit
@@ -367,21 +366,6 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     return GemmConfig(64, 64, 128, auto_split(n, k, 64, 128, device, waves=1), 4, 4)
 
 
-class _Locks:
-    """Per-device zeroed int32 counters for the split-K reduction (the kernel leaves them at zero)."""
-
-    def __init__(self):
-        self.buf: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, count: int) -> torch.Tensor:
-        buf = self.buf.get(device)
-        if buf is None or buf.numel() < count:
-            buf = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-            self.buf[device] = buf
-        return buf
-
-
-_LOCKS = _Locks()
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -409,7 +393,9 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
     tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-        locks = _LOCKS.get(x.device, n_tiles)
+        # Zeroed per call, not a buffer kept across calls: an allocation that outlives the call would land in
+        # the CUDA-graph pool under torch.compile's cudagraph trees, and concurrent streams could share it.
+        locks = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
     else:
         ws = locks = out  # unused
     scale_u8 = scale.view(torch.uint8)
