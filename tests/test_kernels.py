@@ -43,6 +43,16 @@ def _reference(x, q, bias=None):
     return y if bias is None else y + bias.double()
 
 
+def _check_linear_and_input_grad(q, x):
+    """nvfp4_linear's output and input gradient against float64 references (x requires grad)."""
+    y = kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
+    assert _rel_err(y, _reference(x.detach(), q)) < 1e-2
+    g = torch.randn_like(y)
+    y.backward(g)
+    w64 = codec.dequantize(q.packed, q.scale, q.global_scale).double()
+    assert _rel_err(x.grad, g.double() @ w64) < 1e-2
+
+
 # ------------------------------------------------------------------------------------ CPU, torch path
 
 
@@ -120,20 +130,14 @@ def _interpreter_checks():
         assert not y.isnan().any()
         e = _rel_err(y, _reference(x, q, b))
         assert e < 1e-2, (m, split, dtype, e)
-        # The split-K counters are re-armed: a second call on the same buffers gives the same answer.
+        # A second call on the same inputs gives the same answer (no state carried between calls).
         y2 = tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, config=cfg)
         assert torch.equal(y2, y)
 
     # Public API under the interpreter: small M takes the fused kernel, large M dequant + matmul; grads.
     q = _weight(24, 64)
     for m in (3, kernels.FUSED_MAX_M + 1):
-        x = torch.randn(m, 64, dtype=torch.bfloat16, requires_grad=True)
-        y = kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
-        assert _rel_err(y, _reference(x.detach(), q)) < 1e-2
-        g = torch.randn_like(y)
-        y.backward(g)
-        w64 = codec.dequantize(q.packed, q.scale, q.global_scale).double()
-        assert _rel_err(x.grad, g.double() @ w64) < 1e-2
+        _check_linear_and_input_grad(q, torch.randn(m, 64, dtype=torch.bfloat16, requires_grad=True))
     print("interpreter checks passed")
 
 
@@ -189,13 +193,7 @@ def test_gpu_gemm_matches_float64(seed, m, use_asm):
 @pytest.mark.parametrize("m", [1, 8, 100, 2048])
 def test_gpu_linear_dispatch_and_grad(seed, m):
     q = _weight(1000, 512, "cuda")
-    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    y = kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
-    assert _rel_err(y, _reference(x.detach(), q)) < 1e-2
-    g = torch.randn_like(y)
-    y.backward(g)
-    w64 = codec.dequantize(q.packed, q.scale, q.global_scale).double()
-    assert _rel_err(x.grad, g.double() @ w64) < 1e-2
+    _check_linear_and_input_grad(q, torch.randn(m, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True))
 
 
 @gpu
