@@ -107,6 +107,8 @@ class Copies:
         for i in range(self.n_fp4):
             q = base[i % len(base)][1]
             self.fp4.append(codec.NVFP4Weight(q.packed.clone(), q.scale.clone(), q.global_scale.clone()))
+        # Kept per weight, as NVFP4Linear keeps them: no memset per call.
+        self.counters = [kernels.splitk_counters(n, device) for _ in self.fp4]
 
 
 def measure_ceilings(device):
@@ -169,7 +171,8 @@ def bench_small(c: Copies, m, copy_gbs, config=None, use_asm=None):
     x = torch.randn(m, c.k, device="cuda", dtype=torch.bfloat16)
     t_bf = graph_time_us([lambda w=w: x @ w.t() for w in c.bf16])
     if config is None:
-        fns = [lambda q=q: kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale) for q in c.fp4]
+        fns = [lambda q=q, cnt=cnt: kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, cnt)
+               for q, cnt in zip(c.fp4, c.counters, strict=True)]
     else:
         fns = [lambda q=q: tk.gemm(x, q.packed, q.scale, q.global_scale, config=config, use_asm=use_asm)
                for q in c.fp4]
@@ -205,7 +208,8 @@ def bench_layer(model, m, copy_gbs):
     ws = {name: make_weights(n, k, 1, "cuda")[0] for name, (n, k) in sh.items()}
     xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for name, (n, k) in sh.items()}
     bf = [{name: w.clone() for name, (w, q) in ws.items()} for _ in range(layers)]
-    fp = [{name: codec.NVFP4Weight(q.packed.clone(), q.scale.clone(), q.global_scale.clone())
+    fp = [{name: (codec.NVFP4Weight(q.packed.clone(), q.scale.clone(), q.global_scale.clone()),
+                  kernels.splitk_counters(q.packed.shape[0], "cuda"))
            for name, (w, q) in ws.items()} for _ in range(copies_for(sum(nvfp4_bytes(n, k) for n, k in sh.values())))]
 
     def run_bf(layer):
@@ -214,8 +218,8 @@ def bench_layer(model, m, copy_gbs):
 
     def run_fp(layer):
         for name in sh:
-            q = layer[name]
-            kernels.nvfp4_linear(xs[name], q.packed, q.scale, q.global_scale)
+            q, counters = layer[name]
+            kernels.nvfp4_linear(xs[name], q.packed, q.scale, q.global_scale, None, counters)
 
     t_bf = graph_time_us([lambda L=L: run_bf(L) for L in bf])
     t_fp = graph_time_us([lambda L=L: run_fp(L) for L in fp])

@@ -85,8 +85,9 @@ def test_ops_have_fake_kernels(seed):
     torch.library.opcheck(torch.ops.qerl.nvfp4_dequantize.default, args, test_utils=utils)
     x = torch.randn(3, 32, requires_grad=True)
     b = torch.randn(16, requires_grad=True)
-    torch.library.opcheck(torch.ops.qerl.nvfp4_linear.default, (x, q.packed, q.scale, q.global_scale, b),
-                          test_utils=utils)
+    for counters in (None, kernels.splitk_counters(16)):
+        torch.library.opcheck(torch.ops.qerl.nvfp4_linear.default,
+                              (x, q.packed, q.scale, q.global_scale, b, counters), test_utils=utils)
 
 
 # ------------------------------------------------------------------------------------ CPU, interpreter
@@ -130,14 +131,20 @@ def _interpreter_checks():
         assert not y.isnan().any()
         e = _rel_err(y, _reference(x, q, b))
         assert e < 1e-2, (m, split, dtype, e)
-        # A second call on the same inputs gives the same answer (no state carried between calls).
-        y2 = tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, config=cfg)
-        assert torch.equal(y2, y)
+        # Calls with kept split-K counters give the same answer and leave the counters zeroed for the next one.
+        counters = torch.zeros(-(-n // 16), dtype=torch.int32)
+        for _ in range(2):
+            y2 = tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, config=cfg, counters=counters)
+            assert torch.equal(y2, y) and not counters.any()
 
     # Public API under the interpreter: small M takes the fused kernel, large M dequant + matmul; grads.
     q = _weight(24, 64)
     for m in (3, kernels.FUSED_MAX_M + 1):
         _check_linear_and_input_grad(q, torch.randn(m, 64, dtype=torch.bfloat16, requires_grad=True))
+        with torch.no_grad():  # the eager fast path (no op dispatch) computes exactly what the op does
+            x = torch.randn(2, m, 64, dtype=torch.bfloat16)
+            op = torch.ops.qerl.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, None)
+            assert torch.equal(kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale), op)
     print("interpreter checks passed")
 
 
@@ -182,11 +189,15 @@ def test_gpu_gemm_matches_float64(seed, m, use_asm):
     bm = max(16, 1 << (m - 1).bit_length())
     configs = {base, tk.GemmConfig(bm, 64, 256, 1, 4, 4), tk.GemmConfig(bm, 128, 128, 5, 8, 3),
                tk.GemmConfig(bm, 64, 128, 3, 4, 4), tk.GemmConfig(bm, 64, 256, 2, 4, 2)}
+    counters = kernels.splitk_counters(n, "cuda")
     for cfg in configs:
-        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, config=cfg, use_asm=use_asm)
-        assert not y.isnan().any()
-        assert _rel_err(y, ref) < 1e-2, cfg
+        for _ in range(2):  # the second call runs on the counters the first left behind
+            y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, config=cfg, use_asm=use_asm,
+                    counters=counters)
+            assert not y.isnan().any()
+            assert _rel_err(y, ref) < 1e-2, cfg
+            assert not counters.any()
 
 
 @gpu
@@ -216,7 +227,7 @@ def test_gpu_torch_compile_fullgraph_and_cuda_graph(seed):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        layer(x_static)  # warm-up: compile, allocate the split-K counters
+        layer(x_static)  # warm-up: compile
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -225,6 +236,7 @@ def test_gpu_torch_compile_fullgraph_and_cuda_graph(seed):
         x_static.copy_(torch.randn_like(x_static))
         graph.replay()
         torch.testing.assert_close(y_static, layer(x_static), rtol=0, atol=0)
+    assert layer.splitk_counters.is_cuda and not layer.splitk_counters.any()  # the layer's own, left zeroed
 
 
 if __name__ == "__main__":

@@ -238,6 +238,9 @@ def load_nvfp4_model(
             f"{model_dir}: tensors missing from the checkpoint: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
+    for module in model.modules():
+        if isinstance(module, NVFP4Linear):
+            module.reset_splitk_counters(device)  # scratch, not in the checkpoint: still on meta
     model.to(device)  # the buffers that were built rather than loaded (rotary tables)
     model.eval()
     return model

@@ -2,11 +2,13 @@
 
 Public functions (NVFP4Linear and the rest of the package call these two):
   dequantize(packed, scale, global_scale, dtype)   -> W [N, K], bit-exact with codec.dequantize
-  nvfp4_linear(x, packed, scale, global_scale, bias) -> x @ W^T + bias, differentiable w.r.t. x (and bias)
+  nvfp4_linear(x, packed, scale, global_scale, bias, splitk_counters)
+                                                      -> x @ W^T + bias, differentiable w.r.t. x (and bias)
 
 Both are torch custom ops (`qerl::nvfp4_dequantize`, `qerl::nvfp4_linear`) with fake kernels and, for the
 linear, a registered autograd formula, so torch.compile traces them without graph breaks and CUDA graphs
-capture them. Dispatch, inside the ops:
+capture them. In eager mode without autograd (rollouts) nvfp4_linear calls the same implementation directly,
+skipping the op's dispatch (host time). Dispatch, inside the ops:
   * CUDA tensors (or CPU tensors under TRITON_INTERPRET=1): Triton kernels (triton_kernels.py);
     rows <= FUSED_MAX_M: the fused W4A16 GEMM (reads the packed weight once);
     more rows: the dequant kernel, then cuBLAS (compute bound there; the dequant is ~10% at M=2048).
@@ -64,30 +66,35 @@ def _(packed, scale, global_scale, dtype):
     return packed.new_empty((packed.shape[0], packed.shape[1] * 2), dtype=dtype)
 
 
-def _linear_2d(x2, packed, scale, global_scale, bias):
+def _linear_2d(x2, packed, scale, global_scale, bias, splitk_counters=None):
     if _triton_ok(x2) and x2.dtype in _tk.GEMM_DTYPES and x2.shape[0] <= FUSED_MAX_M:
-        return _tk.gemm(x2, packed, scale, global_scale, bias)
+        return _tk.gemm(x2, packed, scale, global_scale, bias, counters=splitk_counters)
     w = _dequantize_op(packed, scale, global_scale, x2.dtype)
     return torch.nn.functional.linear(x2, w, bias)
+
+
+# splitk_counters is scratch the fused kernel writes and leaves zeroed again, so it is not declared as mutated:
+# as far as any caller can see, the op does not change it.
+def _linear_impl(x, packed, scale, global_scale, bias, splitk_counters):
+    y = _linear_2d(x.reshape(-1, x.shape[-1]), packed, scale, global_scale, bias, splitk_counters)
+    return y.reshape(*x.shape[:-1], packed.shape[0])
 
 
 @torch.library.custom_op("qerl::nvfp4_linear", mutates_args=())
 def _linear_op(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-    bias: torch.Tensor | None,
+    bias: torch.Tensor | None, splitk_counters: torch.Tensor | None,
 ) -> torch.Tensor:
-    n = packed.shape[0]
-    y = _linear_2d(x.reshape(-1, x.shape[-1]), packed, scale, global_scale, bias)
-    return y.reshape(*x.shape[:-1], n)
+    return _linear_impl(x, packed, scale, global_scale, bias, splitk_counters)
 
 
 @_linear_op.register_fake
-def _(x, packed, scale, global_scale, bias):
+def _(x, packed, scale, global_scale, bias, splitk_counters):
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def _linear_setup_context(ctx, inputs, output):
-    x, packed, scale, global_scale, bias = inputs
+    x, packed, scale, global_scale, bias, _ = inputs
     ctx.save_for_backward(packed, scale, global_scale)
     ctx.x_shape = x.shape
     ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
@@ -101,7 +108,7 @@ def _linear_backward(ctx, grad_out):
         grad_x = (grad_out.reshape(-1, w.shape[0]) @ w).reshape(ctx.x_shape)
     if ctx.bias_grad:
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-    return grad_x, None, None, None, grad_bias
+    return grad_x, None, None, None, grad_bias, None
 
 
 _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
@@ -115,8 +122,29 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Te
     return _dequantize_op(packed, scale, global_scale, dtype)
 
 
-def nvfp4_linear(x, packed, scale, global_scale, bias=None):
-    """x @ W^T (+ bias), W packed NVFP4 [N, K/2]; gradients reach x (and bias if it requires them)."""
+def splitk_counters(out_features: int, device=None) -> torch.Tensor:
+    """Scratch to keep beside a weight of `out_features` rows and pass to every `nvfp4_linear` call on it: the fused
+    kernel's split-K arrival counters, one per 64 rows (its smallest N tile), left zeroed by every call. Allocate
+    it before any CUDA-graph capture; it saves a memset launch per call."""
+    return torch.zeros(-(-out_features // 64), dtype=torch.int32, device=device)
+
+
+def nvfp4_linear(x, packed, scale, global_scale, bias=None, splitk_counters=None):
+    """x @ W^T (+ bias), W packed NVFP4 [N, K/2]; gradients reach x (and bias if it requires them).
+
+    splitk_counters: optional, from `splitk_counters(N, device)`, reused across calls on this weight (never by
+    two calls at once)."""
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    return _linear_op(x, packed, scale, global_scale, bias)
+    if _needs_op(x, bias):
+        return _linear_op(x, packed, scale, global_scale, bias, splitk_counters)
+    # Eager without autograd (rollouts): the op's dispatch costs ~35 us of host time per call (H200 machine),
+    # more than the 7B kernels themselves, so the implementation is called directly.
+    return _linear_impl(x, packed, scale, global_scale, bias, splitk_counters)
+
+
+def _needs_op(x, bias) -> bool:
+    """The custom op is needed under torch.compile (tracing), on meta tensors and when gradients must flow."""
+    if torch.compiler.is_compiling() or x.is_meta:
+        return True
+    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))

@@ -41,6 +41,8 @@ class NVFP4Linear(nn.Linear):
             torch.zeros(out_features, in_features // codec.GROUP_SIZE, dtype=torch.float8_e4m3fn, device=device),
         )
         self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        # Scratch of the fused kernel (kernels.splitk_counters), not part of the checkpoint.
+        self.register_buffer("splitk_counters", kernels.splitk_counters(out_features, device), persistent=False)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
         else:
@@ -69,6 +71,10 @@ class NVFP4Linear(nn.Linear):
         quantized = codec.quantize(linear.weight.detach(), global_scale, name=name)
         return cls.from_quantized(quantized, linear.bias, compute_dtype=linear.weight.dtype)
 
+    def reset_splitk_counters(self, device: torch.device | str | None = None):
+        """Fresh zeroed counters on `device` (default: the packed weight's), e.g. after building the layer on meta."""
+        self.splitk_counters = kernels.splitk_counters(self.out_features, device or self.weight_packed.device)
+
     def quantized_weight(self) -> codec.NVFP4Weight:
         return codec.NVFP4Weight(self.weight_packed, self.weight_scale, self.weight_global_scale)
 
@@ -79,7 +85,9 @@ class NVFP4Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.compute_dtype)
-        return kernels.nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
+        return kernels.nvfp4_linear(
+            x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias, self.splitk_counters
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"

@@ -6,7 +6,7 @@ Two kernels, both reading compressed-tensors' standard layout as it sits in the 
   * `gemm`: y = x @ W^T for small M (decode), the weight dequantized in registers and fed to the tensor
     cores, so each packed byte is read from memory once. The tile is computed transposed (W tile is the
     MMA's M side, the few rows of x its N side); split-K fills the machine on narrow N and the last CTA of
-    each N tile reduces the partials (one launch, no memset). One kernel, `_gemm_tc_kernel`, for 1-64 rows:
+    each N tile reduces the partials and re-arms its counter (one launch). One kernel, `_gemm_tc_kernel`, for 1-64 rows:
     the packed tiles, their scales and x stream through a TMA shared-memory ring; the weight is decoded in
     the wgmma operand layout (low and high nibbles as two dots against the even and odd K of x).
 
@@ -21,6 +21,7 @@ the INTERPRET constexpr.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -190,6 +191,7 @@ def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm, 
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptr + y_off, _to_out(total, y_ptr.dtype.element_ty, INTERPRET), mask=y_mask)
+            tl.store(lock_ptr + pid_n, 0)  # re-armed for the next call: every other CTA of this tile has arrived
 
 
 @triton.jit
@@ -340,7 +342,7 @@ def decode_split(n: int, k: int, block_n: int, block_k: int, device: torch.devic
     """Split-K for up to 16 rows, fitted to the H200 sweep (docs/kernel_notes.md; 4 CTAs fit per SM): double the
     split until there are 3.3 CTAs per SM (down to one K tile per split: the narrow 7B qkv/o want 4.4 CTAs per SM
     at 1.75 tiles), then keep doubling while that stays within 8 CTAs per SM and leaves 4 K tiles per split (the
-    long-K 7B down: split 16)."""
+    long-K 7B down: split 16). `gemm` then drops splits left without K tiles (7B qkv: 14 tiles, 8 -> 7 splits)."""
     k_tiles = triton.cdiv(k, block_k)
     n_tiles = triton.cdiv(n, block_n)
     sms = _sm_count(device)
@@ -352,6 +354,7 @@ def decode_split(n: int, k: int, block_n: int, block_k: int, device: torch.devic
     return split
 
 
+@functools.lru_cache(maxsize=4096)  # called on every launch: eager decode is bound by host time
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """From the H200 runs (docs/kernel_notes.md): 64-row weight tiles, 4 warps. Up to 16 rows 256-wide K tiles in a
     3-deep ring, split by decode_split; 17-32 rows the same tiles, split until 2 CTAs per SM; 33-64 rows 128-wide
@@ -374,8 +377,14 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.is_cuda and not INTERPRET and t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[1] % 16 == 0
 
 
-def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig | None = None, use_asm=None):
-    """y = x @ W^T (+ bias) for a 2-D bf16/fp16 x with few rows."""
+def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig | None = None, use_asm=None,
+         counters: torch.Tensor | None = None):
+    """y = x @ W^T (+ bias) for a 2-D bf16/fp16 x with few rows.
+
+    `counters` (int32 zeros, one per N tile, kept with the weight): the split-K arrival counters. The kernel leaves
+    them zeroed, so they are allocated once, before any CUDA-graph capture; without them each split-K call
+    allocates and zeroes its own (one memset launch more). Two calls sharing counters must not run concurrently.
+    """
     m, k = x.shape
     n = packed.shape[0]
     if packed.shape[1] * 2 != k:
@@ -390,17 +399,20 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
     if use_asm is None:
         use_asm = x.dtype == torch.bfloat16 and x.is_cuda and not INTERPRET
     n_tiles = triton.cdiv(n, cfg.block_n)
-    tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
-    if cfg.split_k > 1:
-        ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-        # Zeroed per call, not a buffer kept across calls: an allocation that outlives the call would land in
-        # the CUDA-graph pool under torch.compile's cudagraph trees, and concurrent streams could share it.
-        locks = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    tiles = triton.cdiv(k_tiles, cfg.split_k)
+    split = triton.cdiv(k_tiles, tiles)  # no split without K tiles: 14 tiles in 8 splits run as 7 splits of 2
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        if counters is not None and counters.numel() >= n_tiles and counters.device == x.device:
+            locks = counters
+        else:
+            locks = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
     else:
         ws = locks = out  # unused
     scale_u8 = scale.view(torch.uint8)
     common = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  SPLIT_K=cfg.split_k, TILES_PER_SPLIT=tiles if INTERPRET else 0, USE_ASM=bool(use_asm),
+                  SPLIT_K=split, TILES_PER_SPLIT=tiles if INTERPRET else 0, USE_ASM=bool(use_asm),
                   INTERPRET=INTERPRET, num_warps=cfg.num_warps)
     args = (global_scale, bias if bias is not None else out, out, ws, locks, m, n, k, x.stride(0), out.stride(0), tiles)
     # Host-side TMA descriptors (passed by value, so CUDA graphs capture them); the scale tile's rows are
@@ -410,6 +422,6 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
     p_desc = TensorDescriptor.from_tensor(packed, [cfg.block_n, cfg.block_k // 2]) if tma_p else packed
     s_desc = TensorDescriptor.from_tensor(scale_u8, [cfg.block_n, cfg.block_k // 16]) if tma_s else scale_u8
     x_desc = TensorDescriptor.from_tensor(x.view(torch.int32), [cfg.block_m, cfg.block_k // 2]) if tma_p else x
-    _gemm_tc_kernel[(n_tiles, cfg.split_k)](
+    _gemm_tc_kernel[(n_tiles, split)](
         x, packed, scale_u8, x_desc, p_desc, s_desc, *args, STAGES=cfg.num_stages, TMA_P=tma_p, TMA_S=tma_s, **common)
     return out
