@@ -52,7 +52,10 @@ def tokens_per_second(model, prompts: torch.Tensor, new_tokens: int, static_cach
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
     if static_cache:  # transformers then compiles the decode step (torch.compile, CUDA graphs)
         kwargs["cache_implementation"] = "static"
-    model.generate(prompts, max_new_tokens=8, min_new_tokens=8, **kwargs)  # warm-up: kernels, compile, cache
+    # Warm-up (kernels, compile, cache) at the timed length: a static cache is sized by it, and a new size
+    # recompiles the decode step, which would land in the timed run.
+    warm = new_tokens if static_cache else 8
+    model.generate(prompts, max_new_tokens=warm, min_new_tokens=warm, **kwargs)
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
