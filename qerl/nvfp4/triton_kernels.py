@@ -93,39 +93,40 @@ def _dequant_kernel(
              mask=n_ok[:, None] & (rk < 2 * K2)[None, :])
 
 
-# E2M1 -> BF16 without tables (pack=4: one 32-bit register of 4 packed bytes b0..b3). A byte permute makes the
-# word (b0, b2, b1, b3); round r shifts it left by 4r so that one nibble sits at the top of each 16-bit half:
-# its sign is already the BF16 sign bit and its 3 magnitude bits, moved right by 6, land on the two low exponent
-# bits and the top mantissa bit. Read as a BF16 that is value * 2^-126 exactly (code 1 = 0.5 becomes a BF16
-# subnormal); the scale operand carries 2^110, so the bf16x2 FMA gives code * scale * 2^-16
-# exactly. 18 instructions per 8 weights (the table decode takes 22 plus constant moves).
-_E2M1_BF16_SHIFT_ASM = tl.constexpr("""
+# E2M1 -> BF16 without tables (pack=4: one 32-bit register of 4 packed bytes b0..b3; outputs $0, $1 the low
+# nibbles of (b0, b1) and (b2, b3) as bf16x2, $2, $3 the high ones). The low and high nibbles are split into two
+# clean registers; a byte permute places two nibbles at bits 0-3 and 16-19 of a word (zero bytes between), and
+# one integer multiply by 0x1040 copies each nibble to <<12 (its sign lands on the BF16 sign bit) and to <<6 (its
+# 3 magnitude bits land on the two low exponent bits and the top mantissa bit). Masked, that word is the bf16x2
+# of value * 2^-126 exactly (code 1 = 0.5 becomes a BF16 subnormal); the scale operand carries 2^110, so the
+# bf16x2 FMA gives code * scale * 2^-16 exactly. 20 instructions per 8 weights, 11 of them on the half-rate ALU
+# pipe (the multiplies run on the FMA pipe); the shift-and-mask decode it replaces took 21, 16 on the ALU pipe.
+_E2M1_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 t<4>, u<4>, w<4>;
-prmt.b32 t0, $4, 0, 0x3120;
-shl.b32 t1, t0, 4;
-shl.b32 t2, t0, 8;
-shl.b32 t3, t0, 12;
-and.b32 u0, t0, 0x70007000;
-and.b32 u1, t1, 0x70007000;
-and.b32 u2, t2, 0x70007000;
-and.b32 u3, t3, 0x70007000;
-shr.b32 u0, u0, 6;
-shr.b32 u1, u1, 6;
-shr.b32 u2, u2, 6;
-shr.b32 u3, u3, 6;
-lop3.b32 w0, t0, 0x80008000, u0, 0xEA;
-lop3.b32 w1, t1, 0x80008000, u1, 0xEA;
-lop3.b32 w2, t2, 0x80008000, u2, 0xEA;
-lop3.b32 w3, t3, 0x80008000, u3, 0xEA;
-mov.b32 t0, 0x80008000;
-fma.rn.bf16x2 $0, w3, $5, t0;
-fma.rn.bf16x2 $1, w1, $7, t0;
-fma.rn.bf16x2 $2, w2, $5, t0;
-fma.rn.bf16x2 $3, w0, $7, t0;
+.reg .b32 lo, hi, u<4>, t<4>, z;
+and.b32 lo, $4, 0x0F0F0F0F;
+shr.b32 hi, $4, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 u0, lo, 0, 0x4140;
+prmt.b32 u1, lo, 0, 0x4342;
+prmt.b32 u2, hi, 0, 0x4140;
+prmt.b32 u3, hi, 0, 0x4342;
+mul.lo.u32 t0, u0, 0x1040;
+mul.lo.u32 t1, u1, 0x1040;
+mul.lo.u32 t2, u2, 0x1040;
+mul.lo.u32 t3, u3, 0x1040;
+and.b32 t0, t0, 0x81C081C0;
+and.b32 t1, t1, 0x81C081C0;
+and.b32 t2, t2, 0x81C081C0;
+and.b32 t3, t3, 0x81C081C0;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, t0, $5, z;
+fma.rn.bf16x2 $1, t1, $7, z;
+fma.rn.bf16x2 $2, t2, $5, z;
+fma.rn.bf16x2 $3, t3, $7, z;
 }
 """)
-# FP8 E4M3 scales -> the shift decode's scale operand, 4 bytes per call (pack=4): two packed conversions
+# FP8 E4M3 scales -> the decode's scale operand, 4 bytes per call (pack=4): two packed conversions
 # e4m3x2 -> f16x2 (exact), each f16 widened to f32, times 2^110, and rounded into both halves of a bf16x2 word
 # (exact: 4-bit significand), so the decode reads one register per scale.
 _E4M3_SCALE_ASM = tl.constexpr("""
@@ -152,8 +153,8 @@ cvt.rn.bf16x2.f32 $2, g2, g2;
 cvt.rn.bf16x2.f32 $3, g3, g3;
 }
 """)
-# The shift decode's weights are code * scale * 2^-16 (exact); the scale carries 2^110, the epilogue 2^16.
-_SHIFT_UNDO = tl.constexpr(2.0**16)
+# The decode's weights are code * scale * 2^-16 (exact); the scale carries 2^110, the epilogue 2^16.
+_DECODE_UNDO = tl.constexpr(2.0**16)
 
 
 @triton.jit
@@ -210,7 +211,7 @@ def _gemm_tc_kernel(
     K order inside each tile is permuted (_perm_k) so that the packed tile is read from shared memory straight
     into the wgmma A-operand layout, 4 bytes per load; x is read as 32-bit (even, odd) pairs in natural order,
     split and permuted the same way on its way into the B-operand buffer (no gathers).
-    USE_ASM: scales converted 4 per call, then the table-free shift decode, in inline PTX (else the portable
+    USE_ASM: scales converted 4 per call, then the E2M1 decode (byte permute + multiply), in inline PTX (else the portable
     shift/convert decode, fp32 dot). Without TMA (K % 256 != 0, the interpreter) the same tiles take plain loads.
     """
     pid_n = tl.program_id(0)
@@ -253,7 +254,7 @@ def _gemm_tc_kernel(
                                           pack=4)
             s16 = _perm_k(tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH)), BLOCK_N, KH)
             lo, hi = tl.inline_asm_elementwise(
-                _E2M1_BF16_SHIFT_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p, s16],
+                _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p, s16],
                 dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
             )
         # x as 32-bit (even, odd) pairs in natural K order (contiguous, vector loads), split, then K-permuted
@@ -273,7 +274,7 @@ def _gemm_tc_kernel(
         else:
             acc = tl.dot(lo, xe, acc)
             acc = tl.dot(hi, xo, acc)
-    _split_epilogue(acc, _SHIFT_UNDO if USE_ASM else 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm,
+    _split_epilogue(acc, _DECODE_UNDO if USE_ASM else 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm,
                     M, N, stride_ym, pid_n, pid_k, HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K, INTERPRET)
 
 
