@@ -212,7 +212,8 @@ def _gemm_tc_kernel(
     into the wgmma A-operand layout, 4 bytes per load; x is read as 32-bit (even, odd) pairs in natural order,
     split and permuted the same way on its way into the B-operand buffer (no gathers).
     USE_ASM: scales converted 4 per call, then the E2M1 decode (byte permute + multiply), in inline PTX (else
-    the portable shift/convert decode, fp32 dot). Without TMA (K % 256 != 0, the interpreter) the same tiles take plain loads.
+    the portable shift/convert decode, fp32 dot). Without TMA (K % 256 != 0, the interpreter) the same tiles take
+    plain loads.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
