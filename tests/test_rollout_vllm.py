@@ -56,6 +56,7 @@ def test_adapter_tensors_use_peft_names_and_vllm_norm_names(trainer):
         assert tensor.data_ptr() == trained.data_ptr() and name in checkpoint_names
     settings = lora_settings(model)
     assert settings["r"] == 4 and settings["lora_alpha"] == 8 and "q_proj" in settings["target_modules"]
+    assert settings["modules_to_save"] is None  # vLLM's PEFTHelper refuses them; the norms travel by load_norms
 
 
 def test_sampling_kwargs_follow_the_trainer_generation_config(trainer):

@@ -66,6 +66,7 @@ def lora_settings(policy: nn.Module) -> dict[str, Any]:
     config = policy.peft_config[policy.active_adapter]
     settings = config.to_dict()
     settings["target_modules"] = sorted(settings["target_modules"])  # a set in peft; JSON-like for vLLM
+    settings["modules_to_save"] = None  # vLLM's LoRA refuses them; the trained norms are copied in by load_norms
     if settings.get("use_dora"):
         raise ValueError("the vllm rollout backend does not support DoRA adapters")
     return settings
