@@ -119,6 +119,8 @@ def main(argv=None) -> None:
         "--rollout-backend", args.backend, "--max-completion-length", str(args.new_tokens), "--optim", "adamw_torch",
         "--max-steps", str(args.steps), "--save-strategy", "no", "--report-to", "none",
         "--vllm-gpu-memory-utilization", str(args.gpu_memory_utilization), "--metrics-jsonl", "false",
+        # Random weights never sample EOS: with the recipe's masking every completion would drop out of the loss.
+        "--mask-truncated-completions", "false",
         *args.extra,
     ]  # fmt: skip
     timer = PhaseTimer()

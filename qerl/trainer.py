@@ -198,7 +198,6 @@ class QeRLTrainer(GRPOTrainer):
                 "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
                 "max_model_len": args.vllm_max_model_length,
                 "sleep": args.vllm_enable_sleep_mode,
-                "max_num_seqs": args.generation_batch_size,
                 "seed": args.seed,
             },
         )

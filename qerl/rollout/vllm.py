@@ -138,7 +138,7 @@ class VLLMEngine:
         lora_rank: int | None,
         gpu_memory_utilization: float = 0.3,
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         sleep: bool = True,
         fp32_norms: bool = True,
         seed: int = 0,
@@ -253,7 +253,7 @@ class VLLMEngine:
 
 class VLLMRollout(RolloutBackend):
     """Rollouts from a colocated vLLM engine; options (from the trainer's TRL fields): gpu_memory_utilization,
-    max_model_len, max_num_seqs, sleep, seed, fp32_norms, enforce_eager."""
+    max_model_len, max_num_seqs (vLLM's default), sleep, seed, fp32_norms, enforce_eager."""
 
     name = "vllm"
 
