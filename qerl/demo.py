@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--problems", type=int, default=64, help="size of the RL problem set")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=1.5e-3, help="LoRA learning rate of the RL phase")
+    parser.add_argument("--hidden-size", type=int, default=64,
+                        help="model width; vLLM's NVFP4 (Marlin) kernel needs 128 or more")  # fmt: skip
+    parser.add_argument("--rollout-backend", default="transformers",
+                        help="transformers, or vllm (on a GPU, with --hidden-size 128 or more)")  # fmt: skip
     args = parser.parse_args(argv)
 
     start = time.time()
@@ -115,7 +119,11 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
     print(f"[demo] device: {device}; output: {os.path.abspath(args.output_dir)}")
 
-    model, tokenizer = build_tiny(seed=args.seed)
+    width = {} if args.hidden_size == 64 else {  # 64-wide attention heads, as in real models
+        "hidden_size": args.hidden_size, "intermediate_size": 2 * args.hidden_size,
+        "num_heads": max(args.hidden_size // 64, 2), "num_kv_heads": 2,
+    }  # fmt: skip
+    model, tokenizer = build_tiny(seed=args.seed, **width)
     loss = warm_up(model, tokenizer, args.warmup_steps, device, seed=args.seed)
     print(f"[demo] warm-up: {args.warmup_steps} supervised steps, loss {loss:.3f}, "
           f"sampled accuracy {sample_accuracy(model, tokenizer):.1%}")  # fmt: skip
@@ -154,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         gradient_checkpointing=False,
         seed=args.seed,
         disable_tqdm=True,
+        rollout_backend=args.rollout_backend,
     )
     problems = data.arithmetic_dataset(args.problems, seed=args.seed + 1, max_operand=MAX_OPERAND)
     trainer = QeRLTrainer(

@@ -64,6 +64,12 @@ class QeRLConfig(GRPOConfig):
                   "is installed, else transformers. vllm reads TRL's vllm_gpu_memory_utilization, "
                   "vllm_max_model_length and vllm_enable_sleep_mode."},
     )  # fmt: skip
+    vllm_enable_sleep_mode: bool = field(
+        default=True,
+        metadata={"help": "rollout_backend vllm: put the engine to sleep between rounds (level 1: KV cache freed, "
+                  "weights parked in CPU memory) so that the trainer's forward and backward passes get the GPU "
+                  "memory. TRL's default is off; QeRL colocates, so on."},
+    )  # fmt: skip
     vllm_importance_sampling_correction: bool = field(
         default=False,
         metadata={"help": "Correct the rollout/training mismatch (AQN makes one) with TRL's truncated importance "
