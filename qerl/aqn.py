@@ -31,18 +31,19 @@ def sigma_trend(sigma_start: float, sigma_end: float, num_stages: int) -> list[f
 
 
 def sigma_at(step: int, total_steps: int, sigma_start: float, sigma_end: float, num_stages: int) -> float:
-    """sigma for optimizer step `step` (0-based) of `total_steps`.
+    """sigma for the generation of optimizer step `step` (0-based) of `total_steps`.
 
     The run is cut into num_stages equal intervals; the first is noise-free, interval i >= 1 uses
     sigma_trend[i - 1]; steps at or beyond the end stay on the last level. Same arithmetic as the reference
-    (`get_sigma_by_step`), which is called with the optimizer-step counter.
+    (`get_sigma_by_step`), evaluated where the reference does: its counter (`update_step`) is advanced before
+    each step's generation, so step k samples with the counter at k + 1.
     """
     trend = sigma_trend(sigma_start, sigma_end, num_stages)
     if total_steps <= 0:
         raise ValueError(f"AQN needs the total number of training steps, got {total_steps}")
-    step = min(step, total_steps)
+    counter = min(step + 1, total_steps)
     steps_per_interval = total_steps / (len(trend) + 1)
-    interval = int(step // steps_per_interval)
+    interval = int(counter // steps_per_interval)
     if interval == 0:
         return 0.0
     return trend[min(interval - 1, len(trend) - 1)]

@@ -20,18 +20,30 @@ def reference_sigma(step, total_steps, sigma_start, sigma_end, num_stages):
     return trend[min(interval_id - 1, len(trend) - 1)]
 
 
+def reference_run(total_steps, sigma_start, sigma_end, num_stages):
+    """The sigma each optimizer step samples with in the reference: its trainer loop (replacement/trainer.py)
+    advances `update_step` before the step, and the weight sync of that step's generation reads it."""
+    sigmas, update_step = [], 0
+    for _ in range(total_steps):
+        update_step += 1
+        sigmas.append(reference_sigma(update_step, total_steps, sigma_start, sigma_end, num_stages))
+    return sigmas
+
+
 @pytest.mark.parametrize("total", [1, 7, 10, 100, 333, 1000])
 @pytest.mark.parametrize("start,end,stages", [(1e-2, 1e-4, 10), (5e-2, 5e-4, 10), (1e-2, 1e-3, 4)])
 def test_schedule_matches_reference(total, start, end, stages):
-    for step in range(total + 3):
-        assert aqn.sigma_at(step, total, start, end, stages) == reference_sigma(step, total, start, end, stages)
+    ours = [aqn.sigma_at(step, total, start, end, stages) for step in range(total)]
+    assert ours == reference_run(total, start, end, stages)
+    # Past the end (a resumed run with a larger step count) the last level holds, as in the reference.
+    assert aqn.sigma_at(total + 2, total, start, end, stages) == reference_sigma(total, total, start, end, stages)
 
 
 def test_schedule_shape():
     sigmas = [aqn.sigma_at(s, 100, 1e-2, 1e-4, 10) for s in range(100)]
-    assert sigmas[:10] == [0.0] * 10  # first tenth is noise-free
-    assert sigmas[10] == 1e-2 and sigmas[99] == pytest.approx(1e-4)
-    assert all(a >= b for a, b in zip(sigmas[10:-1], sigmas[11:], strict=True))  # decays monotonically
+    assert sigmas[:9] == [0.0] * 9  # the counter reaches the second tenth at step 9 (counter 10)
+    assert sigmas[9] == 1e-2 and sigmas[99] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(sigmas[9:-1], sigmas[10:], strict=True))  # decays monotonically
     with pytest.raises(ValueError):
         aqn.sigma_trend(1e-2, 1e-4, 2)
 

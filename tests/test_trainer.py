@@ -49,7 +49,7 @@ def _trainer(checkpoint, args, dtype=torch.float32):
 
 def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    args = _config(tmp_path, trainable_norms=True)
+    args = _config(tmp_path, trainable_norms=True, num_stages=3)
     trainer = _trainer(nvfp4_dir, args)
     model = trainer.model
     assert trainer.aqn_enabled and trainer.is_nvfp4  # AQN defaults on for an NVFP4 base
@@ -109,8 +109,8 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
 
     # Sigma follows the schedule, one fresh draw per generation round, with the measured spread.
     assert [r["step"] for r in rounds] == [0, 1, 2, 3, 4]
-    expected = [aqn.sigma_at(s, 5, 0.2, 0.02, 5) for s in range(5)]
-    assert expected[0] == 0.0 and expected[1] == 0.2
+    expected = [aqn.sigma_at(s, 5, 0.2, 0.02, 3) for s in range(5)]
+    assert expected == [0.0, 0.2, 0.2, 0.02, 0.02]
     assert [r["sigma"] for r in rounds] == expected
     for r in rounds:
         assert r["noise_std"] == (0.0 if r["sigma"] == 0 else pytest.approx(r["sigma"], rel=0.3))
@@ -164,7 +164,7 @@ def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_p
     batches, score = [], trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: batches.append(score(inputs)) or batches[-1]
     trainer.train()
-    noisy = batches[1]  # step 1 of 2 with 3 stages: sigma 0.5
+    noisy = batches[0]  # step 0 of 2 with 3 stages: sigma 0.5
     mask = noisy["completion_mask"]
     # TRL's token_truncate formula, applied to the rollout and training log-probs it was handed.
     expected = torch.clamp(
