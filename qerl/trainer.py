@@ -20,6 +20,7 @@ from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_context
+from trl.models.utils import disable_gradient_checkpointing
 
 from qerl import aqn, policy
 from qerl.nvfp4.linear import NVFP4Linear
@@ -55,6 +56,12 @@ class QeRLConfig(GRPOConfig):
                   "bf16: the reference's bit-faithful rule, noise cast to the BF16 scale and added there (noise "
                   "below half a BF16 ulp rounds away: on scales near 1, sigma 1e-4 changes nothing).",
                   "choices": AQN_DTYPES},
+    )  # fmt: skip
+    aqn_log_shift: bool = field(
+        default=True,
+        metadata={"help": "Log aqn/logprob_shift, the mean |logprob(noisy) - logprob(clean)| of the sampled tokens in "
+                  "the training forward: how far the noise moved the policy, apart from the rollout engine's own "
+                  "numerics. Costs one no-grad forward of the batch per noisy round (the clean side is the loss's)."},
     )  # fmt: skip
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
@@ -174,6 +181,7 @@ class QeRLTrainer(GRPOTrainer):
         self._norm_sites: dict[int, aqn.NormSites] = {}
         self.last_noise = aqn.NoiseStats()
         self._noise_round = (-1, 0)
+        self._noise_seed = 0
         self._loss_logps: list[torch.Tensor] | None = None  # filled by the loss forward, see _compute_loss
         if args.metrics_jsonl:
             self.add_callback(JsonlMetrics(os.path.join(args.output_dir, "metrics.jsonl")))
@@ -217,7 +225,8 @@ class QeRLTrainer(GRPOTrainer):
         # rank, so all ranks sample from one noisy policy as a single process would, and the same after a resume.
         step = self.state.global_step
         self._noise_round = (step, self._noise_round[1] + 1 if self._noise_round[0] == step else 0)
-        generator = torch.Generator().manual_seed(hash((self.args.seed, *self._noise_round)))
+        self._noise_seed = hash((self.args.seed, *self._noise_round))
+        generator = torch.Generator().manual_seed(self._noise_seed)
         sites = self._sites(model) if sigma > 0 else None
         with aqn.noisy_norms(model, sigma, generator, self.args.aqn_final_norm, sites, self.args.aqn_dtype) as stats:
             yield stats
@@ -244,7 +253,28 @@ class QeRLTrainer(GRPOTrainer):
         # (generation and optimizer steps misaligned), measure against those; otherwise see _compute_loss.
         if not self.use_vllm and output.get("old_per_token_logps") is not None:
             self._log_rollout_mismatch(output["old_per_token_logps"], output)
+        if self.model.training and self.args.aqn_log_shift and self.last_noise.sigma > 0:
+            output["aqn_noisy_logps"] = self._noisy_logps(output)
         return output
+
+    @torch.no_grad()
+    def _noisy_logps(self, output) -> torch.Tensor:
+        """Log-probs of the sampled tokens in the training forward under the very noise the round sampled with
+        (same seed, same norms in the same order): against the clean ones they give AQN's own movement."""
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        a = self.args
+        generator = torch.Generator().manual_seed(self._noise_seed)
+        with (
+            disable_gradient_checkpointing(self.model, a.gradient_checkpointing_kwargs),
+            aqn.noisy_norms(
+                self.model, self.last_noise.sigma, generator, a.aqn_final_norm, self._sites(self.model), a.aqn_dtype
+            ),
+        ):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, output["completion_ids"].size(1), a.per_device_train_batch_size
+            )
+        return logps
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
@@ -254,14 +284,22 @@ class QeRLTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         # Without old log-probs, TRL's loss forward runs the clean policy with the parameters that sampled the
-        # batch (TRL skips old log-probs exactly then): its log-probs measure the rollout/training mismatch (AQN's
-        # movement of the sampler) at no extra forward.
-        measure = not self.use_vllm and inputs.get("old_per_token_logps") is None
-        self._loss_logps = [] if measure and "sampling_per_token_logps" in inputs else None
+        # batch (TRL skips old log-probs exactly then): its log-probs measure the rollout/training mismatch and
+        # AQN's shift at no extra forward.
+        old = inputs.get("old_per_token_logps")
+        mismatch = not self.use_vllm and old is None and "sampling_per_token_logps" in inputs
+        shift = "aqn_noisy_logps" in inputs
+        self._loss_logps = [] if mismatch or (shift and old is None) else None
         try:
             loss = super()._compute_loss(model, inputs)
-            if self._loss_logps:
-                self._log_rollout_mismatch(self._loss_logps[0], inputs)
+            clean = old if old is not None else (self._loss_logps or [None])[0]
+            if mismatch and clean is not None:
+                self._log_rollout_mismatch(clean, inputs)
+            if shift and clean is not None:
+                mask = inputs["completion_mask"].bool()
+                delta = (clean - inputs["aqn_noisy_logps"]).abs()[mask]
+                value = delta.mean() if delta.numel() else torch.tensor(0.0, device=delta.device)
+                self._metrics["train"]["aqn/logprob_shift"].append(self.accelerator.gather(value).mean().item())
         finally:
             self._loss_logps = None
         return loss

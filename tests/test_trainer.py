@@ -147,6 +147,9 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     # sigma 1e-4 (measured from the loss's own forward: no extra pass).
     assert history[0]["sampling/sampling_logp_difference/max"] < 1e-5
     assert all(h["sampling/sampling_logp_difference/mean"] > 1e-5 for h in history[1:])
+    # AQN's own movement of the policy, in the training forward under the round's noise: there at every level.
+    assert "aqn/logprob_shift" not in history[0]
+    assert all(h["aqn/logprob_shift"] > 0 for h in history[1:]), [h.get("aqn/logprob_shift") for h in history]
 
     # Every log line went to metrics.jsonl.
     with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
