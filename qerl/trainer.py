@@ -271,7 +271,11 @@ class QeRLTrainer(GRPOTrainer):
         self._noise_seed = hash((self.args.seed, *self._noise_round))
         generator = torch.Generator().manual_seed(self._noise_seed)
         sites = self._sites(model) if sigma > 0 else None
-        with aqn.noisy_norms(model, sigma, generator, self.args.aqn_final_norm, sites, self.args.aqn_dtype) as stats:
+        a = self.args
+        # The policy's transformers norms need FP32Compute to use an FP32 scale; an engine's own model (vLLM:
+        # FP32 norm weights, CUDA graphs where hooks never run) applies its FP32 scales itself.
+        own = model is self.model
+        with aqn.noisy_norms(model, sigma, generator, a.aqn_final_norm, sites, a.aqn_dtype, fp32_compute=own) as stats:
             yield stats
         self.last_noise = stats
 
