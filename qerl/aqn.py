@@ -257,9 +257,10 @@ def noisy_norms(
 
     The noise is drawn in float32 on the CPU, norm after norm in module order (reproducible on any device, rank
     and backend for a given generator), then meets each scale in the dtype of `dtype_rule` (see DTYPE_RULES).
-    A scale already in that dtype is perturbed in place (engines that captured its address see the noise); any
-    other gets a perturbed Parameter of that dtype for the duration, and the original Parameter object back on
-    exit. Either way the clean scales come back bit for bit: subtracting the noise would not undo the rounding.
+    A scale stored in that dtype or in FP32 is perturbed in place (engines that captured its address, as CUDA
+    graphs do, see the noise); a BF16 scale under the fp32 rule gets a perturbed FP32 Parameter for the duration,
+    and the original Parameter object back on exit. Either way the clean scales come back bit for bit:
+    subtracting the noise would not undo the rounding.
     With the fp32 rule and `fp32_compute`, the perturbed norms also run in FP32 (FP32Compute) so that the noise
     survives until their output is rounded once; engines whose norms take an FP32 scale themselves (or whose
     forward runs in CUDA graphs, where hooks do not run) pass False. Yields NoiseStats.
@@ -280,17 +281,16 @@ def noisy_norms(
                 weight = module.weight
                 noise = torch.randn(weight.shape, generator=generator, dtype=torch.float32) * sigma
                 noise = noise.to(device=weight.device, dtype=dtype)
-                if weight.dtype == dtype:
-                    clean = weight.detach().clone()
-                    undo.append(lambda weight=weight, clean=clean: weight.copy_(clean))
-                    weight.add_(noise)
-                    noisy = weight
+                clean = weight.detach().to(dtype)
+                noisy = clean + noise
+                changed += int((noisy != clean).sum())
+                if weight.dtype in (dtype, torch.float32):  # FP32 holds every BF16 value
+                    saved = weight.detach().clone()
+                    undo.append(lambda weight=weight, saved=saved: weight.copy_(saved))
+                    weight.copy_(noisy)
                 else:
-                    clean = weight.detach().to(dtype)
-                    noisy = clean + noise
                     undo.append(lambda module=module, weight=weight: module._parameters.__setitem__("weight", weight))
                     module._parameters["weight"] = nn.Parameter(noisy, requires_grad=False)
-                changed += int((noisy != clean).sum())
                 stats.num_elements += weight.numel()
                 if dtype_rule == "fp32" and fp32_compute and not computes_in_fp32(module):
                     undo.append(FP32Compute(module).remove)

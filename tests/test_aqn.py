@@ -149,7 +149,7 @@ def test_noise_applied_and_restored_bit_exactly(dtype, rule):
         diffs = []
         for k, v in state.items():
             if "layernorm" in k:
-                assert v.dtype == aqn.DTYPE_RULES[rule]
+                assert v.dtype in (aqn.DTYPE_RULES[rule], torch.float32)  # in place where FP32 holds the values
                 diffs.append((v.float() - clean[k].float()).flatten())
             else:
                 assert torch.equal(v, clean[k]), k  # final norm untouched by default, everything else too
