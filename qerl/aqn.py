@@ -31,18 +31,19 @@ def sigma_trend(sigma_start: float, sigma_end: float, num_stages: int) -> list[f
 
 
 def sigma_at(step: int, total_steps: int, sigma_start: float, sigma_end: float, num_stages: int) -> float:
-    """sigma for optimizer step `step` (0-based) of `total_steps`.
+    """sigma for the generation of optimizer step `step` (0-based) of `total_steps`.
 
     The run is cut into num_stages equal intervals; the first is noise-free, interval i >= 1 uses
     sigma_trend[i - 1]; steps at or beyond the end stay on the last level. Same arithmetic as the reference
-    (`get_sigma_by_step`), which is called with the optimizer-step counter.
+    (`get_sigma_by_step`), evaluated where the reference does: its counter (`update_step`) is advanced before
+    each step's generation, so step k samples with the counter at k + 1.
     """
     trend = sigma_trend(sigma_start, sigma_end, num_stages)
     if total_steps <= 0:
         raise ValueError(f"AQN needs the total number of training steps, got {total_steps}")
-    step = min(step, total_steps)
+    counter = min(step + 1, total_steps)
     steps_per_interval = total_steps / (len(trend) + 1)
-    interval = int(step // steps_per_interval)
+    interval = int(counter // steps_per_interval)
     if interval == 0:
         return 0.0
     return trend[min(interval - 1, len(trend) - 1)]
@@ -173,7 +174,65 @@ def layer_norm_names(model: nn.Module) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Running a norm in FP32
+
+
+class FP32Compute:
+    """Runs a module in FP32 and hands its output back in its input's dtype, through forward hooks: floating
+    inputs are upcast, floating outputs cast back to the dtype of the first floating input.
+
+    A norm with an FP32 scale in a BF16 model then rounds once, (w * x / rms(x)) -> BF16, where transformers'
+    RMSNorms round x / rms(x) to BF16 first and would then return FP32 (which a BF16 Linear refuses). Scale
+    changes below BF16 resolution (an optimizer step, AQN noise) thus still reach the next layer's input as
+    shifted roundings. `remove()` takes the hooks off again.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._dtypes: list[torch.dtype | None] = []  # a stack: a module may be re-entered (checkpoint recompute)
+        self._handles = [
+            module.register_forward_pre_hook(self._upcast, with_kwargs=True),
+            module.register_forward_hook(self._downcast, with_kwargs=True),
+        ]
+        module.qerl_fp32_compute = self
+
+    @staticmethod
+    def _to(value, dtype):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(dtype)
+        if isinstance(value, tuple):
+            return tuple(FP32Compute._to(v, dtype) for v in value)
+        return value
+
+    def _upcast(self, module, args, kwargs):
+        first = next(
+            (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()), None
+        )
+        self._dtypes.append(None if first is None else first.dtype)
+        return self._to(args, torch.float32), {k: self._to(v, torch.float32) for k, v in kwargs.items()}
+
+    def _downcast(self, module, args, kwargs, output):
+        dtype = self._dtypes.pop()
+        return output if dtype is None else self._to(output, dtype)
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
+        del self.module.qerl_fp32_compute
+
+
+def computes_in_fp32(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("qerl_fp32_compute"), FP32Compute)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Applying the noise
+
+# How the noise meets the scale. "fp32": added in FP32 to an FP32 copy of the scale, so that every level of the
+# schedule survives (Eq. 10: w + Z). "bf16": the reference's: the noise is cast to the BF16 scale's dtype and
+# added there, so noise below half a BF16 ulp of the scale rounds away (on scales near 1: sigma 1e-3 moves ~3%
+# of the entries, 1e-4 none).
+DTYPE_RULES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -181,7 +240,7 @@ class NoiseStats:
     sigma: float = 0.0
     num_norms: int = 0
     num_elements: int = 0
-    changed_fraction: float = 0.0  # share of scale entries that the noise actually moved (bf16 rounds small noise away)
+    changed_fraction: float = 0.0  # share of scale entries that the noise moved in the rule's dtype
 
 
 @contextlib.contextmanager
@@ -191,35 +250,54 @@ def noisy_norms(
     generator: torch.Generator | None = None,
     include_final: bool = False,
     sites: NormSites | None = None,
+    dtype_rule: str = "fp32",
+    fp32_compute: bool = True,
 ):
     """Add fresh N(0, sigma^2) noise to the model's RMSNorm scales for the duration of the block.
 
-    The noise is drawn in float32 on the CPU (reproducible on any device and rank for a given generator) and
-    cast to the weight's dtype before the add, as the reference does. On exit every scale gets its saved
-    clean copy back, bit for bit: subtracting the noise again would not undo the rounding of the add.
-    Yields NoiseStats.
+    The noise is drawn in float32 on the CPU, norm after norm in module order (reproducible on any device, rank
+    and backend for a given generator), then meets each scale in the dtype of `dtype_rule` (see DTYPE_RULES).
+    A scale stored in that dtype or in FP32 is perturbed in place (engines that captured its address, as CUDA
+    graphs do, see the noise); a BF16 scale under the fp32 rule gets a perturbed FP32 Parameter for the duration,
+    and the original Parameter object back on exit. Either way the clean scales come back bit for bit:
+    subtracting the noise would not undo the rounding.
+    With the fp32 rule and `fp32_compute`, the perturbed norms also run in FP32 (FP32Compute) so that the noise
+    survives until their output is rounded once; engines whose norms take an FP32 scale themselves (or whose
+    forward runs in CUDA graphs, where hooks do not run) pass False. Yields NoiseStats.
     """
+    if dtype_rule not in DTYPE_RULES:
+        raise ValueError(f"unknown AQN dtype rule {dtype_rule!r}; known: {', '.join(DTYPE_RULES)}")
     stats = NoiseStats(sigma=float(sigma))
     if sigma <= 0:
         yield stats
         return
+    dtype = DTYPE_RULES[dtype_rule]
     norms = (sites or find_norms(model)).select(include_final)
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    undo = []
     changed = 0
     try:
         with torch.no_grad():
             for module in norms.values():
                 weight = module.weight
-                clean = weight.detach().clone()
-                saved.append((weight, clean))
                 noise = torch.randn(weight.shape, generator=generator, dtype=torch.float32) * sigma
-                weight.add_(noise.to(device=weight.device, dtype=weight.dtype))
-                changed += int((weight != clean).sum())
+                noise = noise.to(device=weight.device, dtype=dtype)
+                clean = weight.detach().to(dtype)
+                noisy = clean + noise
+                changed += int((noisy != clean).sum())
+                if weight.dtype in (dtype, torch.float32):  # FP32 holds every BF16 value
+                    saved = weight.detach().clone()
+                    undo.append(lambda weight=weight, saved=saved: weight.copy_(saved))
+                    weight.copy_(noisy)
+                else:
+                    undo.append(lambda module=module, weight=weight: module._parameters.__setitem__("weight", weight))
+                    module._parameters["weight"] = nn.Parameter(noisy, requires_grad=False)
                 stats.num_elements += weight.numel()
-        stats.num_norms = len(saved)
+                if dtype_rule == "fp32" and fp32_compute and not computes_in_fp32(module):
+                    undo.append(FP32Compute(module).remove)
+        stats.num_norms = len(norms)
         stats.changed_fraction = changed / max(stats.num_elements, 1)
         yield stats
     finally:
         with torch.no_grad():
-            for weight, clean in saved:
-                weight.copy_(clean)
+            for step in reversed(undo):
+                step()

@@ -1,7 +1,11 @@
 """Training tasks: prompts (TRL's conversational format) plus the reward functions that score them.
 
 Named datasets use the QeRL reference's hub ids and prompt formats (NVlabs/QeRL utils/data.py):
-  gsm8k        openai/gsm8k (main): the question as the only user message, gold = the number after ####
+  gsm8k        openai/gsm8k (main): the think/answer system prompt (which the rewards pay for) + the question,
+               gold = the number after ####. The reference HEAD defines that system prompt but comments it out,
+               sending the bare question to rewards that pay only for the tags: a bug not reproduced here.
+  gsm8k_hash   the same rows as the reference's first commit (1bf4803, paper time) posed them: its "####"
+               instruction appended to the question, "#### N" scored (1.0) plus a <think> block (0.2)
   bigmath      open-r1/Big-Math-RL-Verified-Processed (level_3_4_5), the processed release of
                SynthLabsAI/Big-Math-RL-Verified; think/answer system prompt; prompts <= 1024 characters
   bigmath_hard the same, level_4_5
@@ -30,6 +34,11 @@ THINK_ANSWER_SYSTEM_PROMPT = (
     "        ...\n        </answer>\n    "
 )  # verbatim from the reference, indentation included: it is what its models were trained on
 
+GSM8K_HASH_INSTRUCTION = (
+    "\n        Let's think step by step first within <think> </think> tags, and output the final answer after \"####\" "
+    "tag, i.e.,: \n        #     <think>\n        #     ...\n        #     </think>\n        #     #### number\n    "
+)  # verbatim from the reference's first commit, appended to the question after a space
+
 MAX_PROMPT_CHARS = 1024  # the reference drops longer Big-Math / DAPO prompts
 
 
@@ -42,6 +51,7 @@ class HubSource:
 
 HUB_DATASETS = {
     "gsm8k": HubSource("openai/gsm8k", "main", "gsm8k"),
+    "gsm8k_hash": HubSource("openai/gsm8k", "main", "gsm8k_hash"),
     "bigmath": HubSource("open-r1/Big-Math-RL-Verified-Processed", "level_3_4_5", "bigmath"),
     "bigmath_hard": HubSource("open-r1/Big-Math-RL-Verified-Processed", "level_4_5", "bigmath"),
     "dapomath": HubSource("open-r1/DAPO-Math-17k-Processed", "en", "dapomath"),
@@ -52,6 +62,7 @@ KNOWN_DATASETS = (*HUB_DATASETS, *BUILTIN_DATASETS)
 # Columns each format reads, in the order auto-detection tries them.
 FORMAT_COLUMNS = {
     "gsm8k": ("question", "answer"),
+    "gsm8k_hash": ("question", "answer"),  # never auto-detected: gsm8k comes first
     "dapomath": ("source_prompt", "solution"),
     "bigmath": ("prompt", "solution"),
     "arithmetic": ("prompt", "answer"),
@@ -72,6 +83,8 @@ class Task:
 def reward_funcs_for(fmt: str) -> list[Callable]:
     if fmt == "gsm8k":
         return [rewards.think_answer_format_reward, rewards.gsm8k_correctness_reward]
+    if fmt == "gsm8k_hash":
+        return [rewards.gsm8k_hash_reward, rewards.think_reward]
     if fmt == "bigmath":
         return [rewards.think_answer_format_reward, rewards.math_verify_accuracy_reward]
     if fmt == "dapomath":
@@ -86,7 +99,13 @@ def reward_funcs_for(fmt: str) -> list[Callable]:
 
 
 def _format_gsm8k(row):
-    return {"prompt": [{"role": "user", "content": row["question"]}], "answer": rewards.gsm8k_gold(row["answer"])}
+    prompt = [{"role": "system", "content": THINK_ANSWER_SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}]
+    return {"prompt": prompt, "answer": rewards.gsm8k_gold(row["answer"])}
+
+
+def _format_gsm8k_hash(row):
+    prompt = [{"role": "user", "content": f"{row['question']} {GSM8K_HASH_INSTRUCTION}"}]
+    return {"prompt": prompt, "answer": rewards.gsm8k_gold(row["answer"])}
 
 
 def _format_bigmath(row):
@@ -107,6 +126,7 @@ def _format_arithmetic(row):
 
 _FORMATTERS = {
     "gsm8k": _format_gsm8k,
+    "gsm8k_hash": _format_gsm8k_hash,
     "bigmath": _format_bigmath,
     "dapomath": _format_dapomath,
     "arithmetic": _format_arithmetic,

@@ -125,6 +125,28 @@ def apply_lora(model: nn.Module, config: LoraConfig, gradient_checkpointing: boo
     return peft_model
 
 
+def keep_fp32_masters(model: nn.Module) -> list[str]:
+    """Cast every trainable parameter that is not FP32 to FP32; returns their names.
+
+    An AdamW step at the recipes' lr (1e-5) is below half a BF16 ulp of a scale near 1, so BF16 norm scales
+    would never move; peft keeps LoRA in FP32 already (autocast_adapter_dtype), its modules_to_save copies not.
+    The cast modules (other than LoRA's, which peft wraps in casts) run through aqn.FP32Compute, so that a BF16
+    model still hands BF16 activations to the next layer (the forward computes in BF16, the master is FP32).
+    """
+    cast = []
+    for module_name, module in model.named_modules():
+        owned = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        changed = False
+        for name, param in owned:
+            if param.dtype != torch.float32:
+                param.data = param.data.float()
+                cast.append(f"{module_name}.{name}")
+                changed = True
+        if changed and "lora_" not in module_name and not aqn.computes_in_fp32(module):
+            aqn.FP32Compute(module)
+    return cast
+
+
 def load_policy(
     name_or_path: str | os.PathLike,
     precision: str = "auto",

@@ -1,11 +1,13 @@
 """Reward functions in TRL's signature: f(completions, answer, **kwargs) -> list[float | None].
 
 The shapes follow the QeRL reference (NVlabs/QeRL utils/rewards.py):
-  gsm8k     format 0.2 (<think>...</think> <answer>...</answer>) + correctness 2.0
-  bigmath   format 0.2 + math-verify accuracy 1.0 on the boxed answer (None when the gold does not parse)
-  dapomath  DAPO's "Answer: ..." score, 1.0 / 0.0 after Minerva-style normalisation
-with one deliberate fix: GSM8K correctness compares the whole number (1,000 == 1000 == $1000.00), where the
-reference compares strings in training and only the first character in its evaluation script.
+  gsm8k       format 0.2 (<think>...</think> <answer>...</answer>) + correctness 2.0
+  gsm8k_hash  the reference's first commit: "#### N" 1.0 + a <think> block 0.2
+  bigmath     format 0.2 + math-verify accuracy 1.0 on the boxed answer (None when the gold does not parse)
+  dapomath    DAPO's "Answer: ..." score, 1.0 / 0.0 after Minerva-style normalisation
+with one deliberate fix: a GSM8K answer is compared as a number ("x = 18", "18 km/h", "$1,800", "\\(18\\)", a
+unicode minus; LaTeX such as \\frac{36}{2} through math-verify), where the reference compared strings in training
+and only the first character in its evaluation script. Text that is not one number ("18 or 19", "1,5") is wrong.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fractions import Fraction
 
 FORMAT_REWARD = 0.2
 GSM8K_CORRECT_REWARD = 2.0
+GSM8K_HASH_REWARD = 1.0
 
 
 def completion_text(completion) -> str:
@@ -40,25 +43,63 @@ def think_answer_format_reward(completions, **kwargs) -> list[float]:
 # ----------------------------------------------------------------------------------------------------------
 # GSM8K
 
-_NUMBER = r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)"
-# A number, optionally wrapped in $ / \boxed{} and followed by a unit word or %, nothing else.
+# A number: thousands commas only in groups of three ("1,5" is no number: 15 and 1.5 are both guesses).
+_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d*)?"
+# One number, optionally after "x =" (one left-hand side, no list of them), wrapped in $ / \boxed{}, and followed
+# by a unit (letters, /, ^, degrees: "km/h", "m^2") or %; nothing else.
 _WHOLE_NUMBER = re.compile(
-    rf"^\s*(?:\\boxed\{{)?\s*\\?\$?\s*(?P<num>{_NUMBER})\s*\}}?\s*(?:%|[a-zA-Z][a-zA-Z ]*)?\s*\.?\s*$"
+    rf"^\s*(?:[^=,;]*=)?\s*(?:\\boxed\{{)?\s*\\?\$?\s*(?P<num>{_NUMBER})\s*\}}?\s*"
+    r"(?:%|[a-zA-Z°](?:[a-zA-Z°/ ²³]|\^\d)*)?\s*\.?\s*$"
 )
+# Spellings a person writes for the same thing: unicode minus signs, math delimiters, \text{} units, \!/\, spaces.
+_NORMALISE = [
+    (re.compile(r"[\u2212\u2012\u2013\u2014]"), "-"),
+    (re.compile(r"\\[()\[\]]"), ""),
+    (re.compile(r"(?<!\\)\$(.*?)(?<!\\)\$"), r"\1"),
+    (re.compile(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}"), r" \1"),
+    (re.compile(r"\\[,!;: ]"), ""),
+]
+
+
+def _normalise(text: str) -> str:
+    for pattern, replacement in _NORMALISE:
+        text = pattern.sub(replacement, text)
+    return text.strip()
 
 
 def parse_number(text: str | None) -> Fraction | None:
-    """The value of an answer that is one number (with optional $, thousands commas, unit or trailing dot)."""
+    """The value of an answer that is one number (with optional "x =", $, thousands commas, unit, % or trailing
+    dot, in plain text or LaTeX delimiters); None for anything else (two numbers, words, "1,5")."""
     if text is None:
         return None
-    match = _WHOLE_NUMBER.match(text.strip())
-    if match is None:
+    match = _WHOLE_NUMBER.match(_normalise(text))
+    if match is None or not any(ch.isdigit() for ch in match.group("num")):
         return None
-    digits = match.group("num").replace(",", "").rstrip(".")
     try:
-        return Fraction(Decimal(digits))
+        return Fraction(Decimal(match.group("num").replace(",", "").rstrip(".")))
     except (InvalidOperation, ValueError):
         return None
+
+
+def answers_equal(predicted: str | None, gold: str) -> bool:
+    """Whether an extracted answer equals a GSM8K gold number: as a number when it is one, else, for LaTeX such
+    as \\frac{36}{2}, by math-verify; plain text that is not one number ("18 or 19") is wrong."""
+    expected = parse_number(str(gold))
+    if predicted is None or expected is None:
+        return False
+    value = parse_number(predicted)
+    if value is not None:
+        return value == expected
+    if "\\" not in predicted:
+        return False
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None  # signal.alarm: main only
+    try:
+        latex = parse(f"${_normalise(predicted)}$", [LatexExtractionConfig()], parsing_timeout=timeout)
+        return bool(latex) and verify(parse(str(expected)), latex, timeout_seconds=timeout)
+    except Exception:  # sympy can fail on exotic expressions: an unverifiable answer earns nothing
+        return False
 
 
 def gsm8k_gold(solution: str) -> str | None:
@@ -76,13 +117,31 @@ def extract_answer_tag(text: str) -> str | None:
 
 
 def gsm8k_correctness_reward(completions, answer, **kwargs) -> list[float]:
-    """2.0 when the number in <answer>...</answer> equals the gold answer as a number, else 0.0."""
+    """2.0 when the answer in <answer>...</answer> equals the gold answer (answers_equal), else 0.0."""
+    return [
+        GSM8K_CORRECT_REWARD if answers_equal(extract_answer_tag(completion_text(c)), gold) else 0.0
+        for c, gold in zip(completions, answer, strict=True)
+    ]
+
+
+# The reference's first commit (1bf4803, paper time): the answer after "####", a <think> block.
+_HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
+_THINK = re.compile(r"<think>.+?</think>", re.DOTALL)
+
+
+def gsm8k_hash_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the text after the last "####" equals the gold answer (answers_equal), else 0.0 (the reference's
+    strict gsm8k_score, which compared strings)."""
     rewards = []
     for completion, gold in zip(completions, answer, strict=True):
-        predicted = parse_number(extract_answer_tag(completion_text(completion)))
-        expected = parse_number(str(gold))
-        rewards.append(GSM8K_CORRECT_REWARD if predicted is not None and predicted == expected else 0.0)
+        found = _HASH_ANSWER.findall(completion_text(completion))
+        rewards.append(GSM8K_HASH_REWARD if found and answers_equal(found[-1], gold) else 0.0)
     return rewards
+
+
+def think_reward(completions, **kwargs) -> list[float]:
+    """0.2 when the completion holds a non-empty <think>...</think> block (the reference's think_reward_func)."""
+    return [FORMAT_REWARD if _THINK.search(completion_text(c)) else 0.0 for c in completions]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from qerl import aqn, policy, rollout
 from qerl.nvfp4.linear import NVFP4Linear
 
 logger = logging.getLogger(__name__)
+AQN_DTYPES = list(aqn.DTYPE_RULES)  # QeRLConfig's field `aqn` shadows the module inside the class body
 
 
 @dataclass
@@ -47,6 +48,20 @@ class QeRLConfig(GRPOConfig):
     aqn_final_norm: bool = field(
         default=False, metadata={"help": "Also perturb the final RMSNorm (the paper perturbs the per-layer norms)."}
     )
+    aqn_dtype: str = field(
+        default="fp32",
+        metadata={"help": "Where AQN noise meets the scales. fp32: added in FP32 to an FP32 copy of each scale, the "
+                  "perturbed norms run in FP32 and round once, so every level of the schedule reaches the sampler. "
+                  "bf16: the reference's bit-faithful rule, noise cast to the BF16 scale and added there (noise "
+                  "below half a BF16 ulp rounds away: on scales near 1, sigma 1e-4 changes nothing).",
+                  "choices": AQN_DTYPES},
+    )  # fmt: skip
+    aqn_log_shift: bool = field(
+        default=True,
+        metadata={"help": "Log aqn/logprob_shift, the mean |logprob(noisy) - logprob(clean)| of the sampled tokens in "
+                  "the training forward: how far the noise moved the policy, apart from the rollout engine's own "
+                  "numerics. Costs one no-grad forward of the batch per noisy round (the clean side is the loss's)."},
+    )  # fmt: skip
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
@@ -88,6 +103,8 @@ class QeRLConfig(GRPOConfig):
                 "use_vllm is TRL's own vLLM path, which would sample without AQN; QeRL picks its engine with "
                 f"rollout_backend (available: {', '.join(rollout.CHOICES)})"
             )
+        if self.aqn_dtype not in aqn.DTYPE_RULES:
+            raise ValueError(f"unknown aqn_dtype {self.aqn_dtype!r}; available: {', '.join(aqn.DTYPE_RULES)}")
         if self.aqn is not False:
             aqn.sigma_trend(self.sigma_start, self.sigma_end, self.num_stages)  # validates the schedule
         try:
@@ -160,6 +177,10 @@ class QeRLTrainer(GRPOTrainer):
                 args.trainable_norms,
             )
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, peft_config=peft_config, **kwargs)
+        # ZeRO keeps FP32 masters of its own (and gathers parameters of one dtype); FSDP flattens parameters of
+        # one dtype per unit: there the sharding's mixed precision decides.
+        if args.deepspeed_plugin is None and not self.is_fsdp_enabled:
+            policy.keep_fp32_masters(self.model)
 
         self._exclude_packed_weights_from_ddp()
         self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup(model_path))
@@ -170,6 +191,8 @@ class QeRLTrainer(GRPOTrainer):
         self._norm_sites: dict[int, aqn.NormSites] = {}
         self.last_noise = aqn.NoiseStats()
         self._noise_round = (-1, 0)
+        self._noise_seed = 0
+        self._loss_logps: list[torch.Tensor] | None = None  # filled by the loss forward, see _compute_loss
         if args.metrics_jsonl:
             self.add_callback(JsonlMetrics(os.path.join(args.output_dir, "metrics.jsonl")))
 
@@ -251,9 +274,14 @@ class QeRLTrainer(GRPOTrainer):
         # rank, so all ranks sample from one noisy policy as a single process would, and the same after a resume.
         step = self.state.global_step
         self._noise_round = (step, self._noise_round[1] + 1 if self._noise_round[0] == step else 0)
-        generator = torch.Generator().manual_seed(hash((self.args.seed, *self._noise_round)))
+        self._noise_seed = hash((self.args.seed, *self._noise_round))
+        generator = torch.Generator().manual_seed(self._noise_seed)
         sites = self._sites(model) if sigma > 0 else None
-        with aqn.noisy_norms(model, sigma, generator, self.args.aqn_final_norm, sites) as stats:
+        a = self.args
+        # The policy's transformers norms need FP32Compute to use an FP32 scale; an engine's own model (vLLM:
+        # FP32 norm weights, CUDA graphs where hooks never run) applies its FP32 scales itself.
+        own = model is self.model
+        with aqn.noisy_norms(model, sigma, generator, a.aqn_final_norm, sites, a.aqn_dtype, fp32_compute=own) as stats:
             yield stats
         self.last_noise = stats
 
@@ -274,30 +302,71 @@ class QeRLTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        # With the correction on, TRL logs sampling/* itself; otherwise measure the same mismatch here.
-        if not self.use_vllm and "sampling_per_token_logps" in output:
-            self._log_rollout_mismatch(output)
+        # With the correction on, TRL logs sampling/* itself. When it computed the clean log-probs anyway
+        # (generation and optimizer steps misaligned), measure against those; otherwise see _compute_loss.
+        if not self.use_vllm and output.get("old_per_token_logps") is not None:
+            self._log_rollout_mismatch(output["old_per_token_logps"], output)
+        if self.model.training and self.args.aqn_log_shift and self.last_noise.sigma > 0:
+            output["aqn_noisy_logps"] = self._noisy_logps(output)
         return output
 
     @torch.no_grad()
-    def _log_rollout_mismatch(self, output):
-        """TRL's sampling/* metrics: how far the rollout log-probs are from the clean training policy's."""
-        mode = "train" if self.model.training else "eval"
-        old = output.get("old_per_token_logps")
-        if old is None:
-            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-            batch_size = (
-                self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+    def _noisy_logps(self, output) -> torch.Tensor:
+        """Log-probs of the sampled tokens in the training forward under the very noise the round sampled with
+        (same seed, same norms in the same order): against the clean ones they give AQN's own movement."""
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        a = self.args
+        generator = torch.Generator().manual_seed(self._noise_seed)
+        with (
+            disable_gradient_checkpointing(self.model, a.gradient_checkpointing_kwargs),
+            aqn.noisy_norms(
+                self.model, self.last_noise.sigma, generator, a.aqn_final_norm, self._sites(self.model), a.aqn_dtype
+            ),
+        ):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, output["completion_ids"].size(1), a.per_device_train_batch_size
             )
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                old, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size
-                )
-        mask = output["completion_mask"].bool()
-        if "tool_mask" in output:
-            mask &= output["tool_mask"].bool()
-        diff = (old - output["sampling_per_token_logps"])[mask]
+        return logps
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self._loss_logps is not None:
+            self._loss_logps.append(result[0].detach())
+        return result
+
+    def _compute_loss(self, model, inputs):
+        # Without old log-probs, TRL's loss forward runs the clean policy with the parameters that sampled the
+        # batch (TRL skips old log-probs exactly then): its log-probs measure the rollout/training mismatch and
+        # AQN's shift at no extra forward.
+        old = inputs.get("old_per_token_logps")
+        mismatch = not self.use_vllm and old is None and "sampling_per_token_logps" in inputs
+        shift = "aqn_noisy_logps" in inputs
+        self._loss_logps = [] if mismatch or (shift and old is None) else None
+        try:
+            loss = super()._compute_loss(model, inputs)
+            clean = old if old is not None else (self._loss_logps or [None])[0]
+            if mismatch and clean is not None:
+                self._log_rollout_mismatch(clean, inputs)
+            if shift and clean is not None:
+                mask = inputs["completion_mask"].bool()
+                delta = (clean - inputs["aqn_noisy_logps"]).abs()[mask]
+                value = delta.mean() if delta.numel() else torch.tensor(0.0, device=delta.device)
+                self._metrics["train"]["aqn/logprob_shift"].append(self.accelerator.gather(value).mean().item())
+        finally:
+            self._loss_logps = None
+        return loss
+
+    @torch.no_grad()
+    def _log_rollout_mismatch(self, clean_logps: torch.Tensor, batch):
+        """TRL's sampling/* metrics: how far the rollout log-probs are from the clean training policy's. Without
+        another source of mismatch, sampling_logp_difference/mean is the mean |logprob(noisy) - logprob(clean)|
+        of the sampled tokens: how far AQN moved the policy that sampled."""
+        mode = "train" if self.model.training else "eval"
+        mask = batch["completion_mask"].bool()
+        if "tool_mask" in batch:
+            mask &= batch["tool_mask"].bool()
+        diff = (clean_logps - batch["sampling_per_token_logps"])[mask]
         device = self.accelerator.device
         zero = torch.tensor(0.0, device=device)
         delta, ratio = diff.abs(), torch.exp(diff)

@@ -5,8 +5,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from qerl import aqn
-from qerl.tiny import build_tiny
+from qerl import aqn, policy
+from qerl.tiny import build_tiny, save_tiny_checkpoints
 
 
 # The reference (NVlabs/QeRL trl_trainer/noise_scheduler.py + grpo_trainer.py), transcribed as the oracle.
@@ -20,18 +20,30 @@ def reference_sigma(step, total_steps, sigma_start, sigma_end, num_stages):
     return trend[min(interval_id - 1, len(trend) - 1)]
 
 
+def reference_run(total_steps, sigma_start, sigma_end, num_stages):
+    """The sigma each optimizer step samples with in the reference: its trainer loop (replacement/trainer.py)
+    advances `update_step` before the step, and the weight sync of that step's generation reads it."""
+    sigmas, update_step = [], 0
+    for _ in range(total_steps):
+        update_step += 1
+        sigmas.append(reference_sigma(update_step, total_steps, sigma_start, sigma_end, num_stages))
+    return sigmas
+
+
 @pytest.mark.parametrize("total", [1, 7, 10, 100, 333, 1000])
 @pytest.mark.parametrize("start,end,stages", [(1e-2, 1e-4, 10), (5e-2, 5e-4, 10), (1e-2, 1e-3, 4)])
 def test_schedule_matches_reference(total, start, end, stages):
-    for step in range(total + 3):
-        assert aqn.sigma_at(step, total, start, end, stages) == reference_sigma(step, total, start, end, stages)
+    ours = [aqn.sigma_at(step, total, start, end, stages) for step in range(total)]
+    assert ours == reference_run(total, start, end, stages)
+    # Past the end (a resumed run with a larger step count) the last level holds, as in the reference.
+    assert aqn.sigma_at(total + 2, total, start, end, stages) == reference_sigma(total, total, start, end, stages)
 
 
 def test_schedule_shape():
     sigmas = [aqn.sigma_at(s, 100, 1e-2, 1e-4, 10) for s in range(100)]
-    assert sigmas[:10] == [0.0] * 10  # first tenth is noise-free
-    assert sigmas[10] == 1e-2 and sigmas[99] == pytest.approx(1e-4)
-    assert all(a >= b for a, b in zip(sigmas[10:-1], sigmas[11:], strict=True))  # decays monotonically
+    assert sigmas[:9] == [0.0] * 9  # the counter reaches the second tenth at step 9 (counter 10)
+    assert sigmas[9] == 1e-2 and sigmas[99] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(sigmas[9:-1], sigmas[10:], strict=True))  # decays monotonically
     with pytest.raises(ValueError):
         aqn.sigma_trend(1e-2, 1e-4, 2)
 
@@ -121,20 +133,23 @@ def test_find_norms_foreign_classes():
     assert layer == ["blocks.0.pre", "blocks.1.pre"] and final == ["out_norm"]
 
 
+@pytest.mark.parametrize("rule", ["fp32", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_noise_applied_and_restored_bit_exactly(dtype):
+def test_noise_applied_and_restored_bit_exactly(dtype, rule):
     model, _ = build_tiny(dtype=dtype)
     with torch.no_grad():  # non-trivial scales, so that a subtract-based restore would round
         for p in model.parameters():
             if p.dim() == 1:
                 p.copy_(torch.rand_like(p) * 3)
     clean = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
     sigma = 0.05
-    with aqn.noisy_norms(model, sigma, torch.Generator().manual_seed(1)) as stats:
+    with aqn.noisy_norms(model, sigma, torch.Generator().manual_seed(1), dtype_rule=rule) as stats:
         state = model.state_dict()
         diffs = []
         for k, v in state.items():
             if "layernorm" in k:
+                assert v.dtype in (aqn.DTYPE_RULES[rule], torch.float32)  # in place where FP32 holds the values
                 diffs.append((v.float() - clean[k].float()).flatten())
             else:
                 assert torch.equal(v, clean[k]), k  # final norm untouched by default, everything else too
@@ -142,7 +157,85 @@ def test_noise_applied_and_restored_bit_exactly(dtype):
         assert diffs.std().item() == pytest.approx(sigma, rel=0.3)
         assert stats.num_norms == 4 and stats.changed_fraction > 0.9
     for k, v in model.state_dict().items():
-        assert torch.equal(v, clean[k]), k
+        assert v.dtype == clean[k].dtype and torch.equal(v, clean[k]), k
+    assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects (optimizer refs)
+    assert not any(aqn.computes_in_fp32(m) for m in model.modules())  # no hook left behind
+
+
+def test_noise_is_drawn_the_same_under_both_rules():
+    """One seed, one noise, whatever the rule or the scales' dtype (every backend draws the same)."""
+    model, _ = build_tiny(dtype=torch.float32)
+
+    def noisy(rule):
+        with aqn.noisy_norms(model, 0.1, torch.Generator().manual_seed(5), dtype_rule=rule):
+            return torch.cat([m.weight.float().flatten() - 1 for m in aqn.find_norms(model).layer_norms.values()])
+
+    fp32, bf16 = noisy("fp32"), noisy("bf16")
+    torch.testing.assert_close(fp32.to(torch.bfloat16).float(), bf16, atol=4e-3, rtol=0)
+    with pytest.raises(ValueError, match="unknown AQN dtype rule"):
+        with aqn.noisy_norms(model, 0.1, dtype_rule="fp16"):
+            pass
+
+
+@pytest.fixture(scope="module")
+def nvfp4_bf16_policy(tmp_path_factory):
+    """The tiny NVFP4 model in BF16 with LoRA and trainable norms, prepared as QeRLTrainer prepares it."""
+    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path_factory.mktemp("tiny")))
+    model = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
+    model = policy.apply_lora(model, policy.lora_config(model, 4, 8, trainable_norms=True))
+    assert policy.keep_fp32_masters(model)  # the norm copies were BF16
+    with torch.no_grad():  # a trained adapter: LoRA B is zero at initialisation
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    ids = torch.randint(7, 100, (4, 48), generator=torch.Generator().manual_seed(0))
+    return model.eval(), ids
+
+
+def _logprobs(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("sigma", aqn.sigma_trend(1e-2, 1e-4, 10))  # the default schedule's levels
+def test_noise_reaches_the_rollout_logits_at_every_stage(nvfp4_bf16_policy, sigma):
+    model, ids = nvfp4_bf16_policy
+    params = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    clean = _logprobs(model, ids)
+    assert clean.dtype == torch.float32 and model.dtype == torch.bfloat16
+    with aqn.noisy_norms(model, sigma, torch.Generator().manual_seed(11), dtype_rule="fp32") as stats:
+        noisy = _logprobs(model, ids)
+    assert stats.num_norms == 4 and stats.changed_fraction > 0.99
+    shift = (noisy - clean).abs().mean().item()
+    assert shift > 0, f"sigma {sigma:.1e}: the noise did not reach the logits"
+    # The reference's rule on the same draw: BF16 rounds noise this small off a scale of 1 (sigma <= 1e-3).
+    with aqn.noisy_norms(model, sigma, torch.Generator().manual_seed(11), dtype_rule="bf16") as stats:
+        reference = _logprobs(model, ids)
+    if sigma < 2e-4:
+        assert stats.changed_fraction == 0 and torch.equal(reference, clean)
+    # Clean again, bit for bit, in the same Parameter objects and dtypes.
+    assert torch.equal(_logprobs(model, ids), clean)
+    for name, (param, value) in params.items():
+        current = model.get_parameter(name)
+        assert current is param and current.dtype == value.dtype and torch.equal(current, value), name
+
+
+def test_fp32_scale_in_a_bf16_model_hands_bf16_on():
+    """A trainable (FP32) norm in a BF16 model: BF16 out, one rounding of the FP32 product, gradients reach w."""
+    model, _ = build_tiny(dtype=torch.bfloat16)
+    norm = model.model.layers[0].input_layernorm
+    norm.weight.data = norm.weight.data.float() + 1e-3  # an update far below a BF16 ulp of 1
+    compute = aqn.FP32Compute(norm)
+    x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = norm(x)
+    xf = x.float()
+    expected = (norm.weight * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).bfloat16()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+    y.float().sum().backward()
+    assert norm.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    model(input_ids=torch.tensor([[5, 6, 7]]))  # the BF16 projections accept what the norm hands on
+    compute.remove()
+    assert not aqn.computes_in_fp32(norm) and norm(x).dtype == torch.float32  # transformers' own behaviour
 
 
 def test_noise_is_fresh_reproducible_and_optional_final_norm():

@@ -17,16 +17,56 @@ def _write_jsonl(path, rows):
     return str(path)
 
 
-def test_local_gsm8k_file_in_reference_format():
+def _gsm8k_test_file():
     path = os.path.join(GSM8K_DIR, "test.jsonl")
     if not os.path.exists(path):
         pytest.skip(f"GSM8K test set not found at {os.path.normpath(path)} (expected ../shared beside the repo)")
-    task = data.load_task(path, num_examples=50)
+    return path
+
+
+def _follow_the_prompt(prompt, reasoning: str, final: str) -> str:
+    """A completion written the way the prompt asks (reading the instructions from the prompt itself)."""
+    instructions = " ".join(message["content"] for message in prompt)
+    if "<answer>" in instructions:
+        return f"<think>\n{reasoning}\n</think>\n<answer>\n{final}\n</answer>"
+    assert '"####"' in instructions and "<think>" in instructions
+    return f"<think>\n{reasoning}\n</think>\n#### {final}"
+
+
+@pytest.mark.parametrize("fmt,full_marks", [("gsm8k", 2.2), ("gsm8k_hash", 1.2)])
+def test_gsm8k_prompt_asks_for_what_its_rewards_pay(fmt, full_marks):
+    """The whole path on real GSM8K rows: load, prompt, a completion that does what the prompt says, rewards."""
+    path = _gsm8k_test_file()
+    task = data.load_task(path, dataset_format=fmt, num_examples=200)
+    with open(path) as f:
+        raw = [json.loads(next(f)) for _ in range(200)]
+    assert task.format == fmt and len(task.train) == 200
+    completions, wrong = [], []
+    for row, source in zip(task.train, raw, strict=True):
+        assert source["question"] in row["prompt"][-1]["content"]
+        reasoning = source["answer"].split("####")[0].strip()
+        for batch, final in ((completions, row["answer"]), (wrong, "-1")):
+            batch.append([{"role": "assistant", "content": _follow_the_prompt(row["prompt"], reasoning, final)}])
+
+    def totals(batch):
+        scores = [f(completions=batch, answer=task.train["answer"]) for f in task.reward_funcs]
+        return [sum(s) for s in zip(*scores, strict=True)]
+
+    assert totals(completions) == [pytest.approx(full_marks)] * 200
+    assert totals(wrong) == [pytest.approx(0.2)] * 200  # the format only
+
+
+def test_local_gsm8k_file_in_reference_format():
+    task = data.load_task(_gsm8k_test_file(), num_examples=50)
     assert task.format == "gsm8k" and len(task.train) == 50
     row = task.train[0]
-    assert row["prompt"] == [{"role": "user", "content": row["prompt"][0]["content"]}]  # question only, no system
-    assert row["answer"] == "18"
+    assert row["prompt"][0] == {"role": "system", "content": data.THINK_ANSWER_SYSTEM_PROMPT}
+    assert row["prompt"][1]["role"] == "user" and row["answer"] == "18"
     assert task.reward_funcs == [rewards.think_answer_format_reward, rewards.gsm8k_correctness_reward]
+    hashed = data.load_task(_gsm8k_test_file(), dataset_format="gsm8k_hash", num_examples=1).train[0]
+    assert hashed["prompt"] == [
+        {"role": "user", "content": row["prompt"][1]["content"] + " " + data.GSM8K_HASH_INSTRUCTION}
+    ]
 
 
 def test_formats_by_columns(tmp_path):
@@ -57,7 +97,7 @@ def test_parquet(tmp_path):
 
 
 def test_bad_input_messages(tmp_path):
-    with pytest.raises(ValueError, match="gsm8k, bigmath, bigmath_hard, dapomath, arithmetic"):
+    with pytest.raises(ValueError, match="gsm8k, gsm8k_hash, bigmath, bigmath_hard, dapomath, arithmetic"):
         data.load_task("gsm9k")
     odd = _write_jsonl(tmp_path / "odd.jsonl", [{"query": "q", "answer": "1"}])
     with pytest.raises(ValueError, match="cannot tell the dataset format.*query"):

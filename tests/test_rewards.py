@@ -51,17 +51,36 @@ def test_gsm8k_wrong_answers_score_zero():
     assert rewards.gsm8k_correctness_reward(completions, answers) == [0.0] * len(rows)
 
 
-@pytest.mark.parametrize(
-    "answer_text,score",
-    [
-        ("18", 2.0), ("$18", 2.0), ("18 dollars", 2.0), ("18.00", 2.0), ("18.", 2.0), ("\\boxed{18}", 2.0),
-        ("180", 0.0), ("1", 0.0), ("18 or 19", 0.0), ("x = 18", 0.0), ("", 0.0), ("eighteen", 0.0),
-    ],
-)  # fmt: skip
-def test_gsm8k_answer_parsing(answer_text, score):
-    assert rewards.gsm8k_correctness_reward([_msg(f"<think>t</think><answer>{answer_text}</answer>")], ["18"]) == [
-        score
-    ]
+# Answers a person would accept for 18 (or -5), and answers they would not.
+RIGHT = [
+    ("18", "18"), ("$18", "18"), ("18 dollars", "18"), ("18.00", "18"), ("18.", "18"), ("\\boxed{18}", "18"),
+    ("x = 18", "18"), ("3 * 6 = 18", "18"), ("18 km/h", "18"), ("18 m^2", "18"), ("18%", "18"), ("\\(18\\)", "18"),
+    ("$18$", "18"), ("\\$18", "18"), ("18\\text{ km}", "18"), ("\\frac{36}{2}", "18"), ("\\dfrac{36}{2}", "18"),
+    ("1,800", "1800"), ("1800", "1,800"), ("\u22125", "-5"), ("-5", "-5"), ("\u20135", "-5"), ("0.5", ".5"),
+]
+WRONG = [
+    ("180", "18"), ("1", "18"), ("18 or 19", "18"), ("18 19", "18"), ("x = 18, y = 19", "19"), ("", "18"),
+    ("eighteen", "18"), ("1,5", "15"), ("1,5", "1.5"), ("1,80", "180"), ("5", "-5"), ("18 apples and 3 pears", "3"),
+    ("18 apples and 3 pears", "18"), ("\\frac{36}{3}", "18"), ("-18", "18"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text,gold,score", [(t, g, 2.0) for t, g in RIGHT] + [(t, g, 0.0) for t, g in WRONG])
+def test_gsm8k_answer_parsing(text, gold, score):
+    completion = _msg(f"<think>t</think><answer>{text}</answer>")
+    assert rewards.gsm8k_correctness_reward([completion], [gold]) == [score]
+
+
+@pytest.mark.parametrize("text,gold,score", [(t, g, 1.0) for t, g in RIGHT] + [(t, g, 0.0) for t, g in WRONG])
+def test_gsm8k_hash_answer_parsing(text, gold, score):
+    """The reference's first-commit reward, with the same answer comparison."""
+    assert rewards.gsm8k_hash_reward([_msg(f"<think>t</think>\n#### {text}\n")], [gold]) == [score]
+
+
+def test_gsm8k_hash_format():
+    assert rewards.gsm8k_hash_reward([_msg("#### 5\nno, wait: #### 18")], ["18"]) == [1.0]  # the last one counts
+    assert rewards.gsm8k_hash_reward([_msg("the answer is 18")], ["18"]) == [0.0]
+    assert rewards.think_reward([_msg("<think>a\nb</think>#### 1"), _msg("<think></think>"), "x"]) == [0.2, 0, 0]
 
 
 def test_gsm8k_needs_the_answer_tag_and_format():

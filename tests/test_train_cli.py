@@ -152,7 +152,7 @@ def test_resume_continues_exactly(checkpoints, tmp_path, monkeypatch):
 
 def test_cli_bad_input(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    with pytest.raises(ValueError, match="known datasets are gsm8k, bigmath"):
+    with pytest.raises(ValueError, match="known datasets are gsm8k, gsm8k_hash, bigmath"):
         _run(nvfp4_dir, str(tmp_path / "x"), 1, "--dataset", "gsm9k")
     with pytest.raises(ValueError, match="num_generations to a divisor of 8"):
         _run(nvfp4_dir, str(tmp_path / "x"), 1, "--num-generations", "3")

@@ -25,17 +25,19 @@ def digit_share_reward(completions, **kwargs):
 
 
 def _config(tmp_path, **overrides):
+    """The recipes' optimizer and precision (configs/dapo_gsm8k_nvfp4.yaml) at toy batch and length."""
     kwargs = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        max_steps=5, learning_rate=5e-3, logging_steps=1, report_to=[], lora_rank=4, lora_alpha=8, use_cpu=True,
-        bf16=False, gradient_checkpointing=False, save_strategy="no", beta=0.0, loss_type="dapo", epsilon_high=0.28,
-        sigma_start=0.2, sigma_end=0.02, num_stages=5, seed=3,
+        max_steps=5, learning_rate=1e-5, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.1, max_grad_norm=0.2,
+        logging_steps=1, report_to=[], lora_rank=4, lora_alpha=8, use_cpu=True, bf16=True,
+        gradient_checkpointing=False, save_strategy="no", beta=0.0, loss_type="dapo", epsilon_high=0.28,
+        sigma_start=1e-2, sigma_end=1e-4, num_stages=10, seed=3,
     )  # fmt: skip
     kwargs.update(overrides)
     return QeRLConfig(**kwargs)
 
 
-def _trainer(checkpoint, args, dtype=torch.float32):
+def _trainer(checkpoint, args, dtype=torch.bfloat16):
     task = data.load_task("arithmetic", num_examples=64)
     model = policy.load_base_model(checkpoint, dtype=dtype, device="cpu")
     return QeRLTrainer(
@@ -49,7 +51,7 @@ def _trainer(checkpoint, args, dtype=torch.float32):
 
 def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    args = _config(tmp_path, trainable_norms=True)
+    args = _config(tmp_path, trainable_norms=True, num_stages=3)
     trainer = _trainer(nvfp4_dir, args)
     model = trainer.model
     assert trainer.aqn_enabled and trainer.is_nvfp4  # AQN defaults on for an NVFP4 base
@@ -57,7 +59,8 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     assert len(base) == 3 * 14 and all(
         isinstance(m, NVFP4Linear) for m in [model.get_submodule(n.rsplit(".", 1)[0]) for n in base]
     )
-    lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert len(trainable) == 2 * 14 + 4 and all(p.dtype == torch.float32 for p in trainable.values())  # FP32 masters
 
     # Watch every rollout: the noise the policy samples with, and the norms the trainer gets back.
     rounds, backend_generate = [], trainer.rollout.generate
@@ -101,16 +104,29 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     trainer._generate_and_score_completions = capture
     trainer.train()
 
-    # LoRA moved, the NVFP4 base did not (bit for bit).
-    assert all(not torch.equal(p, lora[n]) for n, p in model.named_parameters() if "lora_B" in n)
+    # At the recipe's lr (1e-5) in BF16, every LoRA matrix and every trainable norm moved (a BF16 norm scale
+    # near 1 would not: the step is below half its ulp); the NVFP4 base did not (bit for bit).
+    unchanged = [n for n, p in model.named_parameters() if p.requires_grad and torch.equal(p, trainable[n])]
+    assert not unchanged, f"not trained: {unchanged}"
     for n, b in model.named_buffers():
         if n in base:
             assert torch.equal(b, base[n]), n
 
+    # The saved adapter (FP32 norms and LoRA) loads onto the BF16 base.
+    from peft import PeftModel
+
+    trainer.save_model(os.path.join(args.output_dir, "adapter"))
+    reloaded = PeftModel.from_pretrained(
+        policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu"), os.path.join(args.output_dir, "adapter")
+    )
+    for n, p in reloaded.named_parameters():
+        if "modules_to_save" in n or "lora_" in n:
+            torch.testing.assert_close(p.float(), model.get_parameter(n).float(), rtol=4e-3, atol=0)
+
     # Sigma follows the schedule, one fresh draw per generation round, with the measured spread.
     assert [r["step"] for r in rounds] == [0, 1, 2, 3, 4]
-    expected = [aqn.sigma_at(s, 5, 0.2, 0.02, 5) for s in range(5)]
-    assert expected[0] == 0.0 and expected[1] == 0.2
+    expected = [aqn.sigma_at(s, 5, 1e-2, 1e-4, 3) for s in range(5)]
+    assert expected == [0.0, 1e-2, 1e-2, 1e-4, 1e-4]
     assert [r["sigma"] for r in rounds] == expected
     for r in rounds:
         assert r["noise_std"] == (0.0 if r["sigma"] == 0 else pytest.approx(r["sigma"], rel=0.3))
@@ -127,9 +143,13 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
         assert torch.isfinite(sampling[mask]).all() and (sampling[mask] <= 0).all()
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert all("sampling/sampling_logp_difference/mean" in h for h in history)
-    # Step 0 samples from the clean policy: rollout and training log-probs agree; noisy steps do not.
-    assert history[0]["sampling/sampling_logp_difference/max"] < 1e-4
-    assert history[1]["sampling/sampling_logp_difference/max"] > 1e-3
+    # Step 0 samples from the clean policy: rollout and training log-probs agree; noisy steps do not, down to
+    # sigma 1e-4 (measured from the loss's own forward: no extra pass).
+    assert history[0]["sampling/sampling_logp_difference/max"] < 1e-5
+    assert all(h["sampling/sampling_logp_difference/mean"] > 1e-5 for h in history[1:])
+    # AQN's own movement of the policy, in the training forward under the round's noise: there at every level.
+    assert "aqn/logprob_shift" not in history[0]
+    assert all(h["aqn/logprob_shift"] > 0 for h in history[1:]), [h.get("aqn/logprob_shift") for h in history]
 
     # Every log line went to metrics.jsonl.
     with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
@@ -145,7 +165,9 @@ def test_rollout_logprobs_match_trl_at_the_sampling_temperature(checkpoints, tmp
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["aqn/sigma"] == 0.0 for h in history)
-    assert max(h["sampling/sampling_logp_difference/max"] for h in history) < 1e-4
+    # In BF16, generate()'s incremental (KV cache) forward and the full-sequence forward round differently:
+    # ~1e-3 once the weights are no longer round numbers. A temperature applied wrongly would be off by ~1.
+    assert max(h["sampling/sampling_logp_difference/max"] for h in history) < 1e-2
 
 
 def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_path):
@@ -164,7 +186,7 @@ def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_p
     batches, score = [], trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: batches.append(score(inputs)) or batches[-1]
     trainer.train()
-    noisy = batches[1]  # step 1 of 2 with 3 stages: sigma 0.5
+    noisy = batches[0]  # step 0 of 2 with 3 stages: sigma 0.5
     mask = noisy["completion_mask"]
     # TRL's token_truncate formula, applied to the rollout and training log-probs it was handed.
     expected = torch.clamp(
