@@ -228,6 +228,8 @@ class QeRLTrainer(GRPOTrainer):
                 "max_model_len": args.vllm_max_model_length,
                 "sleep": args.vllm_enable_sleep_mode,
                 "seed": args.seed,
+                # The fp32 noise rule needs FP32 scales in the engine's norms, or small noise rounds away.
+                "fp32_norms": args.aqn_dtype == "fp32",
             },
         )
 

@@ -105,6 +105,7 @@ def test_round_order_with_a_recording_engine(trainer, tmp_path):
     backend = VLLMRollout(setup, engine_factory=RecordingEngine)
     engine = backend.engine
     assert engine.options["gpu_memory_utilization"] == trainer.args.vllm_gpu_memory_utilization
+    assert engine.options["fp32_norms"]  # the default fp32 noise rule needs FP32 scales in vLLM
     assert engine.calls == ["sleep"]  # asleep from the start: the trainer's first steps have the memory
 
     @contextlib.contextmanager

@@ -120,14 +120,19 @@ def test_aqn_changes_vllm_logprobs_and_restores_them_exactly(setup):
     backend, _, prompts = setup
     clean = _sample(backend, prompts)
 
-    def noisy(model):
-        return aqn.noisy_norms(model, SIGMA, torch.Generator().manual_seed(0))
+    def noisy(model, sigma):
+        # As the trainer calls it on an engine's model: vLLM's FP32 norms apply the scale themselves.
+        return aqn.noisy_norms(model, sigma, torch.Generator().manual_seed(0), fp32_compute=False)
 
-    perturbed = _sample(backend, prompts, noisy)
-    again = _sample(backend, prompts)
-    assert perturbed.noise.num_norms == 2 * 4 and perturbed.noise.changed_fraction > 0.5
-    assert perturbed.logprobs != clean.logprobs
-    assert again.completion_ids == clean.completion_ids and again.logprobs == clean.logprobs
+    for sigma in (SIGMA, 1e-4):  # the first and the last noise level of the default schedule
+        perturbed = _sample(backend, prompts, lambda model, sigma=sigma: noisy(model, sigma))
+        assert perturbed.noise.num_norms == 2 * 4 and perturbed.noise.changed_fraction > 0.99
+        first = [lps[0] for lps in perturbed.logprobs]  # same seed, same first token: only the noise differs
+        print(f"sigma {sigma:g}: first-token |logprob shift| "
+              f"{sum(abs(a - b) for a, b in zip(first, [lps[0] for lps in clean.logprobs])) / len(first):.2e}")
+        assert perturbed.logprobs != clean.logprobs
+        again = _sample(backend, prompts)
+        assert again.completion_ids == clean.completion_ids and again.logprobs == clean.logprobs
 
 
 def test_sleep_frees_memory_and_wake_gives_the_same_samples(setup):
