@@ -127,9 +127,9 @@ def test_aqn_changes_vllm_logprobs_and_restores_them_exactly(setup):
     for sigma in (SIGMA, 1e-4):  # the first and the last noise level of the default schedule
         perturbed = _sample(backend, prompts, lambda model, sigma=sigma: noisy(model, sigma))
         assert perturbed.noise.num_norms == 2 * 4 and perturbed.noise.changed_fraction > 0.99
-        first = [lps[0] for lps in perturbed.logprobs]  # same seed, same first token: only the noise differs
-        print(f"sigma {sigma:g}: first-token |logprob shift| "
-              f"{sum(abs(a - b) for a, b in zip(first, [lps[0] for lps in clean.logprobs])) / len(first):.2e}")
+        # Same seed, same first token: its log-prob differs by the noise alone.
+        shift = [abs(a[0] - b[0]) for a, b in zip(perturbed.logprobs, clean.logprobs, strict=True)]
+        print(f"sigma {sigma:g}: first-token |logprob shift| {sum(shift) / len(shift):.2e}")
         assert perturbed.logprobs != clean.logprobs
         again = _sample(backend, prompts)
         assert again.completion_ids == clean.completion_ids and again.logprobs == clean.logprobs
