@@ -121,13 +121,16 @@ def main(argv=None) -> None:
         "--vllm-gpu-memory-utilization", str(args.gpu_memory_utilization), "--metrics-jsonl", "false",
         # Random weights never sample EOS: with the recipe's masking every completion would drop out of the loss.
         "--mask-truncated-completions", "false",
+        # The character tokenizer makes ~4x more tokens than Qwen's: the system-prompt format would not fit the
+        # recipe's 256-token prompts, the reference's first format (question + "####" instruction) mostly does.
+        "--dataset-format", "gsm8k_hash", "--max-prompt-length", "320",
         *args.extra,
     ]  # fmt: skip
     timer = PhaseTimer()
     trainer = train.build_trainer(*train.parse_args(flags))
     backend = trainer.rollout
     prompts = [trainer.processing_class.apply_chat_template(row["prompt"], add_generation_prompt=True)["input_ids"]
-               for row in trainer.train_dataset.select(range(64))]  # fmt: skip
+               for row in trainer.train_dataset.select(range(min(64, len(trainer.train_dataset))))]  # fmt: skip
 
     rollout_rows = []
     for batch in [int(b) for b in args.rollout_batches.split(",") if b]:

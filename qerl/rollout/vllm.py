@@ -171,6 +171,9 @@ class VLLMEngine:
             distributed_executor_backend="external_launcher",
             seed=seed,
             logprobs_mode="processed_logprobs",
+            # KV cached across rounds was computed under another round's LoRA weights and AQN noise; a GRPO
+            # round's samples of one prompt would share its prefill, but the prompt is short next to the decode.
+            enable_prefix_caching=False,
             enforce_eager=enforce_eager,
         )
         self.lora_request = None
@@ -230,8 +233,6 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
         from vllm import SamplingParams
 
-        # Cached prefixes were computed with last round's weights and noise.
-        self.llm.reset_prefix_cache()
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids} for ids in prompt_ids],
             SamplingParams(**sampling),
