@@ -22,12 +22,12 @@ def test_gold_answers_score_and_near_misses_do_not():
         gold = gsm8k_gold(row["answer"])
         reasoning = row["answer"].split("####")[0]
         assert gsm8k.score(f"<think>{reasoning}</think> <answer>{gold}</answer>", gold) == {
-            "strict": True,
+            "correct": True,
             "flexible": True,
         }
-        assert gsm8k.score(f"{reasoning} So the answer is {gold}.", gold) == {"strict": False, "flexible": True}
+        assert gsm8k.score(f"{reasoning} So the answer is {gold}.", gold) == {"correct": False, "flexible": True}
         wrong = str(int(float(gold)) + 10)  # same first character as the gold for most answers
-        assert gsm8k.score(f"<answer>{wrong}</answer>", gold) == {"strict": False, "flexible": False}
+        assert gsm8k.score(f"<answer>{wrong}</answer>", gold) == {"correct": False, "flexible": False}
         # a wrong tagged answer is wrong even when the right number appears earlier in the text
         assert not gsm8k.score(f"{gold} ... <answer>{wrong}</answer>", gold)["flexible"]
 
