@@ -321,6 +321,10 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig) -> QeRLT
         raise cli.UsageError(
             f"no prompt of {script_args.dataset} fits --max-prompt-length {script_args.max_prompt_length}"
         )
+    if config.vllm_max_model_length is None and script_args.max_prompt_length:
+        # The rollout engine's context: the longest prompt kept plus a full completion (the reference's
+        # max_seq_length), rather than the model's whole context window.
+        config.vllm_max_model_length = script_args.max_prompt_length + config.max_completion_length
     reward_funcs = list(task.reward_funcs)
     if script_args.soft_overlong_cache:
         reward_funcs.append(

@@ -22,9 +22,8 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
-from qerl import aqn, policy
+from qerl import aqn, policy, rollout
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout import BACKENDS, create_backend
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +59,11 @@ class QeRLConfig(GRPOConfig):
         metadata={"help": "Train the per-layer RMSNorm scales too (the reference's `ln`).", "aliases": ["--ln"]},
     )
     rollout_backend: str = field(
-        default="transformers",
-        metadata={"help": f"Rollout engine: {', '.join(BACKENDS)}."},
-    )
+        default="auto",
+        metadata={"help": f"Rollout engine: {', '.join(rollout.CHOICES)}. auto: vllm on a CUDA machine where vLLM "
+                  "is installed, else transformers. vllm reads TRL's vllm_gpu_memory_utilization, "
+                  "vllm_max_model_length and vllm_enable_sleep_mode."},
+    )  # fmt: skip
     vllm_importance_sampling_correction: bool = field(
         default=False,
         metadata={"help": "Correct the rollout/training mismatch (AQN makes one) with TRL's truncated importance "
@@ -76,12 +77,14 @@ class QeRLConfig(GRPOConfig):
     )  # fmt: skip
 
     def __post_init__(self):
-        if self.rollout_backend not in BACKENDS:
-            raise ValueError(f"unknown rollout_backend {self.rollout_backend!r}; available: {', '.join(BACKENDS)}")
+        rollout.resolve_backend(self.rollout_backend)  # validates the name
         if self.use_vllm:
+            # TRL's colocate path merges the adapter into the base and pushes full weights into vLLM: a packed
+            # NVFP4 base cannot be merged into, and it would sample without AQN. rollout_backend=vllm pushes the
+            # unmerged LoRA tensors instead.
             raise ValueError(
                 "use_vllm is TRL's own vLLM path, which would sample without AQN; QeRL picks its engine with "
-                f"rollout_backend (available: {', '.join(BACKENDS)})"
+                f"rollout_backend (available: {', '.join(rollout.CHOICES)})"
             )
         if self.aqn is not False:
             aqn.sigma_trend(self.sigma_start, self.sigma_end, self.num_stages)  # validates the schedule
@@ -159,6 +162,7 @@ class QeRLTrainer(GRPOTrainer):
             args = QeRLConfig("qerl-output")
         if not isinstance(args, QeRLConfig):
             raise TypeError(f"QeRLTrainer needs a QeRLConfig, got {type(args).__name__}")
+        model_path = str(model) if isinstance(model, (str, os.PathLike)) else None
         if isinstance(model, (str, os.PathLike)):
             dtype = (args.model_init_kwargs or {}).get("dtype", torch.bfloat16)
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -183,7 +187,7 @@ class QeRLTrainer(GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, peft_config=peft_config, **kwargs)
 
         self._exclude_packed_weights_from_ddp()
-        self.rollout = create_backend(args.rollout_backend, self)
+        self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup(model_path))
         # TRL applies its importance-sampling correction only when `use_vllm` is set, i.e. when a separate engine
         # samples. Our backends are such samplers (noisy norms at least), so declare it; the other use_vllm
         # branches belong to tools / rollout_func, refused above, and to the generation hook, overridden below.
@@ -208,6 +212,45 @@ class QeRLTrainer(GRPOTrainer):
         ]
         if packed:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, packed)
+
+    def _rollout_setup(self, model_path: str | None) -> rollout.RolloutSetup:
+        args = self.args
+        if model_path is None:  # a loaded model remembers its folder (transformers and our NVFP4 loader set it)
+            model_path = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", None) or None
+        return rollout.RolloutSetup(
+            generation_config=self.generation_config,
+            eos_token_ids=list(self.eos_token_ids),
+            pad_token_id=self._tokenizer.pad_token_id,
+            open_policy=self._open_policy,
+            device=self.accelerator.device,
+            model_path=model_path,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            options={
+                "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+                "max_model_len": args.vllm_max_model_length,
+                "sleep": args.vllm_enable_sleep_mode,
+                "seed": args.seed,
+            },
+        )
+
+    @contextlib.contextmanager
+    def _open_policy(self):
+        """The policy as one plain module: unwrapped from DDP, ZeRO-3 parameters gathered, FSDP summoned."""
+        from trl.models import unwrap_model_for_generation
+
+        # FSDP needs its full parameters for generate(); TRL keeps that switch on a private helper.
+        dist = getattr(self, "_dist", None)
+        summon = dist.summon_full_params(self.model_wrapped, recurse=False) if dist else contextlib.nullcontext()
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as model,
+            summon,
+        ):
+            yield model
 
     # ------------------------------------------------------------------------------------------------------
     # AQN

@@ -8,7 +8,7 @@ import torch
 
 from qerl import aqn, data, policy
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout import SampledTokenLogprobs, sampling_warpers
+from qerl.rollout.transformers import SampledTokenLogprobs, sampling_warpers
 from qerl.tiny import save_tiny_checkpoints
 from qerl.trainer import QeRLConfig, QeRLTrainer
 

@@ -1,171 +1,87 @@
 """Rollout backends: what generates the completions of a GRPO round, behind one small interface.
 
-A backend takes token-id prompts and a `perturb` context factory (AQN: applied to the model the backend
-actually samples from, restored after) and returns completion ids plus the log-probability of every sampled
-token under the policy that sampled it (after temperature and the other sampling filters), which TRL's
-importance-sampling correction and the `sampling/*` metrics consume.
+A backend is built once from a `RolloutSetup` (sampling settings, a way to open the policy, the checkpoint
+the base came from) and then, every generation round, takes token-id prompts and a `perturb` context
+factory (AQN: applied to the module the backend actually samples from, restored after). It returns the
+completion ids, the log-probability of every sampled token under the policy that sampled it (after
+temperature and the other sampling filters: what TRL's importance-sampling correction and `sampling/*`
+metrics consume) and the noise statistics that `perturb` yielded.
 
-Backends here: "transformers" (generate on the policy itself). Faster engines register in BACKENDS.
+    transformers  generate() on the training policy itself (any device; the fallback)
+    vllm          a colocated vLLM engine on the same checkpoint: Marlin NVFP4, LoRA pushed from memory
+    auto          vllm on a CUDA machine where vLLM is installed, else transformers
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers.generation.logits_process import (
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
-
-if TYPE_CHECKING:
-    from trl import GRPOTrainer
+from transformers import GenerationConfig
 
 Perturb = Callable[[nn.Module], AbstractContextManager]
+
+
+@dataclass
+class RolloutSetup:
+    """Everything a backend needs from the trainer, once."""
+
+    generation_config: GenerationConfig  # max_new_tokens and the sampling settings (temperature, top-k/p, min-p)
+    eos_token_ids: list[int]
+    pad_token_id: int
+    # Opens the policy for sampling (unwrapped from DDP/FSDP/ZeRO, parameters gathered) and yields it.
+    open_policy: Callable[[], AbstractContextManager[nn.Module]]
+    device: torch.device
+    model_path: str | None = None  # checkpoint folder the base was loaded from, for engines with their own copy
+    pad_to_multiple_of: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # backend-specific settings (see each backend)
 
 
 @dataclass
 class RolloutOutput:
     completion_ids: list[list[int]]  # up to and including the first EOS
     logprobs: list[list[float]]  # one per completion token, under the (noisy) rollout policy
+    noise: Any = None  # what `perturb` yielded (qerl.aqn.NoiseStats)
 
 
 class RolloutBackend(ABC):
     name: str
 
-    def __init__(self, trainer: GRPOTrainer):
-        self.trainer = trainer
+    def __init__(self, setup: RolloutSetup):
+        self.setup = setup
 
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput: ...
 
 
-class SampledTokenLogprobs(LogitsProcessor):
-    """Last logits processor of generate(): applies the sampling warpers itself and records the log-probability
-    of each token that gets sampled.
-
-    generate() puts user processors before its own warpers, so a recorder passed in would see the scores before
-    temperature; here the warpers are switched off in the GenerationConfig and applied in this processor,
-    which returns log-probs (softmax of log-probs is the same distribution). A token's log-prob is read on the
-    next call, when it appears in input_ids, so memory holds one [batch, vocab] row, not the whole sequence.
-    """
-
-    def __init__(self, warpers: LogitsProcessorList):
-        self.warpers = warpers
-        self._last: torch.Tensor | None = None
-        self._picked: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._last is not None:
-            self._picked.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        logprobs = torch.log_softmax(self.warpers(input_ids, scores.float()), dim=-1)
-        self._last = logprobs
-        return logprobs
-
-    def finish(self, completion_ids: torch.LongTensor) -> torch.Tensor:
-        """[batch, completion length] log-probs of `completion_ids` (the tokens generate() returned)."""
-        steps = completion_ids.size(1)
-        if steps == 0:
-            return completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
-        picked = [*self._picked, self._last.gather(-1, completion_ids[:, -1:]).squeeze(-1)]
-        if len(picked) < steps:
-            raise RuntimeError(f"recorded {len(picked)} sampling steps for {steps} generated tokens")
-        return torch.stack(picked[:steps], dim=1)
+# name -> "module:Class", imported on first use so that a CPU machine never imports vLLM.
+BACKENDS: dict[str, str] = {
+    "transformers": "qerl.rollout.transformers:TransformersRollout",
+    "vllm": "qerl.rollout.vllm:VLLMRollout",
+}
+CHOICES = ("auto", *BACKENDS)
 
 
-# Sampling knobs this backend applies itself; others would make the recorded log-probs wrong, so refuse them.
-_UNSUPPORTED_SAMPLING = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "watermarking_config")
+def vllm_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
-def sampling_warpers(config: GenerationConfig) -> LogitsProcessorList:
-    """transformers' own warpers for temperature, top-k, top-p, min-p, in generate()'s order."""
-    for name in _UNSUPPORTED_SAMPLING:
-        value = getattr(config, name, None)
-        if value is not None and not (name == "typical_p" and value >= 1.0):
-            raise ValueError(f"generation option {name}={value!r} is not supported by the rollout backends")
-    warpers = LogitsProcessorList()
-    if config.temperature is not None and config.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(config.temperature))
-    if config.top_k is not None and config.top_k != 0:
-        warpers.append(TopKLogitsWarper(top_k=config.top_k))
-    if config.top_p is not None and config.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=config.top_p))
-    if config.min_p is not None:
-        warpers.append(MinPLogitsWarper(min_p=config.min_p))
-    return warpers
+def resolve_backend(name: str) -> str:
+    """The backend `name` stands for: `auto` is vLLM on a CUDA machine that has it, else transformers."""
+    if name not in CHOICES:
+        raise ValueError(f"unknown rollout_backend {name!r}; available: {', '.join(CHOICES)}")
+    if name == "auto":
+        return "vllm" if vllm_available() else "transformers"
+    return name
 
 
-def truncate_at_eos(completion_ids: torch.Tensor, logprobs: torch.Tensor, eos_token_ids) -> RolloutOutput:
-    """Keep each completion up to and including its first EOS (what follows is padding)."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
-    lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, completion_ids.size(1)).tolist()
-    ids, lps = completion_ids.cpu().tolist(), logprobs.float().cpu().tolist()
-    return RolloutOutput(
-        [row[:n] for row, n in zip(ids, lengths, strict=True)], [row[:n] for row, n in zip(lps, lengths, strict=True)]
-    )
-
-
-class TransformersRollout(RolloutBackend):
-    """Sample with transformers' generate() on the training policy itself (LoRA active, no merge)."""
-
-    name = "transformers"
-
-    def __init__(self, trainer: GRPOTrainer):
-        super().__init__(trainer)
-        config = GenerationConfig.from_dict(trainer.generation_config.to_dict())
-        self.warpers = sampling_warpers(config)
-        # The warpers run in SampledTokenLogprobs; neutral values here keep generate() from applying them twice.
-        config.update(temperature=1.0, top_k=0, top_p=1.0, min_p=None)
-        self.generation_config = config
-
-    def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
-        from trl.models import unwrap_model_for_generation
-        from trl.trainer.utils import pad
-
-        trainer = self.trainer
-        device = trainer.accelerator.device
-        prompts = [torch.tensor(ids) for ids in prompt_ids]
-        multiple = trainer.pad_to_multiple_of
-        input_ids = pad(prompts, trainer._tokenizer.pad_token_id, padding_side="left", pad_to_multiple_of=multiple)
-        attention_mask = pad([torch.ones_like(p) for p in prompts], 0, padding_side="left", pad_to_multiple_of=multiple)
-        recorder = SampledTokenLogprobs(self.warpers)
-        # FSDP needs its full parameters for generate(); TRL keeps that switch on a private helper.
-        dist = getattr(trainer, "_dist", None)
-        summon = dist.summon_full_params(trainer.model_wrapped, recurse=False) if dist else contextlib.nullcontext()
-        with (
-            unwrap_model_for_generation(
-                trainer.model_wrapped,
-                trainer.accelerator,
-                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-            ) as model,
-            torch.no_grad(),
-            summon,
-            perturb(model),  # inside the unwrap, so that ZeRO-3 has gathered the norm scales it perturbs
-        ):
-            sequences = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=self.generation_config,
-                logits_processor=LogitsProcessorList([recorder]),
-            )
-        completion_ids = sequences[:, input_ids.size(1) :]
-        return truncate_at_eos(completion_ids, recorder.finish(completion_ids), trainer.eos_token_ids)
-
-
-BACKENDS: dict[str, type[RolloutBackend]] = {"transformers": TransformersRollout}
-
-
-def create_backend(name: str, trainer: GRPOTrainer) -> RolloutBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown rollout_backend {name!r}; available: {', '.join(BACKENDS)}")
-    return BACKENDS[name](trainer)
+def create_backend(name: str, setup: RolloutSetup) -> RolloutBackend:
+    module_name, class_name = BACKENDS[resolve_backend(name)].split(":")
+    return getattr(importlib.import_module(module_name), class_name)(setup)

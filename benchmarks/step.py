@@ -1,0 +1,205 @@
+"""QeRL training on one GPU, timed: rollout throughput on the trainer's own path, and whole GRPO steps.
+
+    python -m benchmarks.step --size 7b --precision nvfp4 --backend vllm --steps 3 --out runs/step.json
+
+Builds a Qwen2.5-shaped model with random weights (no download) and writes it as a BF16 checkpoint, or as the
+NVFP4 checkpoint our quantizer makes (kept under --workdir, reused by later runs). The trainer is the real one
+(`qerl.train.build_trainer` on a recipe YAML) on real GSM8K questions; the tokenizer is the tiny character
+tokenizer of the demo padded to the model's vocabulary, so a GSM8K prompt is ~250 tokens, near the recipe's
+256. Random weights almost never sample EOS, so every completion runs to the length limit.
+
+1. Rollout throughput: `trainer.rollout.generate` (LoRA push, AQN, sampling: what a training round runs) on
+   --rollout-batches prompts of the training set, --rollout-tokens new tokens each.
+2. --steps optimizer steps of the recipe (LoRA r16, trainable norms, DAPO, gradient checkpointing), each split
+   into rollout (of which LoRA push), log-prob forwards, backward and the rest (rewards, optimizer, logging).
+Peak GPU memory is torch's (the trainer) plus what vLLM holds, read from the driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.rollout import QWEN25, build
+from qerl import train
+from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
+from qerl.nvfp4.quantize import quantize_model
+from qerl.tiny import build_tiny_tokenizer
+
+GSM8K = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "train_sample.jsonl"
+
+
+def padded_tokenizer(vocab_size: int):
+    """The demo's character tokenizer with filler tokens up to `vocab_size`, so sampled ids all decode."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens([f"<f{i}>" for i in range(vocab_size - len(tokenizer))])
+    return tokenizer
+
+
+def checkpoint(size: str, precision: str, workdir: Path) -> str:
+    folder = workdir / f"qwen2.5-{size}-random-{precision}"
+    if (folder / "config.json").is_file():
+        return str(folder)
+    torch.manual_seed(0)
+    model = build(size)
+    model.config.eos_token_id = model.generation_config.eos_token_id = 2  # the tiny tokenizer's <|end|>
+    tokenizer = padded_tokenizer(model.config.vocab_size)
+    if precision == "bf16":
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    else:
+        save_nvfp4_checkpoint(quantize_model(model), folder, tokenizer=tokenizer)
+    del model
+    torch.cuda.empty_cache()
+    return str(folder)
+
+
+class PhaseTimer:
+    """Adds up the wall time of wrapped calls per phase (CUDA-synchronized), and splits it per optimizer step."""
+
+    def __init__(self):
+        self.total = defaultdict(float)
+        self.peak_gpu_gib = 0.0  # driver-level: the trainer's memory and vLLM's together
+
+    def wrap(self, obj, method: str, phase: str):
+        inner = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            with self.phase(phase):
+                return inner(*args, **kwargs)
+
+        setattr(obj, method, timed)
+
+    @contextlib.contextmanager
+    def phase(self, phase: str):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            self.total[phase] += time.perf_counter() - start
+            self.peak_gpu_gib = max(self.peak_gpu_gib, gpu_used_gib())
+
+
+def gpu_used_gib() -> float:
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(QWEN25), default="7b")
+    parser.add_argument("--precision", choices=("nvfp4", "bf16"), default="nvfp4")
+    parser.add_argument("--backend", default="vllm", help="rollout backend: vllm or transformers")
+    parser.add_argument("--config", default=None, help="recipe YAML (default: configs/dapo_gsm8k_<precision>.yaml)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=2048, help="max completion length of the steps")
+    parser.add_argument("--rollout-batches", default="8,64")
+    parser.add_argument("--rollout-tokens", type=int, default=1024)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--workdir", default="/tmp/qerl-bench")
+    parser.add_argument("--out", default="runs/step.json")
+    parser.add_argument("extra", nargs="*", help="more qerl.train flags")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.step needs a CUDA GPU")
+
+    model_path = checkpoint(args.size, args.precision, Path(args.workdir))
+    recipe = args.config or f"configs/dapo_gsm8k_{args.precision}.yaml"
+    out_dir = Path(args.workdir) / f"run-{args.size}-{args.precision}-{args.backend}"
+    flags = [
+        "--config", recipe, "--model-name", model_path, "--dataset", str(GSM8K), "--output-dir", str(out_dir),
+        "--rollout-backend", args.backend, "--max-completion-length", str(args.new_tokens), "--optim", "adamw_torch",
+        "--max-steps", str(args.steps), "--save-strategy", "no", "--report-to", "none",
+        "--vllm-gpu-memory-utilization", str(args.gpu_memory_utilization), "--metrics-jsonl", "false",
+        # Random weights never sample EOS: with the recipe's masking every completion would drop out of the loss.
+        "--mask-truncated-completions", "false",
+        *args.extra,
+    ]  # fmt: skip
+    timer = PhaseTimer()
+    trainer = train.build_trainer(*train.parse_args(flags))
+    backend = trainer.rollout
+    prompts = [trainer.processing_class.apply_chat_template(row["prompt"], add_generation_prompt=True)["input_ids"]
+               for row in trainer.train_dataset.select(range(64))]  # fmt: skip
+
+    rollout_rows = []
+    for batch in [int(b) for b in args.rollout_batches.split(",") if b]:
+        backend_settings = getattr(backend, "sampling", None) or {}
+        saved = dict(backend_settings)
+        if backend_settings:
+            backend_settings["max_tokens"] = args.rollout_tokens
+        else:
+            backend.generation_config.max_new_tokens = args.rollout_tokens
+        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+        noop = lambda model: contextlib.nullcontext()  # noqa: E731
+        backend.generate(batch_prompts[:2], noop)  # warm-up: CUDA graphs, first LoRA push
+        start = time.perf_counter()
+        with timer.phase("bench rollout"):
+            out = backend.generate(batch_prompts, noop)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(c) for c in out.completion_ids)
+        rollout_rows.append({"batch": batch, "new_tokens": args.rollout_tokens, "tokens": tokens,
+                             "seconds": seconds, "tokens_per_s": tokens / seconds})  # fmt: skip
+        if backend_settings:
+            backend_settings.update(saved)
+        else:
+            backend.generation_config.max_new_tokens = args.new_tokens
+
+    timer.total.clear()
+    timer.wrap(backend, "generate", "rollout")
+    if hasattr(backend, "engine"):
+        timer.wrap(backend.engine, "load_lora", "lora push")
+        timer.wrap(backend.engine, "load_norms", "lora push")
+        timer.wrap(backend.engine, "generate", "sampling")  # ends before the engine sleeps: its peak memory
+    timer.wrap(trainer, "_get_per_token_logps_and_entropies", "log-prob forwards")
+    timer.wrap(trainer.accelerator, "backward", "backward")
+    step_times = []
+
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            torch.cuda.synchronize()
+            step_times.append(time.perf_counter() - self.start)
+
+    trainer.add_callback(StepClock())
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    phases = {k: v / len(step_times) for k, v in timer.total.items()}
+    nested = ("lora push", "sampling")  # parts of the rollout
+    phases["other"] = sum(step_times) / len(step_times) - sum(v for k, v in phases.items() if k not in nested)
+    mismatch = [row["sampling/sampling_logp_difference/mean"] for row in trainer.state.log_history
+                if "sampling/sampling_logp_difference/mean" in row]  # fmt: skip
+
+    device = torch.cuda.get_device_name()
+    print(f"\nQwen2.5-{args.size} shapes, random weights, {args.precision}, rollout backend {backend.name}, {device}")
+    print(f"{'batch':>5s} {'new tok':>7s} {'tok/s':>8s}")
+    for row in rollout_rows:
+        print(f"{row['batch']:5d} {row['new_tokens']:7d} {row['tokens_per_s']:8.0f}")
+    print(f"steps ({args.steps}, completion <= {args.new_tokens}): " + ", ".join(f"{t:.1f}" for t in step_times) + " s")
+    for name, seconds in phases.items():
+        print(f"  {name:18s} {seconds:7.2f} s/step")
+    peak = {"torch_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_peak_gib": timer.peak_gpu_gib}
+    print(f"peak GPU memory: {peak['gpu_peak_gib']:.1f} GiB in use (driver, all of it), trainer's torch peak "
+          f"{peak['torch_peak_gib']:.1f} GiB")
+    print("rollout vs trainer log-prob |difference| per step: " + ", ".join(f"{m:.4f}" for m in mismatch))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "args": vars(args), "device": device, "rollout": rollout_rows, "step_seconds": step_times,
+        "phases_per_step": phases, "memory": peak, "logp_difference": mismatch,
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The `transformers` rollout backend: generate() on the training policy itself (LoRA active, no merge).
+
+Runs wherever the policy runs (CPU tests, any GPU, every distributed setup TRL supports), with no second
+copy of the weights, but decodes eagerly: on a GPU the vLLM backend is many times faster.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup
+
+
+class SampledTokenLogprobs(LogitsProcessor):
+    """Last logits processor of generate(): applies the sampling warpers itself and records the log-probability
+    of each token that gets sampled.
+
+    generate() puts user processors before its own warpers, so a recorder passed in would see the scores before
+    temperature; here the warpers are switched off in the GenerationConfig and applied in this processor,
+    which returns log-probs (softmax of log-probs is the same distribution). A token's log-prob is read on the
+    next call, when it appears in input_ids, so memory holds one [batch, vocab] row, not the whole sequence.
+    """
+
+    def __init__(self, warpers: LogitsProcessorList):
+        self.warpers = warpers
+        self._last: torch.Tensor | None = None
+        self._picked: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._last is not None:
+            self._picked.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        logprobs = torch.log_softmax(self.warpers(input_ids, scores.float()), dim=-1)
+        self._last = logprobs
+        return logprobs
+
+    def finish(self, completion_ids: torch.LongTensor) -> torch.Tensor:
+        """[batch, completion length] log-probs of `completion_ids` (the tokens generate() returned)."""
+        steps = completion_ids.size(1)
+        if steps == 0:
+            return completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
+        picked = [*self._picked, self._last.gather(-1, completion_ids[:, -1:]).squeeze(-1)]
+        if len(picked) < steps:
+            raise RuntimeError(f"recorded {len(picked)} sampling steps for {steps} generated tokens")
+        return torch.stack(picked[:steps], dim=1)
+
+
+# Sampling knobs this backend applies itself; others would make the recorded log-probs wrong, so refuse them.
+_UNSUPPORTED_SAMPLING = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "watermarking_config")
+
+
+def sampling_warpers(config: GenerationConfig) -> LogitsProcessorList:
+    """transformers' own warpers for temperature, top-k, top-p, min-p, in generate()'s order."""
+    for name in _UNSUPPORTED_SAMPLING:
+        value = getattr(config, name, None)
+        if value is not None and not (name == "typical_p" and value >= 1.0):
+            raise ValueError(f"generation option {name}={value!r} is not supported by the rollout backends")
+    warpers = LogitsProcessorList()
+    if config.temperature is not None and config.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=config.top_k))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=config.top_p))
+    if config.min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p=config.min_p))
+    return warpers
+
+
+def truncate_at_eos(completion_ids: torch.Tensor, logprobs: torch.Tensor, eos_token_ids) -> RolloutOutput:
+    """Keep each completion up to and including its first EOS (what follows is padding)."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
+    lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, completion_ids.size(1)).tolist()
+    ids, lps = completion_ids.cpu().tolist(), logprobs.float().cpu().tolist()
+    return RolloutOutput(
+        [row[:n] for row, n in zip(ids, lengths, strict=True)], [row[:n] for row, n in zip(lps, lengths, strict=True)]
+    )
+
+
+class TransformersRollout(RolloutBackend):
+    """Sample with transformers' generate() on the training policy itself (LoRA active, no merge)."""
+
+    name = "transformers"
+
+    def __init__(self, setup: RolloutSetup):
+        super().__init__(setup)
+        config = GenerationConfig.from_dict(setup.generation_config.to_dict())
+        self.warpers = sampling_warpers(config)
+        # The warpers run in SampledTokenLogprobs; neutral values here keep generate() from applying them twice.
+        config.update(temperature=1.0, top_k=0, top_p=1.0, min_p=None)
+        self.generation_config = config
+
+    def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
+        from trl.trainer.utils import pad
+
+        setup = self.setup
+        prompts = [torch.tensor(ids) for ids in prompt_ids]
+        multiple = setup.pad_to_multiple_of
+        input_ids = pad(prompts, setup.pad_token_id, padding_side="left", pad_to_multiple_of=multiple)
+        attention_mask = pad([torch.ones_like(p) for p in prompts], 0, padding_side="left", pad_to_multiple_of=multiple)
+        recorder = SampledTokenLogprobs(self.warpers)
+        with (
+            setup.open_policy() as model,
+            torch.no_grad(),
+            perturb(model) as noise,  # inside open_policy, so that ZeRO-3 has gathered the norm scales it perturbs
+        ):
+            sequences = model.generate(
+                input_ids=input_ids.to(setup.device),
+                attention_mask=attention_mask.to(setup.device),
+                generation_config=self.generation_config,
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+        completion_ids = sequences[:, input_ids.size(1) :]
+        output = truncate_at_eos(completion_ids, recorder.finish(completion_ids), setup.eos_token_ids)
+        output.noise = noise
+        return output

@@ -1,0 +1,291 @@
+"""The `vllm` rollout backend: a vLLM engine colocated in the training process, on the same checkpoint.
+
+vLLM loads the folder the policy came from (NVFP4 through its Marlin FP4 kernel on Hopper, or BF16) and keeps
+its own copy of the frozen base. Every generation round:
+
+    wake up (sleep mode) -> push the current LoRA matrices as tensors (unmerged) and the trained norms ->
+    AQN noise on vLLM's own RMSNorm weights -> sample (log-prob of each sampled token after temperature and
+    top-k/top-p) -> restore the clean norms bit for bit -> sleep (level 1: KV cache freed, weights to CPU)
+
+Why not TRL's colocate path (`use_vllm=True`): it merges the adapter into the base and pushes full weights,
+which a packed NVFP4 base cannot take (there is no BF16 weight to merge into), and it would sample without AQN.
+Here the adapter goes through vLLM's own LoRA machinery (`LoRAModel.from_lora_tensors` registered with the
+worker's adapter manager), so no file is written and no vLLM module is changed.
+
+AQN needs vLLM's norm weights in FP32 (the `fp32` noise rule): noise of 1e-4 on a scale near 1 does not
+survive a BF16 weight. `fp32_norms` registers, through vLLM's out-of-tree layer hook (`CustomOp.register_oot`),
+an RMSNorm whose weight is FP32; vLLM's RMSNorm then multiplies in FP32 (its native path: its fused CUDA kernel
+needs matching dtypes) and rounds the output once to BF16.
+
+The pure parts (tensor names, norm mapping, sampling parameters, the round's call order) run without vLLM and
+are tested on CPU; the engine itself is `VLLMEngine`, which the GPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup
+
+LORA_ID = 1  # one adapter, re-registered under the same id every round
+_PEFT_PREFIX = "base_model.model."
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What goes from the policy to vLLM (pure: no vLLM import)
+
+
+def adapter_tensors(policy: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(LoRA tensors under peft's saved names, trained norm scales under vLLM's parameter names).
+
+    peft's saved names ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight") are what vLLM's LoRA
+    loader parses; it packs q/k/v and gate/up into its fused layers itself. Trainable norms (peft
+    modules_to_save) become "model.layers.0.input_layernorm.weight", the name of the same scale in vLLM's model.
+    The tensors are the policy's own (no copy); vLLM copies them.
+    """
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(policy)
+    lora, norms = {}, {}
+    for name, tensor in state.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            lora[name] = tensor.detach()
+        elif name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:
+            norms[name.removeprefix(_PEFT_PREFIX)] = tensor.detach()
+        else:
+            raise ValueError(f"the vllm rollout backend cannot push trainable tensor {name!r} (LoRA and norms only)")
+    return lora, norms
+
+
+def lora_settings(policy: nn.Module) -> dict[str, Any]:
+    """The adapter's peft config as a dict vLLM's PEFTHelper reads (rank, alpha, targets, rsLoRA/DoRA flags)."""
+    config = policy.peft_config[policy.active_adapter]
+    settings = config.to_dict()
+    settings["target_modules"] = sorted(settings["target_modules"])  # a set in peft; JSON-like for vLLM
+    settings["modules_to_save"] = None  # vLLM's LoRA refuses them; the trained norms are copied in by load_norms
+    if settings.get("use_dora"):
+        raise ValueError("the vllm rollout backend does not support DoRA adapters")
+    return settings
+
+
+def sampling_kwargs(generation_config, eos_token_ids: list[int]) -> dict[str, Any]:
+    """vLLM SamplingParams arguments equal to the trainer's generation settings.
+
+    `logprobs=0` returns the sampled token's log-prob; with the engine's logprobs_mode "processed_logprobs" it is
+    taken after temperature and top-k/top-p, the distribution the token was drawn from (TRL's convention).
+    """
+    unsupported = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0}
+    for name, neutral in unsupported.items():
+        value = getattr(generation_config, name, None)
+        if value not in (None, neutral):
+            raise ValueError(f"generation option {name}={value!r} is not supported by the vllm rollout backend")
+    if not generation_config.do_sample:
+        temperature = 0.0
+    else:
+        temperature = 1.0 if generation_config.temperature is None else float(generation_config.temperature)
+    return {
+        "n": 1,
+        "temperature": temperature,
+        "top_p": 1.0 if generation_config.top_p is None else float(generation_config.top_p),
+        "top_k": int(generation_config.top_k or 0),
+        "min_p": float(generation_config.min_p or 0.0),
+        "repetition_penalty": float(generation_config.repetition_penalty or 1.0),
+        "max_tokens": int(generation_config.max_new_tokens),
+        "stop_token_ids": list(eos_token_ids),
+        "logprobs": 0,
+        "detokenize": False,  # the trainer decodes; the engine runs without a tokenizer
+    }
+
+
+def truncate_after_eos(token_ids: list[int], logprobs: list[float], eos_token_ids) -> tuple[list[int], list[float]]:
+    """Up to and including the first EOS: what the other backends return and TRL's masks expect."""
+    eos = set(eos_token_ids)
+    for i, token in enumerate(token_ids):
+        if token in eos:
+            return token_ids[: i + 1], logprobs[: i + 1]
+    return token_ids, logprobs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine (vLLM, in this process)
+
+
+def _register_fp32_rmsnorm() -> None:
+    """Make every RMSNorm that vLLM builds in this process hold its scale in FP32 (see the module docstring)."""
+    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    if "RMSNorm" in op_registry_oot:
+        return
+
+    @CustomOp.register_oot(name="RMSNorm")
+    class FP32ScaleRMSNorm(RMSNorm):
+        def __init__(self, hidden_size, eps=1e-6, var_hidden_size=None, has_weight=True, dtype=None):
+            super().__init__(hidden_size, eps, var_hidden_size, has_weight, dtype=torch.float32)
+
+
+class VLLMEngine:
+    """A vLLM `LLM` in this process (TRL's colocate setup) with the handful of operations a round needs."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        lora_rank: int | None,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        sleep: bool = True,
+        fp32_norms: bool = True,
+        seed: int = 0,
+        enforce_eager: bool = False,
+    ):
+        from trl.trainer.utils import ensure_master_addr_port
+        from vllm import LLM
+
+        if fp32_norms:
+            _register_fp32_rmsnorm()
+        # vLLM's external launcher joins the training processes' world instead of spawning its own workers.
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        os.environ.setdefault("RANK", str(torch.distributed.get_rank() if dist else 0))
+        os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
+        os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size() if dist else 1))
+        ensure_master_addr_port()
+        self.sleep_enabled = sleep
+        self.asleep = False
+        self.llm = LLM(
+            model=model_path,
+            skip_tokenizer_init=True,  # prompts arrive as token ids
+            dtype="bfloat16",
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            enable_lora=lora_rank is not None,
+            max_lora_rank=lora_rank or 16,
+            max_loras=1,
+            enable_sleep_mode=sleep,
+            distributed_executor_backend="external_launcher",
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=enforce_eager,
+        )
+        self.lora_request = None
+
+    @property
+    def worker(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    @property
+    def model(self) -> nn.Module:
+        return self.worker.model_runner.model
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def sleep(self) -> None:
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def load_lora(self, tensors: dict[str, torch.Tensor], settings: dict[str, Any]) -> None:
+        """Register `tensors` as the adapter LORA_ID, replacing the previous round's, and activate it."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.request import LoRARequest
+
+        worker_manager = self.worker.model_runner.lora_manager
+        peft_helper = PEFTHelper.from_dict(settings)
+        peft_helper.validate_legal(worker_manager.lora_config)
+        mapper = getattr(self.model, "hf_to_vllm_mapper", None)
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=LORA_ID,
+            tensors=tensors,
+            peft_helper=peft_helper,
+            device="cuda",
+            dtype=worker_manager.lora_config.lora_dtype,
+            model_vocab_size=worker_manager.vocab_size,
+            weights_mapper=mapper.get_unstacked_mapper() if mapper is not None else None,
+        )
+        adapters = worker_manager._adapter_manager  # vLLM's LoRA model manager: the owner of the GPU LoRA slots
+        adapters.remove_adapter(LORA_ID)
+        adapters.add_adapter(lora)
+        adapters.activate_adapter(LORA_ID)  # copies the matrices into the slot the kernels read
+        # The request names the adapter already registered; vLLM never reads this path.
+        self.lora_request = LoRARequest("qerl-policy", LORA_ID, lora_path="qerl://in-memory")
+
+    @torch.no_grad()
+    def load_norms(self, norms: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, value in norms.items():
+            if name not in params:
+                raise KeyError(f"trained norm {name!r} has no counterpart in vLLM's {type(self.model).__name__}")
+            params[name].copy_(value)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
+        from vllm import SamplingParams
+
+        # Cached prefixes were computed with last round's weights and noise.
+        self.llm.reset_prefix_cache()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids],
+            SamplingParams(**sampling),
+            lora_request=self.lora_request,
+            use_tqdm=False,
+        )
+        result = []
+        for output in outputs:
+            sample = output.outputs[0]
+            token_ids = list(sample.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids, strict=True)]
+            result.append((token_ids, logprobs))
+        return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The backend
+
+
+class VLLMRollout(RolloutBackend):
+    """Rollouts from a colocated vLLM engine; options (from the trainer's TRL fields): gpu_memory_utilization,
+    max_model_len, max_num_seqs (vLLM's default), sleep, seed, fp32_norms, enforce_eager."""
+
+    name = "vllm"
+
+    def __init__(self, setup: RolloutSetup, engine_factory=VLLMEngine):
+        super().__init__(setup)
+        if not setup.model_path or not os.path.isdir(setup.model_path):
+            raise ValueError(
+                "rollout_backend vllm loads the checkpoint folder the policy came from, and none is known "
+                f"({setup.model_path!r}): load the policy from a local folder, or use rollout_backend transformers"
+            )
+        self.sampling = sampling_kwargs(setup.generation_config, setup.eos_token_ids)
+        with setup.open_policy() as policy:
+            self.lora_settings = lora_settings(policy) if hasattr(policy, "peft_config") else None
+        options = {k: v for k, v in setup.options.items() if v is not None}
+        self.engine = engine_factory(
+            setup.model_path, lora_rank=self.lora_settings["r"] if self.lora_settings else None, **options
+        )
+        self.engine.sleep()
+
+    def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
+        engine = self.engine
+        engine.wake_up()
+        try:
+            with self.setup.open_policy() as policy:
+                if self.lora_settings is not None:
+                    lora, norms = adapter_tensors(policy)
+                    engine.load_lora(lora, self.lora_settings)
+                    engine.load_norms(norms)
+            with perturb(engine.model) as noise:
+                samples = engine.generate(prompt_ids, self.sampling)
+        finally:
+            engine.sleep()  # frees the KV cache for the trainer's log-prob and backward passes
+        eos = self.setup.eos_token_ids
+        pairs = [truncate_after_eos(ids, lps, eos) for ids, lps in samples]
+        return RolloutOutput([ids for ids, _ in pairs], [lps for _, lps in pairs], noise)

@@ -1,0 +1,149 @@
+"""The vLLM rollout backend's CPU-testable parts: what goes from the policy to vLLM, and a round's call order.
+
+vLLM itself needs a GPU; tests/test_vllm_gpu.py runs the real engine there.
+"""
+
+import contextlib
+import re
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from qerl import data, policy, rollout
+from qerl.rollout.vllm import VLLMRollout, adapter_tensors, lora_settings, sampling_kwargs, truncate_after_eos
+from qerl.tiny import save_tiny_checkpoints
+from qerl.trainer import QeRLConfig, QeRLTrainer
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    _, nvfp4_dir = save_tiny_checkpoints(str(root))
+    args = QeRLConfig(
+        output_dir=str(root / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+        max_steps=1, report_to=[], lora_rank=4, lora_alpha=8, use_cpu=True, save_strategy="no", trainable_norms=True,
+        rollout_backend="transformers", temperature=0.7, top_p=0.9, top_k=20,
+    )  # fmt: skip
+    model = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
+    task = data.load_task("arithmetic", num_examples=8)
+    return QeRLTrainer(model, [lambda completions, **kw: [0.0] * len(completions)], args=args,
+                       train_dataset=task.train, processing_class=policy.load_tokenizer(nvfp4_dir))  # fmt: skip
+
+
+def test_adapter_tensors_use_peft_names_and_vllm_norm_names(trainer):
+    model = trainer.model
+    lora, norms = adapter_tensors(model)
+    layers = model.config.num_hidden_layers
+    assert len(lora) == 2 * 7 * layers  # A and B of q, k, v, o, gate, up, down in every layer
+    # Parameter names of the checkpoint's own model: vLLM's Qwen2 uses the same names.
+    checkpoint_names = set(policy.load_base_model(trainer._rollout_setup(None).model_path, device="cpu").state_dict())
+    base_modules = dict(model.get_base_model().named_modules())
+    for name, tensor in lora.items():
+        # The format vLLM's parse_fine_tuned_lora_name reads: base_model.model.<module>.lora_{A,B}.weight
+        match = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", name)
+        assert match, name
+        module = base_modules[match.group(1)]
+        assert tensor.shape[1 if match.group(2) == "A" else 0] == (
+            module.in_features if match.group(2) == "A" else module.out_features
+        )
+    assert sorted(norms) == sorted(
+        f"model.layers.{i}.{n}.weight" for i in range(layers) for n in ("input_layernorm", "post_attention_layernorm")
+    )
+    for name, tensor in norms.items():
+        # The trained copy (not peft's frozen original), under the name the scale has in the base (and vLLM).
+        trained = model.get_submodule(f"base_model.model.{name[:-7]}.modules_to_save.default").weight
+        assert tensor.data_ptr() == trained.data_ptr() and name in checkpoint_names
+    settings = lora_settings(model)
+    assert settings["r"] == 4 and settings["lora_alpha"] == 8 and "q_proj" in settings["target_modules"]
+    assert settings["modules_to_save"] is None  # vLLM's PEFTHelper refuses them; the norms travel by load_norms
+
+
+def test_sampling_kwargs_follow_the_trainer_generation_config(trainer):
+    kwargs = sampling_kwargs(trainer.generation_config, trainer.eos_token_ids)
+    assert kwargs["temperature"] == 0.7 and kwargs["top_p"] == 0.9 and kwargs["top_k"] == 20
+    assert kwargs["max_tokens"] == 8 and kwargs["stop_token_ids"] == trainer.eos_token_ids
+    assert kwargs["logprobs"] == 0 and kwargs["n"] == 1
+    with pytest.raises(ValueError, match="typical_p"):
+        sampling_kwargs(GenerationConfig(typical_p=0.5, max_new_tokens=4), [0])
+
+
+def test_truncate_after_eos():
+    assert truncate_after_eos([5, 2, 7, 2], [-1.0, -2.0, -3.0, -4.0], [2]) == ([5, 2], [-1.0, -2.0])
+    assert truncate_after_eos([5, 6], [-1.0, -2.0], [2]) == ([5, 6], [-1.0, -2.0])
+
+
+class RecordingEngine:
+    """Stands in for VLLMEngine: records the order of a round's calls; samples nothing real."""
+
+    def __init__(self, model_path, **options):
+        self.calls, self.options = [], options
+        self.model = torch.nn.Linear(2, 2)
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def wake_up(self):
+        self.calls.append("wake_up")
+
+    def load_lora(self, tensors, settings):
+        self.calls.append(("load_lora", len(tensors), settings["r"]))
+
+    def load_norms(self, norms):
+        self.calls.append(("load_norms", len(norms)))
+
+    def generate(self, prompt_ids, sampling):
+        self.calls.append(("generate", len(prompt_ids)))
+        if any(not ids for ids in prompt_ids):
+            raise RuntimeError("empty prompt")
+        return [([7, 3, 9], [-0.5, -0.25, -0.125]) for _ in prompt_ids]
+
+
+def test_round_order_with_a_recording_engine(trainer, tmp_path):
+    setup = trainer._rollout_setup(None)
+    setup.options["sleep"] = True
+    backend = VLLMRollout(setup, engine_factory=RecordingEngine)
+    engine = backend.engine
+    assert engine.options["gpu_memory_utilization"] == trainer.args.vllm_gpu_memory_utilization
+    assert engine.calls == ["sleep"]  # asleep from the start: the trainer's first steps have the memory
+
+    @contextlib.contextmanager
+    def perturb(model):
+        assert model is engine.model  # the noise goes on the module vLLM runs
+        engine.calls.append("noise on")
+        yield "stats"
+        engine.calls.append("noise off")
+
+    eos = trainer.eos_token_ids[0]
+    engine.generate = lambda ids, s: engine.calls.append("generate") or [([4, eos, 5], [-1.0, -2.0, -3.0])] * len(ids)
+    out = backend.generate([[1, 2], [3]], perturb)
+    layers = trainer.model.config.num_hidden_layers
+    assert engine.calls[1:] == [
+        "wake_up", ("load_lora", 2 * 7 * layers, 4), ("load_norms", 2 * layers), "noise on", "generate",
+        "noise off", "sleep",
+    ]  # fmt: skip
+    assert out.completion_ids == [[4, eos]] * 2 and out.logprobs == [[-1.0, -2.0]] * 2 and out.noise == "stats"
+
+
+def test_engine_sleeps_again_when_a_round_fails(trainer):
+    backend = VLLMRollout(trainer._rollout_setup(None), engine_factory=RecordingEngine)
+    with pytest.raises(RuntimeError, match="empty prompt"):
+        backend.generate([[]], lambda model: contextlib.nullcontext())
+    assert backend.engine.calls[-1] == "sleep"
+
+
+def test_backend_needs_a_checkpoint_folder(trainer):
+    setup = trainer._rollout_setup(None)
+    setup.model_path = "Qwen/not-a-folder"
+    with pytest.raises(ValueError, match="checkpoint folder the policy came from"):
+        VLLMRollout(setup, engine_factory=RecordingEngine)
+
+
+def test_auto_backend_on_a_machine_without_vllm_is_transformers(monkeypatch):
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
+    assert rollout.resolve_backend("auto") == "transformers"
+    monkeypatch.setattr(rollout, "vllm_available", lambda: True)
+    assert rollout.resolve_backend("auto") == "vllm"
+    assert rollout.resolve_backend("transformers") == "transformers"
+    with pytest.raises(ValueError, match="unknown rollout_backend 'sglang'"):
+        rollout.resolve_backend("sglang")

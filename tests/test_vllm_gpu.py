@@ -1,0 +1,143 @@
+"""The vllm rollout backend on a real vLLM engine (GPU only; vLLM from ../shared/gpu-site on the GPU machine).
+
+One engine (engine start takes about a minute) on a small random Qwen2 NVFP4 checkpoint with shapes Marlin
+accepts, LoRA r16 and FP32 norm scales, asleep between rounds as in training. Checked: the NVFP4 weights run
+through vLLM's FP4 path; the pushed LoRA and trained norms change what vLLM computes, and its sampled-token
+log-probs then match the trainer's recomputation of the same tokens; AQN noise on vLLM's own norms changes
+the log-probs and restoring brings them back bit for bit; sleep frees GPU memory and waking gives the same
+results.
+"""
+
+import contextlib
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
+]
+
+SIGMA = 1e-2
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from peft import get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from qerl import policy
+    from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
+    from qerl.nvfp4.quantize import quantize_model
+    from qerl.rollout import RolloutSetup
+    from qerl.rollout.vllm import VLLMRollout
+
+    root = tmp_path_factory.mktemp("vllm")
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=2,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    save_nvfp4_checkpoint(quantize_model(model), root / "nvfp4")
+    base = policy.load_base_model(str(root / "nvfp4"), device="cuda")
+    peft_model = get_peft_model(base, policy.lora_config(base, rank=16, alpha=16, trainable_norms=True))
+    with torch.no_grad():  # a trained-looking adapter: B and the norm scales moved away from their init
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+            elif "modules_to_save" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    peft_model.eval()
+    generation_config = peft_model.generation_config
+    # No top-p/top-k: their renormalisation would shift vLLM's processed log-probs away from logits / T.
+    generation_config.update(max_new_tokens=24, do_sample=True, temperature=0.8, top_p=1.0, top_k=0)
+    rollout_setup = RolloutSetup(
+        generation_config=generation_config, eos_token_ids=[2], pad_token_id=0,
+        open_policy=lambda: contextlib.nullcontext(peft_model), device=torch.device("cuda"),
+        model_path=str(root / "nvfp4"), options={"gpu_memory_utilization": 0.25, "max_model_len": 512, "sleep": True},
+    )  # fmt: skip
+    backend = VLLMRollout(rollout_setup)
+    prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (17, 40, 64, 9)]
+    return backend, peft_model, prompts
+
+
+def _sample(backend, prompts, perturb=None, seed=7):
+    """A round through the backend with per-request seeds, so equal weights give equal samples."""
+    backend.sampling["seed"] = seed
+    try:
+        return backend.generate(prompts, perturb or (lambda model: contextlib.nullcontext()))
+    finally:
+        del backend.sampling["seed"]
+
+
+def _recompute(peft_model, prompt, completion, temperature=0.8):
+    ids = torch.tensor([prompt + completion], device="cuda")
+    with torch.no_grad():
+        logits = peft_model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion, device="cuda")[:, None]).squeeze(-1)
+
+
+def test_nvfp4_weights_run_through_vllms_fp4_path(setup):
+    backend, _, _ = setup
+    backend.engine.wake_up()
+    try:
+        qkv = backend.engine.model.model.layers[0].self_attn.qkv_proj.base_layer  # under vLLM's LoRA wrapper
+        scheme = qkv.scheme
+        print("vLLM qkv_proj:", type(scheme).__name__, getattr(scheme, "kernel", None),
+              {k: (tuple(v.shape), v.dtype) for k, v in qkv.named_parameters()})  # fmt: skip
+        assert "FP4" in type(scheme).__name__.upper(), type(scheme).__name__
+        assert qkv.weight_scale.dtype == torch.float8_e4m3fn  # the checkpoint's FP8 group scales, 4-bit codes
+        norm = backend.engine.model.model.layers[0].input_layernorm
+        assert norm.weight.dtype == torch.float32  # FP32 scales, so that AQN's small noise survives
+    finally:
+        backend.engine.sleep()
+
+
+def test_lora_and_norms_reach_vllm_and_logprobs_match_the_trainer(setup):
+    backend, peft_model, prompts = setup
+    out = _sample(backend, prompts)
+    diffs = []
+    for prompt, completion, logprobs in zip(prompts, out.completion_ids, out.logprobs, strict=True):
+        assert len(completion) == len(logprobs) > 0
+        ours = _recompute(peft_model, prompt, completion)
+        diffs.append((ours - torch.tensor(logprobs, device="cuda")).abs())
+    mismatch = torch.cat(diffs).mean().item()
+    # The same tokens scored by the policy without its adapter: what the pushed LoRA and norms contribute.
+    with peft_model.disable_adapter():
+        base_gap = torch.cat([
+            (_recompute(peft_model, p, c) - torch.tensor(lp, device="cuda")).abs()
+            for p, c, lp in zip(prompts, out.completion_ids, out.logprobs, strict=True)
+        ]).mean().item()  # fmt: skip
+    print(f"vLLM vs trainer log-prob |difference|: mean {mismatch:.4f} (without the adapter: {base_gap:.4f})")
+    assert mismatch < 0.02 and base_gap > 5 * mismatch
+
+
+def test_aqn_changes_vllm_logprobs_and_restores_them_exactly(setup):
+    from qerl import aqn
+
+    backend, _, prompts = setup
+    clean = _sample(backend, prompts)
+
+    def noisy(model):
+        return aqn.noisy_norms(model, SIGMA, torch.Generator().manual_seed(0))
+
+    perturbed = _sample(backend, prompts, noisy)
+    again = _sample(backend, prompts)
+    assert perturbed.noise.num_norms == 2 * 4 and perturbed.noise.changed_fraction > 0.5
+    assert perturbed.logprobs != clean.logprobs
+    assert again.completion_ids == clean.completion_ids and again.logprobs == clean.logprobs
+
+
+def test_sleep_frees_memory_and_wake_gives_the_same_samples(setup):
+    backend, _, prompts = setup
+    first = _sample(backend, prompts)
+    assert backend.engine.asleep
+    asleep_free, _ = torch.cuda.mem_get_info()
+    backend.engine.wake_up()
+    awake_free, _ = torch.cuda.mem_get_info()
+    backend.engine.sleep()
+    print(f"sleep frees {(asleep_free - awake_free) / 2**30:.2f} GiB")
+    assert asleep_free - awake_free > 2**30  # the KV cache (and the offloaded weights) at 0.25 utilization
+    assert _sample(backend, prompts).logprobs == first.logprobs
