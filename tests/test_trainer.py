@@ -246,9 +246,14 @@ def test_demo_pipeline(tmp_path):
     assert cli.run_cli(gsm8k.main, "eval.gsm8k", argv) == 0
     result = json.loads(out.read_text().splitlines()[0])
     assert result["examples"] == 16 and 0.0 <= result["accuracy"] <= 1.0
-    # A second demo into the same folder starts a new metrics file and keeps the first aside.
-    demo.main(["--output-dir", str(tmp_path), "--warmup-steps", "5", "--rl-steps", "3", "--problems", "8"])
-    assert [r["step"] for r in plotting.read_metrics(summary["metrics"])] == [1, 2, 3]
+    # A second run into the same folder (the demo's trainer logs through JsonlMetrics) starts a new metrics file
+    # and keeps the first aside.
+    from transformers import TrainerState
+
+    from qerl.trainer import JsonlMetrics
+
+    JsonlMetrics(summary["metrics"]).on_train_begin(None, TrainerState(), None)
+    assert os.path.getsize(summary["metrics"]) == 0
     assert len(plotting.read_metrics(summary["metrics"].replace("metrics.jsonl", "metrics.1.jsonl"))) == 10
 
 
