@@ -1,5 +1,11 @@
 PYTHON ?= python3
-STAMP := .setup.stamp
+# The set-up stamp lives in the environment it vouches for (its site-packages), not in the checkout: a fresh
+# virtual environment always installs, whichever checkout it is used from.
+SITE := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_path('purelib'))" 2>/dev/null)
+ifeq ($(SITE),)
+$(error "$(PYTHON)" does not run; set PYTHON to a Python >= 3.11)
+endif
+STAMP := $(SITE)/.qerl-setup.stamp
 
 .PHONY: setup test demo bench bench-kernels bench-memory lint clean
 

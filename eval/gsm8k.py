@@ -1,107 +1,64 @@
 """GSM8K accuracy of a base model (NVFP4 or BF16), optionally with a trained LoRA adapter.
 
-    python -m eval.gsm8k --model ckpt/qwen2.5-7b-nvfp4 --load nvfp4 --adapter runs/dapo/checkpoint-500
-    python -m eval.gsm8k --model Qwen/Qwen2.5-7B-Instruct --load bf16 --data ../shared/data/gsm8k/test.jsonl
+    python -m eval.gsm8k --model ckpt/qwen2.5-7b-nvfp4 --adapter runs/dapo/checkpoint-500
+    python -m eval.gsm8k --model Qwen/Qwen2.5-7B-Instruct --data ../shared/data/gsm8k/test.jsonl --protocol greedy
+    python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 \
+        --model runs/demo/checkpoints/nvfp4 --adapter runs/demo/adapter          (the demo's task and adapter)
 
-Prompts are built exactly as in training (qerl.data's gsm8k format, the tokenizer's chat template), decoding
-is greedy, and an answer counts when its whole number equals the gold one: `strict` reads the number inside
-<answer>...</answer> (what the training reward checks), `flexible` falls back to the last number of the
-completion. The reference's script compared the first character only and never applied the adapter.
+Protocols (eval/common.py): `reference` (default; the QeRL reference's eval: think/answer system prompt,
+temperature 0.6, top-p 0.95, 1024 new tokens, seeded) or `greedy`. A completion is correct when the training
+reward pays for it (qerl.rewards: the number inside <answer>...</answer> equals the gold one as a number);
+`flexible` also accepts the last number of a completion without an answer tag. Prints the accuracy with its 95%
+interval; writes every completion to --out. The reference's script compared the first character only.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import sys
-from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
-from qerl import rewards
-from qerl.data import load_task
-from qerl.policy import load_base_model, load_tokenizer
+from eval import common
+from qerl import cli, data, rewards
 
 _LAST_NUMBER = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?")
 
 
 def score(completion: str, gold: str) -> dict[str, bool]:
-    """strict: the <answer> tag's number equals gold; flexible: that, or else the last number in the text."""
-    expected = rewards.parse_number(gold)
-    tagged = rewards.parse_number(rewards.extract_answer_tag(completion))
+    """correct: the training reward's check; flexible: that, or (no answer tag) the last number equals gold."""
+    strict = rewards.gsm8k_correctness_reward([completion], [gold])[0] > 0
+    tagged = rewards.extract_answer_tag(completion)
     numbers = _LAST_NUMBER.findall(completion)
     last = rewards.parse_number(numbers[-1].replace("$", "")) if numbers else None
-    strict = tagged is not None and tagged == expected
-    return {"strict": strict, "flexible": strict or (tagged is None and last is not None and last == expected)}
+    flexible = strict or (tagged is None and last is not None and last == rewards.parse_number(gold))
+    return {"correct": strict, "flexible": flexible}
 
 
-@torch.no_grad()
-def generate(model, tokenizer, prompts: list, batch_size: int, max_new_tokens: int) -> list[str]:
-    completions = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="GSM8K", unit="batch"):
-        texts = [
-            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-            for p in prompts[start : start + batch_size]
-        ]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        out = model.generate(
-            **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
-        completions += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    return completions
-
-
-def evaluate(args) -> dict:
-    task = load_task(args.data, split=args.split, num_examples=args.limit)
-    if task.format != "gsm8k":
-        raise ValueError(f"{args.data}: expected GSM8K rows (question, answer), got format {task.format!r}")
-    model = load_base_model(args.model, precision=args.load, device=args.device)
-    if args.adapter:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, args.adapter)
-    model.eval()
-    tokenizer = load_tokenizer(args.model)
-    completions = generate(model, tokenizer, task.train["prompt"], args.batch_size, args.max_new_tokens)
+def _arithmetic(limit: int | None):
+    """The demo's task on problems of its own seed (the demo trains on seed 1): its bare prompt, exact answers."""
+    problems = data.arithmetic_dataset(limit or 500, seed=10_000)
     rows = [
-        {"question": p[-1]["content"], "gold": gold, "completion": c, **score(c, gold)}
-        for p, gold, c in zip(task.train["prompt"], task.train["answer"], completions, strict=True)
+        {"prompt": p, "question": p[-1]["content"], "gold": a}
+        for p, a in zip(problems["prompt"], problems["answer"], strict=True)
     ]
-    result = {
-        "model": str(args.model),
-        "load": args.load,
-        "adapter": args.adapter,
-        "examples": len(rows),
-        "accuracy_strict": sum(r["strict"] for r in rows) / len(rows),
-        "accuracy_flexible": sum(r["flexible"] for r in rows) / len(rows),
-    }
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w") as f:
-            f.write(json.dumps(result) + "\n")
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    return result
+    return rows, lambda completion, gold: {"correct": rewards.exact_answer_reward([completion], [gold])[0] == 1.0}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="base model folder or hub id")
-    parser.add_argument("--load", choices=("auto", "nvfp4", "bf16"), default="auto", help="precision of the base")
-    parser.add_argument("--adapter", help="LoRA adapter folder (a training checkpoint or its final save)")
-    parser.add_argument("--data", default="gsm8k", help="'gsm8k' (openai/gsm8k) or a local JSONL/parquet file")
-    parser.add_argument("--split", default="test")
-    parser.add_argument("--limit", type=int, help="evaluate the first N examples only")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=1024)
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--out", help="write the summary and every completion as JSONL here")
-    result = evaluate(parser.parse_args(argv))
-    print(json.dumps(result, indent=2))
+BENCHMARK = common.Benchmark(
+    name="gsm8k",
+    datasets={"gsm8k": ("openai/gsm8k", "main", "test")},
+    columns=(("question",), "answer"),
+    gold=rewards.gsm8k_gold,
+    score=score,
+    default_data="gsm8k",
+    default_split="test",
+    builtin={"arithmetic": _arithmetic},
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    common.run(BENCHMARK, argv if argv is not None else sys.argv[1:], __doc__)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main, "eval.gsm8k"))

@@ -13,78 +13,82 @@ renamed into place at the end.
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 from pathlib import Path
 
-import torch
+# Run as a script, this file's folder (not the repository) is on sys.path: make the checkout's qerl the one imported.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from qerl.nvfp4.checkpoint import (
+import torch  # noqa: E402
+
+from qerl import cli  # noqa: E402
+from qerl.nvfp4.checkpoint import (  # noqa: E402
     DEFAULT_SHARD_BYTES,
-    CheckpointError,
     _AtomicOutputDir,
+    copy_side_files,
     quantize_checkpoint,
     resolve_model_dir,
 )
-from qerl.nvfp4.quantize import DEFAULT_IGNORE
+from qerl.nvfp4.quantize import DEFAULT_IGNORE  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def quantize_with_llmcompressor(model: str, output: str, device: str, dtype: torch.dtype, ignore, overwrite: bool):
+def quantize_with_llmcompressor(model: str, output: str, device: str, dtype, ignore, overwrite: bool) -> Path:
     try:
         from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import QuantizationModifier
     except ImportError as err:
-        raise SystemExit(f"--backend llmcompressor needs llmcompressor: pip install -e .[quantize] ({err})") from err
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        raise cli.UsageError(
+            f"--backend llmcompressor needs llmcompressor (pip install -e .[quantize]): {err}"
+        ) from err
+    from transformers import AutoModelForCausalLM
 
     src = resolve_model_dir(model)
-    with _AtomicOutputDir(output, overwrite) as tmp:
+    with _AtomicOutputDir(output, overwrite, source=src) as tmp:
         hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, device_map=device)
         recipe = QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=list(ignore))
         oneshot(model=hf_model, recipe=recipe)
         hf_model.save_pretrained(tmp, save_compressed=True)
-        try:
-            AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
-        except (OSError, ValueError):
-            pass  # a model folder without a tokenizer stays without one
+        copy_side_files(src, tmp)
     return Path(output).resolve()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.ArgumentParser(prog="quantize_nvfp4.py", description=__doc__)
     parser.add_argument("--model", required=True, help="BF16 model: local folder or hub id")
     parser.add_argument("--output", required=True, help="folder to write the NVFP4 checkpoint to")
-    parser.add_argument("--backend", choices=("native", "llmcompressor"), default="native")
+    parser.add_argument("--backend", choices=("native", "llmcompressor"), default="native", help="see above")
     parser.add_argument("--device", default="cpu", help="where the quantization math runs (cpu, cuda, cuda:1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype the weights are read in")
     parser.add_argument("--ignore", nargs="*", default=list(DEFAULT_IGNORE), help="Linears kept in BF16")
-    parser.add_argument("--max-shard-gb", type=float, default=DEFAULT_SHARD_BYTES / 1024**3)
-    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    parser.add_argument("--max-shard-gb", type=cli.positive_float, default=DEFAULT_SHARD_BYTES / 1024**3,
+                        help="largest output shard, in GiB")  # fmt: skip
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="replace --output if it is an empty folder or a checkpoint this tool wrote (nothing else is replaced)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    cli.check_model(args.model)
+    cli.check_device(args.device)
 
-    try:
-        if args.backend == "native":
-            out = quantize_checkpoint(
-                args.model,
-                args.output,
-                device=args.device,
-                dtype=DTYPES[args.dtype],
-                ignore=args.ignore,
-                overwrite=args.overwrite,
-                max_shard_bytes=int(args.max_shard_gb * 1024**3),
-            )
-        else:
-            out = quantize_with_llmcompressor(
-                args.model, args.output, args.device, DTYPES[args.dtype], args.ignore, args.overwrite
-            )
-    except (CheckpointError, FileExistsError, ValueError) as err:
-        print(f"quantize_nvfp4: error: {err}", file=sys.stderr)
-        return 2
+    dtype = DTYPES[args.dtype]
+    if args.backend == "native":
+        out = quantize_checkpoint(
+            args.model,
+            args.output,
+            device=args.device,
+            dtype=dtype,
+            ignore=args.ignore,
+            overwrite=args.overwrite,
+            max_shard_bytes=int(args.max_shard_gb * 1024**3),
+        )
+    else:
+        out = quantize_with_llmcompressor(args.model, args.output, args.device, dtype, args.ignore, args.overwrite)
     print(f"quantize_nvfp4: wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main, "quantize_nvfp4"))

@@ -6,8 +6,11 @@
 4. train LoRA adapters on the NVFP4 base with DAPO + Adaptive Quantization Noise (QeRLTrainer) on a fixed
    set of problems of the built-in arithmetic task (many epochs over few prompts: RL's signal is one bit per
    sample, so a tiny model improves visibly where it sees each prompt often), rewarded 1 for the exact answer;
-5. write metrics.jsonl and a plot of reward, entropy and sigma, and compare the first and last tenth of steps.
-Uses the GPU when there is one.
+5. save the trained adapter, write metrics.jsonl and a plot of reward, entropy and sigma, and compare the first
+   and last tenth of steps.
+Uses the GPU when there is one. Evaluate the adapter afterwards with
+    python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 \
+        --model runs/demo/checkpoints/nvfp4 --adapter runs/demo/adapter
 """
 
 from __future__ import annotations
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(CompactProgress(every=max(args.rl_steps // 20, 1)))
     trainer.train()
+    adapter_dir = os.path.join(args.output_dir, "adapter")
+    trainer.save_model(adapter_dir)  # LoRA + trained norms; the NVFP4 base stays in checkpoints/nvfp4
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     rows = plotting.read_metrics(metrics_path)
@@ -180,11 +185,15 @@ def main(argv: list[str] | None = None) -> dict:
         title=f"QeRL demo: tiny NVFP4 Qwen2, DAPO + AQN + LoRA ({device.type})",
     )  # fmt: skip
     summary = {"first_tenth_reward": first, "last_tenth_reward": last, "seconds": time.time() - start,
-               "metrics": os.path.abspath(metrics_path), "plot": os.path.abspath(png)}  # fmt: skip
+               "metrics": os.path.abspath(metrics_path), "plot": os.path.abspath(png),
+               "adapter": os.path.abspath(adapter_dir), "base": os.path.abspath(nvfp4_dir)}  # fmt: skip
     print(f"[demo] mean reward, first tenth of steps {first:.3f} -> last tenth {last:.3f} "
           f"({last - first:+.3f}) in {summary['seconds']:.0f} s")  # fmt: skip
     print(f"[demo] metrics: {summary['metrics']}")
     print(f"[demo] plot:    {summary['plot']}")
+    print(f"[demo] adapter: {summary['adapter']} (on the NVFP4 base {summary['base']}); evaluate it with")
+    print(f"[demo]   python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 "
+          f"--model {summary['base']} --adapter {summary['adapter']}")  # fmt: skip
     return summary
 
 

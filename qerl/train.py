@@ -5,22 +5,28 @@
 
 Flags keep the QeRL reference's names (--model-name, --dataset, --lora-rank, --lora-alpha, --ln,
 --sigma-start, --sigma-end, --num-stages, --max-prompt-length, --random-state, and every GRPOConfig field).
-`--resume-from-checkpoint true` continues from the newest checkpoint in --output-dir; a path picks one.
+`--resume-from-checkpoint true` continues from the newest complete checkpoint in --output-dir; a path picks one.
+Flags, recipe and input files are checked before anything loads: a mistake is one line (see qerl.cli).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
+import shutil
 import sys
+import textwrap
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-from transformers.trainer_utils import get_last_checkpoint
+import yaml
 from trl import TrlParser
 
-from qerl import data, policy, rewards
+from qerl import cli, data, policy, rewards
 from qerl.trainer import QeRLConfig, QeRLTrainer
 
 logger = logging.getLogger("qerl.train")
@@ -64,6 +70,35 @@ class QeRLScriptArguments:
     soft_overlong_cache: int = field(
         default=0, metadata={"help": "DAPO soft overlong punishment over the last N completion tokens (0: off)."}
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start over in an --output-dir that holds an earlier run: its checkpoint-* folders and "
+                  "adapter are deleted (its metrics.jsonl is kept as metrics.N.jsonl)."},
+    )  # fmt: skip
+
+
+# `python -m qerl.train --help`: these first; `--help-all` lists every field of TRL and transformers.
+QUICK_HELP = {
+    "Model": ("model_name", "precision", "dtype"),
+    "Data": ("dataset", "dataset_split", "dataset_format", "num_examples"),
+    "Lengths and batch": ("max_prompt_length", "max_completion_length", "num_generations",
+                          "per_device_train_batch_size", "gradient_accumulation_steps"),
+    "RL": ("loss_type", "beta", "epsilon_high", "learning_rate", "max_steps", "num_train_epochs", "temperature",
+           "soft_overlong_cache", "vllm_importance_sampling_correction"),
+    "LoRA": ("lora_rank", "lora_alpha", "lora_target_modules", "trainable_norms"),
+    "AQN": ("aqn", "sigma_start", "sigma_end", "num_stages", "aqn_final_norm"),
+    "Rollout": ("rollout_backend",),
+    "Output": ("output_dir", "save_steps", "resume_from_checkpoint", "overwrite_output_dir", "metrics_jsonl",
+               "logging_steps", "report_to", "seed", "use_cpu", "bf16"),
+}  # fmt: skip
+# Where TRL's help text is a poor fit for the short list.
+QUICK_HELP_TEXT = {
+    "max_steps": "Optimizer steps of the run (-1: as many as --num-train-epochs make)",
+    "resume_from_checkpoint": "true: continue from the newest complete checkpoint in --output-dir; or a checkpoint "
+    "folder",
+    "output_dir": "Where checkpoints, the final adapter and metrics.jsonl go",
+}
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _rewrite_reference_flags(argv: list[str]) -> list[str]:
@@ -79,33 +114,202 @@ def _rewrite_reference_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def resolve_resume(value: str | None, output_dir: str) -> str | bool | None:
-    """'true' -> newest checkpoint in output_dir (None if there is none yet); a path -> that checkpoint."""
-    if value is None or str(value).lower() in ("", "false", "no", "0", "none"):
-        return None
-    if str(value).lower() in ("true", "yes", "1", "auto", "last"):
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        if last is None:
-            logger.warning("no checkpoint in %s yet: starting from scratch", output_dir)
-        return last
-    if not os.path.isdir(value):
-        raise FileNotFoundError(f"--resume-from-checkpoint {value}: no such checkpoint folder")
-    return value
+class _Parser(cli.ParserErrors, TrlParser):
+    pass
+
+
+def _parser() -> _Parser:
+    parser = _Parser((QeRLScriptArguments, QeRLConfig))
+    for action in parser._actions:  # HfArgumentParser gives --no_X the help of --X, which says the opposite
+        if action.option_strings and action.option_strings[0].startswith("--no_"):
+            action.help = f"Turn --{action.dest.replace('_', '-')} off."
+    return parser
+
+
+def quick_help(parser: _Parser) -> str:
+    actions = {}
+    for action in parser._actions:
+        actions.setdefault(action.dest, action)
+    aliases = {"trainable_norms": ["--ln"], "seed": ["--random-state"]}
+    lines = [
+        "usage: python -m qerl.train [--config RECIPE.yaml] --model-name CHECKPOINT [--flag VALUE ...]",
+        "",
+        "GRPO/DAPO with LoRA on an NVFP4 (or BF16) base and Adaptive Quantization Noise. Flags override the recipe;",
+        "recipes are in configs/. The most used flags (--help-all: every TRL/transformers option; --debug: show the",
+        "traceback of an input error):",
+        "",
+        "  --config RECIPE.yaml".ljust(40) + "YAML file of flag values (keys are flag names with underscores).",
+    ]
+    for group, dests in QUICK_HELP.items():
+        lines.append(f"{group}:")
+        for dest in dests:
+            action = actions[dest]
+            flags = ", ".join([max(action.option_strings, key=lambda f: f.count("-")), *aliases.get(dest, [])])
+            text = QUICK_HELP_TEXT.get(dest) or (action.help or "").replace("%%", "%").split(". ")[0].rstrip(".")
+            if action.default is not None and action.default != "":
+                text += f" (default: {action.default})"
+            lines += textwrap.wrap(text, 118, initial_indent=f"  {flags:<38}", subsequent_indent=" " * 40)
+    return "\n".join(lines)
+
+
+def _check_recipe(path: str, parser: _Parser) -> None:
+    cli.check_file(path, "--config")
+    try:
+        with open(path) as f:
+            recipe = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        raise cli.UsageError(f"--config {path}: not valid YAML ({cli.one_line(err)})") from None
+    if not isinstance(recipe, dict):
+        raise cli.UsageError(f"--config {path}: expected a mapping of flag names to values")
+    known = {action.dest for action in parser._actions} | {"env"}
+    for key in recipe:
+        if key not in known:
+            raise cli.UsageError(f"--config {path}: unknown key {key!r}{cli.nearest(str(key), sorted(known))}")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRLConfig]:
-    parser = TrlParser((QeRLScriptArguments, QeRLConfig))
-    argv = _rewrite_reference_flags(list(sys.argv[1:] if argv is None else argv))
-    script_args, config = parser.parse_args_and_config(args=argv)
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(quick_help(parser))
+        raise SystemExit(0)
+    if "--help-all" in argv:
+        parser.print_help()
+        raise SystemExit(0)
+    argv = cli.attach_negative_numbers(_rewrite_reference_flags(argv))
+    if "--config" in argv:
+        index = argv.index("--config")
+        if index + 1 == len(argv):
+            raise cli.UsageError("--config needs a YAML file")
+        _check_recipe(argv[index + 1], parser)
+    cli.reject_unknown_flags(argv, [*parser.known_flags(), "--config"])
+    try:
+        script_args, config = parser.parse_args_and_config(args=argv)
+    except ValueError as err:  # raised while building the configs from flags: the flags are at fault
+        raise cli.UsageError(str(err)) from err
     if not script_args.model_name:
-        parser.error("--model-name is required (a checkpoint folder or hub id)")
+        raise cli.UsageError("--model-name is required (a checkpoint folder or hub id)")
     return script_args, config
 
 
+def _check_dataset(name: str, dataset_format: str) -> None:
+    if name in data.KNOWN_DATASETS:
+        return
+    if not os.path.exists(name) and not name.lower().endswith(cli.DATA_EXTENSIONS) and os.sep not in name:
+        raise cli.UsageError(
+            f"--dataset {name}: unknown dataset{cli.nearest(name, data.KNOWN_DATASETS)}; known datasets are "
+            f"{', '.join(data.KNOWN_DATASETS)}, or give a local {' / '.join(cli.DATA_EXTENSIONS)} file"
+        )
+    columns = cli.data_file_columns(name, "--dataset")
+    fmt = dataset_format
+    if fmt == "auto":
+        try:
+            fmt = data.detect_format(columns, name)
+        except ValueError as err:
+            raise cli.UsageError(str(err)) from None
+    cli.require_columns(name, columns, data.FORMAT_COLUMNS[fmt], f"format {fmt!r}")
+
+
+def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
+    """Every check that needs no model or dataset loaded, so that a mistake costs seconds, not a 7B load."""
+    cli.check_model(script_args.model_name, "--model-name")
+    if script_args.precision not in policy.PRECISIONS:
+        raise cli.UsageError(f"--precision {script_args.precision!r}: use one of {', '.join(policy.PRECISIONS)}")
+    if script_args.precision == "bf16" and policy.is_nvfp4_checkpoint(script_args.model_name):
+        raise cli.UsageError(f"--model-name {script_args.model_name} is an NVFP4 checkpoint; use --precision auto")
+    if not isinstance(getattr(torch, script_args.dtype, None), torch.dtype):
+        raise cli.UsageError(f"--dtype {script_args.dtype!r} is not a torch dtype (bfloat16, float16, float32)")
+    formats = ("auto", *data.FORMAT_COLUMNS)
+    if script_args.dataset_format not in formats:
+        raise cli.UsageError(
+            f"--dataset-format {script_args.dataset_format!r}{cli.nearest(script_args.dataset_format, formats)}: "
+            f"use one of {', '.join(formats)}"
+        )
+    _check_dataset(script_args.dataset, script_args.dataset_format)
+    for flag, value in (
+        ("--num-examples", script_args.num_examples),
+        ("--max-prompt-length", script_args.max_prompt_length),
+    ):
+        if value is not None and value <= 0:
+            raise cli.UsageError(f"{flag} must be a positive integer, got {value}")
+    for flag, value in (
+        ("--learning-rate", config.learning_rate),
+        ("--sigma-start", config.sigma_start),
+        ("--sigma-end", config.sigma_end),
+        ("--soft-overlong-cache", script_args.soft_overlong_cache),
+    ):
+        if not value >= 0:  # also refuses nan
+            raise cli.UsageError(f"{flag} must not be negative, got {value}")
+
+
+def _is_complete(checkpoint: Path) -> bool:
+    """transformers writes trainer_state.json last: a checkpoint without it was cut short."""
+    try:
+        json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _checkpoints(output_dir: Path) -> list[Path]:
+    """checkpoint-N folders, newest first."""
+    found = [p for p in output_dir.iterdir() if p.is_dir() and _CHECKPOINT.match(p.name)] if output_dir.is_dir() else []
+    return sorted(found, key=lambda p: int(_CHECKPOINT.match(p.name).group(1)), reverse=True)
+
+
+def resolve_resume(value: str | None, output_dir: str) -> str | None:
+    """'true' -> the newest complete checkpoint in output_dir (None if there is none yet); a path -> that one."""
+    if value is None or str(value).lower() in ("", "false", "no", "0", "none"):
+        return None
+    if str(value).lower() in ("true", "yes", "1", "auto", "last"):
+        for checkpoint in _checkpoints(Path(output_dir)):
+            if _is_complete(checkpoint):
+                return str(checkpoint)
+            logger.warning("skipping %s: incomplete (no trainer_state.json; the run stopped while saving it)",
+                           checkpoint)  # fmt: skip
+        logger.warning("no complete checkpoint in %s yet: starting from scratch", output_dir)
+        return None
+    if not os.path.isdir(value):
+        raise cli.UsageError(f"--resume-from-checkpoint {value}: no such checkpoint folder")
+    if not _is_complete(Path(value)):
+        raise cli.UsageError(f"--resume-from-checkpoint {value}: incomplete (no readable trainer_state.json)")
+    return value
+
+
+_ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+def prepare_output_dir(script_args: QeRLScriptArguments, config: QeRLConfig) -> str | None:
+    """The checkpoint to resume from (None: a fresh start). A fresh start never lands on an earlier run's
+    checkpoints or adapter unless --overwrite-output-dir says to delete them."""
+    output_dir = Path(config.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise cli.UsageError(f"--output-dir {output_dir}: is a file")
+    resume = resolve_resume(config.resume_from_checkpoint, config.output_dir)
+    if resume is not None:
+        if script_args.overwrite_output_dir:
+            raise cli.UsageError("--overwrite-output-dir and --resume-from-checkpoint contradict each other: pick one")
+        with open(os.path.join(resume, "trainer_state.json")) as f:
+            step = json.load(f)["global_step"]
+        total = config.max_steps if config.max_steps > 0 else "the epochs asked for"
+        logger.info("resuming from %s, step %d of %s", os.path.basename(os.path.normpath(resume)), step, total)
+        return resume
+    earlier = _checkpoints(output_dir) + [output_dir / f for f in _ADAPTER_FILES if (output_dir / f).exists()]
+    if earlier and not script_args.overwrite_output_dir:
+        raise cli.UsageError(
+            f"--output-dir {output_dir} holds an earlier run ({', '.join(p.name for p in earlier[:3])}): pass "
+            "--resume-from-checkpoint true to continue it, or --overwrite-output-dir to start over (deleting them)"
+        )
+    if earlier and config.process_index == 0:
+        for path in earlier:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        logger.info("--overwrite-output-dir: deleted %s of the earlier run in %s",
+                    ", ".join(p.name for p in earlier), output_dir)  # fmt: skip
+    return None
+
+
 def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig) -> QeRLTrainer:
-    dtype = getattr(torch, script_args.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"--dtype {script_args.dtype!r} is not a torch dtype (bfloat16, float16, float32)")
+    dtype = getattr(torch, script_args.dtype)
     tokenizer = policy.load_tokenizer(script_args.model_name)
     model = policy.load_base_model(script_args.model_name, script_args.precision, dtype, device=config.device)
     task = data.load_task(
@@ -114,7 +318,9 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig) -> QeRLT
     )  # fmt: skip
     train_dataset = data.drop_long_prompts(task.train, tokenizer, script_args.max_prompt_length)
     if len(train_dataset) == 0:
-        raise ValueError(f"no prompt of {script_args.dataset} fits --max-prompt-length {script_args.max_prompt_length}")
+        raise cli.UsageError(
+            f"no prompt of {script_args.dataset} fits --max-prompt-length {script_args.max_prompt_length}"
+        )
     if config.vllm_max_model_length is None and script_args.max_prompt_length:
         # The rollout engine's context: the longest prompt kept plus a full completion (the reference's
         # max_seq_length), rather than the model's whole context window.
@@ -132,11 +338,23 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig) -> QeRLT
 def main(argv: list[str] | None = None) -> QeRLTrainer:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     script_args, config = parse_args(argv)
+    validate(script_args, config)
+    resume = prepare_output_dir(script_args, config)
     trainer = build_trainer(script_args, config)
-    trainer.train(resume_from_checkpoint=resolve_resume(config.resume_from_checkpoint, config.output_dir))
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(config.output_dir)  # the LoRA adapter (and trained norms), not the frozen base
     return trainer
 
 
+def run(argv: list[str] | None = None) -> int:
+    """The command line (`python -m qerl.train`, `qerl-train`): input errors in one line, exit code 2."""
+
+    def train_and_exit_zero(args: list[str]) -> int:
+        main(args)
+        return 0
+
+    return cli.run_cli(train_and_exit_zero, "qerl.train", argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

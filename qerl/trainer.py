@@ -91,7 +91,11 @@ class QeRLConfig(GRPOConfig):
                   "sampling against the rollout log-probs, whatever the rollout backend. Off by default: the "
                   "QeRL reference has no correction."},
     )  # fmt: skip
-    metrics_jsonl: bool = field(default=True, metadata={"help": "Append every log line to <output_dir>/metrics.jsonl."})
+    metrics_jsonl: bool = field(
+        default=True,
+        metadata={"help": "Write every log line to <output_dir>/metrics.jsonl (a resume continues the file; a new run "
+                  "keeps an earlier one aside as metrics.N.jsonl)."},
+    )  # fmt: skip
 
     def __post_init__(self):
         rollout.resolve_backend(self.rollout_backend)  # validates the name
@@ -123,10 +127,37 @@ class QeRLConfig(GRPOConfig):
 
 
 class JsonlMetrics(TrainerCallback):
-    """Writes each log line as one JSON object (with the step) to a file, from the main process."""
+    """Writes each log line as one JSON object (with the step) to a file, from the main process.
+
+    One file holds one run: a fresh start keeps an earlier run's file aside as metrics.N.jsonl; a resume from
+    step k keeps the lines up to k and drops what an interrupted run logged after it (kept aside the same way),
+    so no step appears twice.
+    """
 
     def __init__(self, path: str):
         self.path = path
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or not os.path.isfile(self.path):
+            return
+        with open(self.path) as f:
+            lines = [line for line in f if line.strip()]
+        kept = [
+            line
+            for line in lines
+            if state.global_step and json.loads(line).get("step", 0) <= state.global_step
+            and "train_runtime" not in line  # the interrupted session's closing summary
+        ]  # fmt: skip
+        if kept == lines:
+            return
+        root, ext = os.path.splitext(self.path)
+        aside = next(f"{root}.{n}{ext}" for n in range(1, 10**6) if not os.path.exists(f"{root}.{n}{ext}"))
+        os.rename(self.path, aside)
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        logger.warning("%s: %s; the earlier file is kept as %s", self.path,
+                       f"continues at step {state.global_step}" if state.global_step else "starts anew",
+                       os.path.basename(aside))  # fmt: skip
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

@@ -69,6 +69,8 @@ def test_cli_round_trip_logits_equal_compressed_tensors(tmp_path, arch):
         cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
+    side_files = {p.name for p in (tmp_path / "bf16").iterdir() if p.suffix != ".safetensors"}
+    assert side_files <= {p.name for p in (tmp_path / "nvfp4").iterdir()}  # generation_config.json among them
     ours = load_nvfp4_model(tmp_path / "nvfp4", device="cpu")
     assert isinstance(ours.model.layers[0].mlp.down_proj, NVFP4Linear)
     assert type(ours.lm_head) is torch.nn.Linear
@@ -192,7 +194,7 @@ def test_other_formats_are_refused_by_name(tmp_path, qcfg, message):
 def test_output_folder_is_refused_unless_overwrite(tmp_path):
     _bf16_model("llama", tmp_path / "bf16")
     (tmp_path / "out").mkdir()
-    with pytest.raises(FileExistsError, match="--overwrite"):
+    with pytest.raises(CheckpointError, match="--overwrite"):
         quantize_checkpoint(tmp_path / "bf16", tmp_path / "out")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "out", overwrite=True)
     assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -7,7 +7,9 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from eval import gsm8k
+from eval import common, gsm8k
+from eval import math as eval_math
+from qerl import cli
 from qerl.policy import load_base_model
 from qerl.rewards import gsm8k_gold
 from qerl.tiny import save_tiny_checkpoints
@@ -22,17 +24,23 @@ def test_gold_answers_score_and_near_misses_do_not():
         gold = gsm8k_gold(row["answer"])
         reasoning = row["answer"].split("####")[0]
         assert gsm8k.score(f"<think>{reasoning}</think> <answer>{gold}</answer>", gold) == {
-            "strict": True,
+            "correct": True,
             "flexible": True,
         }
-        assert gsm8k.score(f"{reasoning} So the answer is {gold}.", gold) == {"strict": False, "flexible": True}
+        assert gsm8k.score(f"{reasoning} So the answer is {gold}.", gold) == {"correct": False, "flexible": True}
         wrong = str(int(float(gold)) + 10)  # same first character as the gold for most answers
-        assert gsm8k.score(f"<answer>{wrong}</answer>", gold) == {"strict": False, "flexible": False}
+        assert gsm8k.score(f"<answer>{wrong}</answer>", gold) == {"correct": False, "flexible": False}
         # a wrong tagged answer is wrong even when the right number appears earlier in the text
         assert not gsm8k.score(f"{gold} ... <answer>{wrong}</answer>", gold)["flexible"]
 
 
-def test_runs_on_nvfp4_base_and_applies_the_adapter(tmp_path):
+def _eval(module, argv, out):
+    assert cli.run_cli(module.main, module.__name__, [*argv, "--out", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    return lines[0], lines[1:]
+
+
+def test_runs_on_nvfp4_base_applies_the_adapter_and_is_seeded(tmp_path):
     _, nvfp4_dir = save_tiny_checkpoints(tmp_path / "ckpt")
     data = tmp_path / "gsm8k.jsonl"
     data.write_text(
@@ -48,33 +56,41 @@ def test_runs_on_nvfp4_base_and_applies_the_adapter(tmp_path):
     )
     adapter.save_pretrained(tmp_path / "adapter")
 
+    argv = ["--model", nvfp4_dir, "--data", str(data), "--max-new-tokens", "6", "--batch-size", "2", "--device", "cpu"]
     results = {}
-    for name, extra in (("base", []), ("lora", ["--adapter", str(tmp_path / "adapter")])):
-        out = tmp_path / f"{name}.jsonl"
-        gsm8k.main(
-            [
-                "--model",
-                nvfp4_dir,
-                "--load",
-                "nvfp4",
-                "--data",
-                str(data),
-                "--split",
-                "test",
-                "--max-new-tokens",
-                "6",
-                "--batch-size",
-                "2",
-                "--device",
-                "cpu",
-                "--out",
-                str(out),
-                *extra,
-            ]
-        )
-        lines = [json.loads(line) for line in out.read_text().splitlines()]
-        summary, rows = lines[0], lines[1:]
-        assert summary["examples"] == 3 and len(rows) == 3 and 0.0 <= summary["accuracy_flexible"] <= 1.0
-        assert [r["gold"] for r in rows] == ["6", "22", "80"]
+    for name, extra in (("base", []), ("lora", ["--adapter", str(tmp_path / "adapter")]), ("again", [])):
+        summary, rows = _eval(gsm8k, [*argv, *extra], tmp_path / f"{name}.jsonl")
+        assert summary["examples"] == 3 and len(rows) == 3 and summary["protocol"] == "reference"
+        assert (summary["temperature"], summary["top_p"], summary["seed"]) == (0.6, 0.95, 0)
+        low, high = summary["accuracy_ci95"]
+        assert 0.0 <= low <= summary["accuracy"] <= high <= 1.0 and "accuracy_flexible_ci95" in summary
+        assert [r["gold"] for r in rows] == ["6", "22", "80"] and all(isinstance(r["correct"], bool) for r in rows)
         results[name] = [r["completion"] for r in rows]
     assert results["base"] != results["lora"]  # the adapter reached generation
+    assert results["base"] == results["again"]  # sampled, but seeded
+    greedy, _ = _eval(gsm8k, [*argv, "--protocol", "greedy"], tmp_path / "greedy.jsonl")
+    assert greedy["do_sample"] is False and not list(tmp_path.glob("*.partial-*"))
+
+
+def test_math_eval_on_a_local_file_scores_boxed_answers(tmp_path, monkeypatch):
+    """eval.math reads problem/answer rows and scores through qerl.rewards' math-verify reward."""
+    _, nvfp4_dir = save_tiny_checkpoints(tmp_path / "ckpt")
+    data = tmp_path / "math.jsonl"
+    data.write_text(
+        "".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in (("1+1?", "2"), ("x?", "\\frac{1}{2}")))
+    )
+    canned = ["<think>easy</think> <answer>\\boxed{2}</answer>", "so $\\boxed{0.5}$"]
+    monkeypatch.setitem(
+        common.GENERATORS, "transformers", lambda spec, prompts, sampling, batch: canned[: len(prompts)]
+    )
+    summary, rows = _eval(
+        eval_math, ["--model", nvfp4_dir, "--data", str(data), "--device", "cpu"], tmp_path / "m.jsonl"
+    )
+    assert [r["correct"] for r in rows] == [True, True] and summary["accuracy"] == 1.0
+    assert rows[0]["question"] == "1+1?"
+
+
+def test_wilson_interval():
+    assert common.wilson_interval(0, 0) == (0.0, 1.0)
+    low, high = common.wilson_interval(50, 100)
+    assert abs(low - 0.4038) < 1e-3 and abs(high - 0.5962) < 1e-3

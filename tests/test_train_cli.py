@@ -1,6 +1,8 @@
 """The `python -m qerl.train` entry point: flags in the reference's names, YAML recipes, scripts, resume."""
 
 import glob
+import json
+import logging
 import os
 import shlex
 import subprocess
@@ -11,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from qerl import rewards, train
+from qerl.cli import UsageError
 from qerl.tiny import save_tiny_checkpoints
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,9 +155,43 @@ def test_resume_continues_exactly(checkpoints, tmp_path, monkeypatch):
 
 def test_cli_bad_input(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    with pytest.raises(ValueError, match="known datasets are gsm8k, gsm8k_hash, bigmath"):
+    with pytest.raises(UsageError, match="known datasets are gsm8k, gsm8k_hash, bigmath"):
         _run(nvfp4_dir, str(tmp_path / "x"), 1, "--dataset", "gsm9k")
-    with pytest.raises(ValueError, match="num_generations to a divisor of 8"):
+    with pytest.raises(UsageError, match="num_generations to a divisor of 8"):
         _run(nvfp4_dir, str(tmp_path / "x"), 1, "--num-generations", "3")
-    with pytest.raises(SystemExit):
-        train.parse_args(["--dataset", "gsm8k", "--use-cpu", "True", "--output-dir", str(tmp_path)])  # no --model-name
+    with pytest.raises(UsageError, match="--model-name is required"):
+        train.parse_args(["--dataset", "gsm8k", "--use-cpu", "True", "--output-dir", str(tmp_path)])
+
+
+def _metrics_steps(path):
+    rows = [json.loads(line) for line in open(path)]
+    return [r["step"] for r in rows if "loss" in r]
+
+
+def test_rerun_and_resume_keep_runs_apart(checkpoints, tmp_path, monkeypatch, caplog):
+    """An interrupted run whose newest checkpoint is incomplete resumes from the one before, says so, and its
+    metrics.jsonl ends with each step once; a fresh rerun is refused, then starts over only when asked."""
+    monkeypatch.setattr(rewards, "exact_answer_reward", digit_share_reward)
+    _, nvfp4_dir = checkpoints
+    out = tmp_path / "run"
+    interrupted = train.build_trainer(*train.parse_args(_argv(nvfp4_dir, str(out), 4)))
+    interrupted.add_callback(StopAfter(3))
+    interrupted.train()
+    (out / "checkpoint-3" / "trainer_state.json").unlink()  # killed while saving step 3
+    assert _metrics_steps(out / "metrics.jsonl") == [1, 2, 3]
+
+    with pytest.raises(UsageError, match=r"holds an earlier run \(checkpoint-3, checkpoint-2"):
+        train.main(_argv(nvfp4_dir, str(out), 4))  # a plain rerun does not silently start over
+    with caplog.at_level(logging.INFO):
+        resumed = _run(nvfp4_dir, str(out), 4, "--resume-from-checkpoint", "true")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("skipping" in m and "checkpoint-3: incomplete" in m for m in messages)
+    assert "resuming from checkpoint-2, step 2 of 4" in messages
+    assert resumed.state.global_step == 4
+    assert _metrics_steps(out / "metrics.jsonl") == [1, 2, 3, 4]  # step 3 logged once, by the resumed run
+    assert _metrics_steps(out / "metrics.1.jsonl") == [1, 2, 3]  # the interrupted run's file, kept aside
+
+    _run(nvfp4_dir, str(out), 1, "--overwrite-output-dir", "true")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert _metrics_steps(out / "metrics.jsonl") == [1]
+    assert _metrics_steps(out / "metrics.2.jsonl") == [1, 2, 3, 4]

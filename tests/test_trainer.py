@@ -258,3 +258,45 @@ def test_demo_pipeline(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert os.path.getsize(summary["plot"]) > 10_000
     assert os.path.isfile(os.path.join(tmp_path, "checkpoints", "nvfp4", "config.json"))
+    # The saved adapter evaluates as the README shows (the demo's task, greedy).
+    from eval import gsm8k
+    from qerl import cli
+
+    out = tmp_path / "eval.jsonl"
+    argv = ["--data", "arithmetic", "--protocol", "greedy", "--max-new-tokens", "6", "--limit", "16", "--device",
+            "cpu", "--model", summary["base"], "--adapter", summary["adapter"], "--out", str(out)]  # fmt: skip
+    assert cli.run_cli(gsm8k.main, "eval.gsm8k", argv) == 0
+    result = json.loads(out.read_text().splitlines()[0])
+    assert result["examples"] == 16 and 0.0 <= result["accuracy"] <= 1.0
+    # A second run into the same folder (the demo's trainer logs through JsonlMetrics) starts a new metrics file
+    # and keeps the first aside.
+    from transformers import TrainerState
+
+    from qerl.trainer import JsonlMetrics
+
+    JsonlMetrics(summary["metrics"]).on_train_begin(None, TrainerState(), None)
+    assert os.path.getsize(summary["metrics"]) == 0
+    assert len(plotting.read_metrics(summary["metrics"].replace("metrics.jsonl", "metrics.1.jsonl"))) == 10
+
+
+def test_bf16_checkpoint_and_its_nvfp4_twin_give_the_same_stop_tokens_and_defaults(tmp_path):
+    """The NVFP4 loader reads generation_config.json as transformers does for BF16: an end-of-turn token that only
+    the generation config declares stops both, and the sampling defaults match."""
+    from transformers import GenerationConfig
+
+    from qerl.tiny import build_tiny
+
+    model, tokenizer = build_tiny()
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|user|>")
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, end_of_turn], pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
+    )  # fmt: skip
+    bf16_dir, nvfp4_dir = save_tiny_checkpoints(str(tmp_path), model, tokenizer)
+    trainers = [_trainer(path, _config(tmp_path)) for path in (bf16_dir, nvfp4_dir)]
+    assert trainers[0].is_nvfp4 is False and trainers[1].is_nvfp4 is True
+    assert trainers[0].eos_token_ids == trainers[1].eos_token_ids == [tokenizer.eos_token_id, end_of_turn]
+    defaults = [t.model.generation_config.to_diff_dict() for t in trainers]
+    for d in defaults:
+        d.pop("transformers_version", None)
+    assert defaults[0] == defaults[1] and defaults[0]["top_k"] == 20

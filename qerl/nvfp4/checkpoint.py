@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from qerl.cli import UsageError, check_safetensors, looks_like_path
 from qerl.nvfp4 import codec
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.nvfp4.quantize import DEFAULT_IGNORE, global_scales, quantization_targets
@@ -38,10 +40,15 @@ INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 _PACKED_SUFFIX = ".weight_packed"
 _LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
+# Written into every checkpoint folder this module writes: the only non-empty folders `overwrite` may replace.
+WRITTEN_MARKER = ".qerl-nvfp4-checkpoint"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+logger = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be read as asked; the message names the file or tensor at fault."""
+class CheckpointError(UsageError):
+    """A checkpoint folder that cannot be read or written as asked; the message names the file or tensor at fault."""
 
 
 def quantization_config(ignore=DEFAULT_IGNORE) -> dict:
@@ -120,6 +127,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise CheckpointError(f"{path}: expected a model folder, found a file")
+    if looks_like_path(str(name_or_path)):
+        raise CheckpointError(f"{path}: no such folder")
     from huggingface_hub import snapshot_download
 
     try:
@@ -150,9 +159,11 @@ def tensor_index(model_dir: Path) -> dict[str, Path]:
         for shard in sorted(set(shards.values())):
             if not shard.is_file():
                 raise CheckpointError(f"{shard}: shard listed in {index_path} is missing")
+            check_safetensors(shard)
         return shards
     single = model_dir / SINGLE_FILE
     if single.is_file():
+        check_safetensors(single)
         with safe_open(single, "pt") as f:
             return {name: single for name in f.keys()}
     found = sorted(p.name for p in model_dir.glob("*.bin")) or sorted(p.name for p in model_dir.iterdir())
@@ -189,7 +200,7 @@ def load_nvfp4_model(
     Tensors go from the safetensors shards straight to `device` (default: cuda if available); the
     quantized weights are never expanded, so peak memory stays close to the packed size.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig, GenerationConfig
 
     model_dir = resolve_model_dir(name_or_path)
     check_quantization_config(read_config(model_dir), model_dir / "config.json")
@@ -198,6 +209,8 @@ def load_nvfp4_model(
 
     config = AutoConfig.from_pretrained(model_dir)
     model = _meta_model(config, dtype)
+    if (model_dir / "generation_config.json").is_file():  # stop tokens and sampling defaults, as for a BF16 load
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
     for packed_name in (n for n in index if n.endswith(_PACKED_SUFFIX)):
         module_name = packed_name[: -len(_PACKED_SUFFIX)]
         try:
@@ -220,6 +233,7 @@ def load_nvfp4_model(
         with safe_open(shard, "pt", device="cpu") as f:
             for name in names:
                 value = f.get_tensor(name)
+                _check_finite(name, value, shard)
                 want = expected[name]
                 if value.shape != want.shape:
                     raise CheckpointError(
@@ -289,19 +303,61 @@ class _ShardWriter:
             json.dump(index, f, indent=2)
 
 
-class _AtomicOutputDir:
-    """Write into a hidden sibling folder and rename it into place only when everything succeeded."""
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
-    def __init__(self, output: str | os.PathLike, overwrite: bool):
+
+class _AtomicOutputDir:
+    """Write into a hidden sibling folder and rename it into place only when everything succeeded.
+
+    Nothing is removed that the caller did not ask to replace: `overwrite` replaces an empty folder or a
+    checkpoint this module wrote (it holds WRITTEN_MARKER), never a file, never a folder holding `source`, never
+    a folder with other contents. Hidden work folders of killed runs (their process is gone) are removed, saying so.
+    """
+
+    def __init__(self, output: str | os.PathLike, overwrite: bool, source: str | os.PathLike | None = None):
         self.final = Path(output).resolve()
-        if self.final.exists() and not overwrite:
-            raise FileExistsError(
-                f"{self.final}: output folder exists; pass --overwrite (overwrite=True) to replace it"
-            )
-        self.tmp = self.final.parent / f".{self.final.name}.partial-{os.getpid()}"
+        # The input as named and as resolved: a folder holding a link to the model holds the model too.
+        for src in {Path(os.path.abspath(source)), Path(source).resolve()} if source is not None else ():
+            if self.final == src or self.final in src.parents:
+                raise CheckpointError(f"--output {self.final}: holds the input model {src}; choose a folder outside it")
+        for parent in self.final.parents:
+            if parent.exists() and not parent.is_dir():
+                raise CheckpointError(f"--output {self.final}: {parent} is a file, not a folder")
+        if self.final.exists():
+            if not self.final.is_dir():
+                raise CheckpointError(f"--output {self.final}: is a file; choose a folder path")
+            if not overwrite:
+                raise CheckpointError(f"--output {self.final}: folder exists; pass --overwrite to replace it")
+            if any(self.final.iterdir()) and not (self.final / WRITTEN_MARKER).is_file():
+                raise CheckpointError(
+                    f"--output {self.final}: not empty and not a checkpoint this tool wrote, so --overwrite will not "
+                    "replace it; remove it yourself or choose another folder"
+                )
+        self.tmp = self._sibling("partial", os.getpid())
+
+    def _sibling(self, kind: str, pid: int | str) -> Path:
+        return self.final.parent / f".{self.final.name}.{kind}-{pid}"
+
+    def _remove_stale(self) -> None:
+        kinds = ("partial", "old") if self.final.exists() else ("partial",)  # an .old- folder may be all there is
+        for kind in kinds:
+            for stale in sorted(self.final.parent.glob(self._sibling(kind, "*").name)):
+                pid = stale.name.rsplit("-", 1)[1]
+                if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+                    shutil.rmtree(stale, ignore_errors=True)
+                    logger.warning("removed %s, left behind by an earlier run (process %s) that did not finish",
+                                   stale, pid)  # fmt: skip
 
     def __enter__(self) -> Path:
         self.final.parent.mkdir(parents=True, exist_ok=True)
+        self._remove_stale()
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir()
         return self.tmp
@@ -310,10 +366,34 @@ class _AtomicOutputDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
-        if self.final.exists():
-            shutil.rmtree(self.final)
-        os.rename(self.tmp, self.final)
+        (self.tmp / WRITTEN_MARKER).write_text("written by qerl (quantize_nvfp4.py / qerl.nvfp4.checkpoint)\n")
+        if self.final.exists():  # the old output goes only once the new one is in place
+            old = self._sibling("old", os.getpid())
+            os.rename(self.final, old)
+            os.rename(self.tmp, self.final)
+            shutil.rmtree(old)
+        else:
+            os.rename(self.tmp, self.final)
         return False
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Copy what a model folder holds besides weights and config.json: tokenizer files, generation_config.json
+    (stop tokens, sampling defaults), chat template, license, ..."""
+    for extra in sorted(src.iterdir()):
+        if (
+            extra.is_file()
+            and extra.name not in ("config.json", INDEX_FILE, WRITTEN_MARKER)
+            and extra.suffix not in _WEIGHT_SUFFIXES
+        ):
+            shutil.copy2(extra, dst / extra.name)
+
+
+def _check_finite(name: str, tensor: torch.Tensor, shard: Path) -> None:
+    if tensor.is_floating_point():
+        values = tensor.float() if tensor.element_size() == 1 else tensor  # isfinite has no FP8 kernels
+        if not torch.isfinite(values).all():
+            raise CheckpointError(f"{shard}: tensor {name} contains NaN or Inf")
 
 
 def _write_config(config: dict, out_dir: Path, ignore) -> None:
@@ -411,20 +491,28 @@ def quantize_checkpoint(
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method")
         raise CheckpointError(f"{src / 'config.json'}: already quantized ({method}); give a BF16 checkpoint")
+    output_dir = _AtomicOutputDir(output, overwrite, source=src)
     index = tensor_index(src)
-    targets = {
-        f"{name}.weight" for name in quantization_targets(_meta_model(AutoConfig.from_pretrained(src), dtype), ignore)
-    }
+    meta = _meta_model(AutoConfig.from_pretrained(src), dtype)
+    targets = {f"{name}.weight" for name in quantization_targets(meta, ignore)}
     absent = sorted(targets - index.keys())
     if absent:
         raise CheckpointError(f"{src}: checkpoint lacks Linear weights the architecture has: {', '.join(absent[:8])}")
+    for name in sorted(targets):  # before any work: the shapes come from the config
+        in_features = meta.get_submodule(name[: -len(".weight")]).in_features
+        if in_features % codec.GROUP_SIZE:
+            raise CheckpointError(
+                f"{name} ({index[name].name}): in_features={in_features} is not divisible by the NVFP4 group size "
+                f"{codec.GROUP_SIZE}; keep this Linear in BF16 with --ignore"
+            )
 
-    with _AtomicOutputDir(output, overwrite) as tmp:
+    with output_dir as tmp:
         writer = _ShardWriter(tmp, max_shard_bytes)
         for names in tqdm(_group_by_layer(index), desc=f"Quantizing {src.name}", unit="layer"):
             _return_freed_memory()
             tensors = _read_tensors(index, names)
             for name, tensor in tensors.items():
+                _check_finite(name, tensor, index[name])
                 if tensor.is_floating_point() and name not in targets:
                     writer.add(name, tensor.to(dtype))
                 elif name not in targets:
@@ -439,11 +527,5 @@ def quantize_checkpoint(
                 writer.add(f"{module_name}.weight_global_scale", q.global_scale.clone())  # fused siblings share one
         writer.finish()
         _write_config(config, tmp, ignore)
-        for extra in sorted(src.iterdir()):  # tokenizer, generation config, chat template, license, ...
-            if (
-                extra.is_file()
-                and extra.name not in ("config.json", INDEX_FILE)
-                and extra.suffix not in (".safetensors", ".bin")
-            ):
-                shutil.copy2(extra, tmp / extra.name)
+        copy_side_files(src, tmp)
     return Path(output).resolve()

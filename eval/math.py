@@ -1,0 +1,45 @@
+"""Competition-math accuracy (MATH-500, AIME, AMC) of a base model (NVFP4 or BF16), optionally with a LoRA adapter.
+
+    python -m eval.math --model ckpt/qwen2.5-7b-nvfp4 --adapter runs/bigmath/checkpoint-500 --data math500
+    python -m eval.math --model ckpt/qwen2.5-7b-nvfp4 --data aime24 --protocol greedy
+    python -m eval.math --model ckpt/qwen2.5-7b-nvfp4 --data my_problems.jsonl     (columns: problem, answer)
+
+The prompt is Big-Math's in training (the think/answer system prompt, then the problem); a completion is correct
+when qerl.rewards' math-verify reward finds its answer (a \\boxed{} one first) equal to the gold answer. Same
+protocols, flags and outputs as eval.gsm8k.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from eval import common
+from qerl import cli, rewards
+
+
+def score(completion: str, gold: str) -> dict[str, bool]:
+    return {"correct": rewards.math_verify_accuracy_reward([completion], [gold])[0] == 1.0}
+
+
+BENCHMARK = common.Benchmark(
+    name="math",
+    datasets={
+        "math500": ("HuggingFaceH4/MATH-500", None, "test"),
+        "aime24": ("HuggingFaceH4/aime_2024", None, "train"),
+        "aime": ("AI-MO/aimo-validation-aime", None, "train"),
+        "amc": ("AI-MO/aimo-validation-amc", None, "train"),
+    },
+    columns=(("problem", "question"), "answer"),
+    gold=str,
+    score=score,
+    default_data="math500",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    common.run(BENCHMARK, argv if argv is not None else sys.argv[1:], __doc__)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main, "eval.math"))
