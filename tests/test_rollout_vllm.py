@@ -145,6 +145,7 @@ def test_auto_backend_on_a_machine_without_vllm_is_transformers(monkeypatch):
     assert rollout.resolve_backend("auto") == "transformers"
     monkeypatch.setattr(rollout, "vllm_available", lambda: True)
     assert rollout.resolve_backend("auto") == "vllm"
+    assert rollout.resolve_backend("auto", torch.device("cpu")) == "transformers"  # a CPU run on a GPU machine
     assert rollout.resolve_backend("transformers") == "transformers"
     with pytest.raises(ValueError, match="unknown rollout_backend 'sglang'"):
         rollout.resolve_backend("sglang")

@@ -73,15 +73,17 @@ def vllm_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
-def resolve_backend(name: str) -> str:
-    """The backend `name` stands for: `auto` is vLLM on a CUDA machine that has it, else transformers."""
+def resolve_backend(name: str, device: torch.device | None = None) -> str:
+    """The backend `name` stands for: `auto` is vLLM when training on a CUDA device (`device`, when known) of a
+    machine that has vLLM, else transformers."""
     if name not in CHOICES:
         raise ValueError(f"unknown rollout_backend {name!r}; available: {', '.join(CHOICES)}")
     if name == "auto":
-        return "vllm" if vllm_available() else "transformers"
+        on_gpu = device is None or torch.device(device).type == "cuda"
+        return "vllm" if on_gpu and vllm_available() else "transformers"
     return name
 
 
 def create_backend(name: str, setup: RolloutSetup) -> RolloutBackend:
-    module_name, class_name = BACKENDS[resolve_backend(name)].split(":")
+    module_name, class_name = BACKENDS[resolve_backend(name, setup.device)].split(":")
     return getattr(importlib.import_module(module_name), class_name)(setup)
