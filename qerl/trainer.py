@@ -316,7 +316,6 @@ class QeRLTrainer(GRPOTrainer):
         own = model is self.model
         with aqn.noisy_norms(model, sigma, generator, a.aqn_final_norm, sites, a.aqn_dtype, fp32_compute=own) as stats:
             yield stats
-        self.last_noise = stats
 
     # ------------------------------------------------------------------------------------------------------
     # TRL hooks
@@ -328,6 +327,7 @@ class QeRLTrainer(GRPOTrainer):
         sigma = self.current_sigma()
         with profiling_context(self, f"{self.rollout.name}.generate"):
             output = self.rollout.generate(prompt_ids, lambda model: self._perturb(model, sigma))
+        self.last_noise = output.noise  # the round's noise, for the metrics and the shift forward
         if mode == "train":
             self._metrics[mode]["aqn/sigma"].append(sigma)
             self._metrics[mode]["aqn/changed_fraction"].append(self.last_noise.changed_fraction)

@@ -11,7 +11,8 @@ import torch
 from transformers import GenerationConfig
 
 from qerl import data, policy, rollout
-from qerl.rollout.vllm import VLLMRollout, adapter_tensors, lora_settings, sampling_kwargs, truncate_after_eos
+from qerl.rollout import truncate_at_eos
+from qerl.rollout.vllm import VLLMRollout, adapter_tensors, lora_settings, sampling_kwargs
 from qerl.tiny import save_tiny_checkpoints
 from qerl.trainer import QeRLConfig, QeRLTrainer
 
@@ -68,9 +69,9 @@ def test_sampling_kwargs_follow_the_trainer_generation_config(trainer):
         sampling_kwargs(GenerationConfig(typical_p=0.5, max_new_tokens=4), [0])
 
 
-def test_truncate_after_eos():
-    assert truncate_after_eos([5, 2, 7, 2], [-1.0, -2.0, -3.0, -4.0], [2]) == ([5, 2], [-1.0, -2.0])
-    assert truncate_after_eos([5, 6], [-1.0, -2.0], [2]) == ([5, 6], [-1.0, -2.0])
+def test_truncate_at_eos():
+    out = truncate_at_eos([[5, 2, 7, 2], [5, 6]], [[-1.0, -2.0, -3.0, -4.0], [-1.0, -2.0]], [2])
+    assert out.completion_ids == [[5, 2], [5, 6]] and out.logprobs == [[-1.0, -2.0], [-1.0, -2.0]]
 
 
 class RecordingEngine:

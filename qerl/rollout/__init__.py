@@ -51,6 +51,17 @@ class RolloutOutput:
     noise: Any = None  # what `perturb` yielded (qerl.aqn.NoiseStats)
 
 
+def truncate_at_eos(completion_ids: list[list[int]], logprobs: list[list[float]], eos_token_ids) -> RolloutOutput:
+    """Keep each completion up to and including its first EOS (what follows is padding, or nothing)."""
+    eos = set(eos_token_ids)
+    ids_out, lps_out = [], []
+    for ids, lps in zip(completion_ids, logprobs, strict=True):
+        n = next((i + 1 for i, token in enumerate(ids) if token in eos), len(ids))
+        ids_out.append(ids[:n])
+        lps_out.append(lps[:n])
+    return RolloutOutput(ids_out, lps_out)
+
+
 class RolloutBackend(ABC):
     name: str
 

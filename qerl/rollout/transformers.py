@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup
+from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
 
 
 class SampledTokenLogprobs(LogitsProcessor):
@@ -73,16 +73,6 @@ def sampling_warpers(config: GenerationConfig) -> LogitsProcessorList:
     return warpers
 
 
-def truncate_at_eos(completion_ids: torch.Tensor, logprobs: torch.Tensor, eos_token_ids) -> RolloutOutput:
-    """Keep each completion up to and including its first EOS (what follows is padding)."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
-    lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, completion_ids.size(1)).tolist()
-    ids, lps = completion_ids.cpu().tolist(), logprobs.float().cpu().tolist()
-    return RolloutOutput(
-        [row[:n] for row, n in zip(ids, lengths, strict=True)], [row[:n] for row, n in zip(lps, lengths, strict=True)]
-    )
-
-
 class TransformersRollout(RolloutBackend):
     """Sample with transformers' generate() on the training policy itself (LoRA active, no merge)."""
 
@@ -117,6 +107,7 @@ class TransformersRollout(RolloutBackend):
                 logits_processor=LogitsProcessorList([recorder]),
             )
         completion_ids = sequences[:, input_ids.size(1) :]
-        output = truncate_at_eos(completion_ids, recorder.finish(completion_ids), setup.eos_token_ids)
+        logprobs = recorder.finish(completion_ids).float().cpu().tolist()
+        output = truncate_at_eos(completion_ids.cpu().tolist(), logprobs, setup.eos_token_ids)
         output.noise = noise
         return output

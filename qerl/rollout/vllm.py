@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup
+from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
 
 LORA_ID = 1  # one adapter, re-registered under the same id every round
 _PEFT_PREFIX = "base_model.model."
@@ -101,15 +101,6 @@ def sampling_kwargs(generation_config, eos_token_ids: list[int]) -> dict[str, An
     }
 
 
-def truncate_after_eos(token_ids: list[int], logprobs: list[float], eos_token_ids) -> tuple[list[int], list[float]]:
-    """Up to and including the first EOS: what the other backends return and TRL's masks expect."""
-    eos = set(eos_token_ids)
-    for i, token in enumerate(token_ids):
-        if token in eos:
-            return token_ids[: i + 1], logprobs[: i + 1]
-    return token_ids, logprobs
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The engine (vLLM, in this process)
 
@@ -177,6 +168,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
         )
         self.lora_request = None
+        self._params: dict[str, nn.Parameter] | None = None
 
     @property
     def worker(self):
@@ -224,7 +216,9 @@ class VLLMEngine:
 
     @torch.no_grad()
     def load_norms(self, norms: dict[str, torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters())
+        if self._params is None:  # vLLM's Parameter objects stay the same across rounds and sleeps
+            self._params = dict(self.model.named_parameters())
+        params = self._params
         for name, value in norms.items():
             if name not in params:
                 raise KeyError(f"trained norm {name!r} has no counterpart in vLLM's {type(self.model).__name__}")
@@ -287,6 +281,7 @@ class VLLMRollout(RolloutBackend):
                 samples = engine.generate(prompt_ids, self.sampling)
         finally:
             engine.sleep()  # frees the KV cache for the trainer's log-prob and backward passes
-        eos = self.setup.eos_token_ids
-        pairs = [truncate_after_eos(ids, lps, eos) for ids, lps in samples]
-        return RolloutOutput([ids for ids, _ in pairs], [lps for _, lps in pairs], noise)
+        # vLLM stops at the first stop token already; the shared cut keeps the backends' contract in one place.
+        output = truncate_at_eos([ids for ids, _ in samples], [lps for _, lps in samples], self.setup.eos_token_ids)
+        output.noise = noise
+        return output
