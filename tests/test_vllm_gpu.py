@@ -3,9 +3,9 @@
 One engine (engine start takes about a minute) on a small random Qwen2 NVFP4 checkpoint with shapes Marlin
 accepts, LoRA r16 and FP32 norm scales, asleep between rounds as in training. Checked: the NVFP4 weights run
 through vLLM's FP4 path; the pushed LoRA and trained norms change what vLLM computes, and its sampled-token
-log-probs then match the trainer's recomputation of the same tokens; AQN noise on vLLM's own norms changes
-the log-probs and restoring brings them back bit for bit; sleep frees GPU memory and waking gives the same
-results.
+log-probs then match the trainer's recomputation of the same tokens; AQN noise on vLLM's own norms moves the
+log-probs beyond vLLM's round-to-round jitter and every weight comes back bit for bit; sleep frees GPU memory
+and keeps the weights.
 """
 
 import contextlib
@@ -114,29 +114,52 @@ def test_lora_and_norms_reach_vllm_and_logprobs_match_the_trainer(setup):
     assert mismatch < 0.02 and base_gap > 5 * mismatch
 
 
-def test_aqn_changes_vllm_logprobs_and_restores_them_exactly(setup):
+def _weights(engine) -> dict[str, torch.Tensor]:
+    engine.wake_up()
+    try:
+        return {name: param.detach().clone() for name, param in engine.model.named_parameters()}
+    finally:
+        engine.sleep()
+
+
+def _first_token_gap(a, b) -> float:
+    """Mean |difference| of the first sampled token's log-prob (same seed and prompt: the same token)."""
+    assert [ids[0] for ids in a.completion_ids] == [ids[0] for ids in b.completion_ids]
+    return sum(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs, strict=True)) / len(a.logprobs)
+
+
+def test_aqn_reaches_vllm_and_is_restored_bit_for_bit(setup):
+    """vLLM's rounds are not bit-reproducible (two clean rounds with the same seeds differ by ~2e-3 in log-prob,
+    every parameter unchanged: measured on an H100, see docs/benchmarks.md), so the noise is judged against
+    that jitter and the restore on the weights themselves."""
     from qerl import aqn
 
     backend, _, prompts = setup
-    clean = _sample(backend, prompts)
+    clean, clean_again = _sample(backend, prompts), _sample(backend, prompts)
+    jitter = _first_token_gap(clean, clean_again)
+    before = _weights(backend.engine)
 
     def noisy(model, sigma):
         # As the trainer calls it on an engine's model: vLLM's FP32 norms apply the scale themselves.
         return aqn.noisy_norms(model, sigma, torch.Generator().manual_seed(0), fp32_compute=False)
 
+    shifts = {}
     for sigma in (SIGMA, 1e-4):  # the first and the last noise level of the default schedule
         perturbed = _sample(backend, prompts, lambda model, sigma=sigma: noisy(model, sigma))
+        # Every scale entry of every layer norm vLLM runs moved (FP32 scales keep even sigma 1e-4).
         assert perturbed.noise.num_norms == 2 * 4 and perturbed.noise.changed_fraction > 0.99
-        # Same seed, same first token: its log-prob differs by the noise alone.
-        shift = [abs(a[0] - b[0]) for a, b in zip(perturbed.logprobs, clean.logprobs, strict=True)]
-        print(f"sigma {sigma:g}: first-token |logprob shift| {sum(shift) / len(shift):.2e}")
-        assert perturbed.logprobs != clean.logprobs
-        again = _sample(backend, prompts)
-        assert again.completion_ids == clean.completion_ids and again.logprobs == clean.logprobs
+        shifts[sigma] = _first_token_gap(perturbed, clean)
+    print(f"first-token |logprob| jitter between clean rounds {jitter:.2e}; shift at sigma 1e-2 "
+          f"{shifts[SIGMA]:.2e}, at 1e-4 {shifts[1e-4]:.2e}")  # fmt: skip
+    assert shifts[SIGMA] > 2 * jitter + 1e-3
+    after = _weights(backend.engine)
+    for name, value in before.items():  # every tensor vLLM computes with is back, bit for bit
+        assert torch.equal(after[name], value), name
 
 
-def test_sleep_frees_memory_and_wake_gives_the_same_samples(setup):
+def test_sleep_frees_memory_and_keeps_the_weights(setup):
     backend, _, prompts = setup
+    before = _weights(backend.engine)
     first = _sample(backend, prompts)
     assert backend.engine.asleep
     asleep_free, _ = torch.cuda.mem_get_info()
@@ -145,4 +168,7 @@ def test_sleep_frees_memory_and_wake_gives_the_same_samples(setup):
     backend.engine.sleep()
     print(f"sleep frees {(asleep_free - awake_free) / 2**30:.2f} GiB")
     assert asleep_free - awake_free > 2**30  # the KV cache (and the offloaded weights) at 0.25 utilization
-    assert _sample(backend, prompts).logprobs == first.logprobs
+    after = _weights(backend.engine)  # parked in CPU memory and back
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+    assert _first_token_gap(_sample(backend, prompts), first) < 1e-2  # the same samples, up to vLLM's jitter
