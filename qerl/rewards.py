@@ -81,6 +81,12 @@ def parse_number(text: str | None) -> Fraction | None:
         return None
 
 
+def _math_verify_timeouts() -> tuple[int | None, int | None]:
+    """(parse, verify) timeouts in seconds for math-verify: its timeouts use signal.alarm, which works on the
+    main thread only (elsewhere: none)."""
+    return (10, 5) if threading.current_thread() is threading.main_thread() else (None, None)
+
+
 def answers_equal(predicted: str | None, gold: str) -> bool:
     """Whether an extracted answer equals a GSM8K gold number: as a number when it is one, else, for LaTeX such
     as \\frac{36}{2}, by math-verify; plain text that is not one number ("18 or 19") is wrong."""
@@ -94,10 +100,10 @@ def answers_equal(predicted: str | None, gold: str) -> bool:
         return False
     from math_verify import LatexExtractionConfig, parse, verify
 
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None  # signal.alarm: main only
+    parse_timeout, verify_timeout = _math_verify_timeouts()
     try:
-        latex = parse(f"${_normalise(predicted)}$", [LatexExtractionConfig()], parsing_timeout=timeout)
-        return bool(latex) and verify(parse(str(expected)), latex, timeout_seconds=timeout)
+        latex = parse(f"${_normalise(predicted)}$", [LatexExtractionConfig()], parsing_timeout=parse_timeout)
+        return bool(latex) and verify(parse(str(expected)), latex, timeout_seconds=verify_timeout)
     except Exception:  # sympy can fail on exotic expressions: an unverifiable answer earns nothing
         return False
 
@@ -154,9 +160,7 @@ def math_verify_accuracy_reward(completions, answer, **kwargs) -> list[float | N
     from latex2sympy2_extended import NormalizationConfig
     from math_verify import LatexExtractionConfig, parse, verify
 
-    # math-verify's timeouts use signal.alarm, which only works on the main thread.
-    main_thread = threading.current_thread() is threading.main_thread()
-    parse_timeout, verify_timeout = (10, 5) if main_thread else (None, None)
+    parse_timeout, verify_timeout = _math_verify_timeouts()
     prediction_config = [
         LatexExtractionConfig(
             normalization_config=NormalizationConfig(
