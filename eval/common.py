@@ -6,7 +6,8 @@ pad token) comes from the checkpoint's generation_config.json, for an NVFP4 base
   reference  the QeRL reference's eval: the think/answer system prompt, temperature 0.6, top-p 0.95, 1024 new
              tokens (vLLM SamplingParams: no top-k, no repetition penalty), seeded
   greedy     the same prompt, greedy decoding
-Generation is one function behind GENERATORS: another engine (vLLM) registers there with the same signature.
+Generation is one function behind GENERATORS: transformers' generate on the policy, or vLLM on the checkpoint with
+the adapter pushed from memory (the training rollout backend's engine); auto picks vLLM on a CUDA machine with it.
 """
 
 from __future__ import annotations
@@ -104,8 +105,63 @@ def transformers_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: 
     return completions
 
 
+def vllm_generate(
+    spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling, batch_size: int, engine_factory=None
+) -> list[str]:
+    """Completions from a vLLM engine on the checkpoint folder (Marlin NVFP4 or BF16), the adapter's LoRA as
+    in-memory tensors and its trained norms copied into vLLM's FP32 norm scales, as the vllm rollout backend
+    does in training. vLLM schedules all prompts itself: `batch_size` does not apply."""
+    from safetensors.torch import load_file
+
+    from qerl.policy import load_tokenizer
+    from qerl.rollout.vllm import VLLMEngine, split_adapter_state, vllm_lora_settings
+
+    tokenizer = load_tokenizer(spec.model)
+    lora = norms = settings = None
+    if spec.adapter:
+        with open(os.path.join(spec.adapter, "adapter_config.json")) as f:
+            settings = vllm_lora_settings(json.load(f))
+        lora, norms = split_adapter_state(load_file(os.path.join(spec.adapter, "adapter_model.safetensors")))
+    engine = (engine_factory or VLLMEngine)(
+        spec.model, lora_rank=settings["r"] if settings else None, gpu_memory_utilization=0.85, sleep=False,
+        seed=sampling.seed,
+    )  # fmt: skip
+    if settings:
+        engine.load_lora(lora, settings)
+        engine.load_norms(norms)
+    stop = _generation_eos(spec.model, tokenizer)
+    params = {
+        "n": 1, "temperature": sampling.temperature if sampling.do_sample else 0.0,
+        "top_p": sampling.top_p if sampling.do_sample and sampling.top_p is not None else 1.0,
+        "max_tokens": sampling.max_new_tokens, "seed": sampling.seed, "stop_token_ids": stop, "detokenize": False,
+    }  # fmt: skip
+    ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"] for p in prompts]
+    return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens, _ in engine.generate(ids, params)]
+
+
+def _generation_eos(model: str, tokenizer) -> list[int]:
+    """Stop tokens: the checkpoint's generation_config.json (what transformers_generate uses) and the tokenizer's."""
+    from transformers import GenerationConfig
+
+    eos = []
+    if os.path.isfile(os.path.join(model, "generation_config.json")):
+        configured = GenerationConfig.from_pretrained(model).eos_token_id
+        eos = [configured] if isinstance(configured, int) else list(configured or [])
+    return sorted({*eos, tokenizer.eos_token_id} - {None})
+
+
+def _auto_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling, batch_size: int) -> list[str]:
+    """vLLM on a CUDA device of a machine that has it, else transformers."""
+    from qerl.rollout import resolve_backend
+
+    backend = resolve_backend("auto", spec.device)
+    return GENERATORS[backend](spec, prompts, sampling, batch_size)
+
+
 GENERATORS: dict[str, Callable[[ModelSpec, list[list[dict]], Sampling, int], list[str]]] = {
+    "auto": _auto_generate,
     "transformers": transformers_generate,
+    "vllm": vllm_generate,
 }
 
 
@@ -134,7 +190,8 @@ def build_parser(benchmark: Benchmark, description: str) -> cli.ArgumentParser:
     parser.add_argument("--limit", type=cli.positive_int, help="evaluate the first N examples only")
     parser.add_argument("--batch-size", type=cli.positive_int, default=32, help="prompts per generate call")
     parser.add_argument("--device", help="cuda if there is one, else cpu")
-    parser.add_argument("--backend", choices=sorted(GENERATORS), default="transformers", help="generation engine")
+    parser.add_argument("--backend", choices=sorted(GENERATORS), default="auto",
+                        help="generation engine; auto: vllm on a CUDA device where vLLM is installed")  # fmt: skip
     parser.add_argument("--out", help="per-sample JSONL (first line: the summary); default runs/eval/NAME-TIME.jsonl")
     return parser
 

@@ -150,3 +150,39 @@ def test_auto_backend_on_a_machine_without_vllm_is_transformers(monkeypatch):
     assert rollout.resolve_backend("transformers") == "transformers"
     with pytest.raises(ValueError, match="unknown rollout_backend 'sglang'"):
         rollout.resolve_backend("sglang")
+
+
+def test_eval_on_vllm_pushes_the_saved_adapter_and_samples_with_the_protocol(trainer, tmp_path):
+    """eval's vLLM path: the saved adapter's LoRA and trained norms reach the engine as in training, prompts are
+    the chat-templated ids, the protocol's sampling settings and the checkpoint's stop tokens go to vLLM."""
+    from eval.common import PROTOCOLS, ModelSpec, Sampling, vllm_generate
+
+    adapter = tmp_path / "adapter"
+    trainer.save_model(str(adapter))
+    model_path = trainer._rollout_setup(None).model_path
+    tokenizer = trainer.processing_class
+    engines = []
+
+    class Engine(RecordingEngine):
+        def __init__(self, path, **options):
+            super().__init__(path, **options)
+            self.path = path
+            engines.append(self)
+
+        def generate(self, prompt_ids, sampling):
+            self.calls.append(("generate", prompt_ids, sampling))
+            return [(tokenizer.encode("42") + [tokenizer.eos_token_id], []) for _ in prompt_ids]
+
+    protocol = PROTOCOLS["reference"]
+    prompts = [[{"role": "system", "content": protocol.system_prompt}, {"role": "user", "content": "6*7?"}]]
+    sampling = Sampling(protocol.do_sample, protocol.temperature, protocol.top_p, 12, seed=5)
+    spec = ModelSpec(model_path, "auto", str(adapter), "cuda")
+    assert vllm_generate(spec, prompts, sampling, 1, engine_factory=Engine) == ["42"]
+    engine = engines[0]
+    layers = trainer.model.config.num_hidden_layers
+    assert engine.path == model_path and engine.options["lora_rank"] == 4 and engine.options["seed"] == 5
+    assert engine.calls[:2] == [("load_lora", 2 * 7 * layers, 4), ("load_norms", 2 * layers)]
+    _, prompt_ids, params = engine.calls[2]
+    assert prompt_ids == [tokenizer.apply_chat_template(prompts[0], add_generation_prompt=True)["input_ids"]]
+    assert (params["temperature"], params["top_p"], params["max_tokens"], params["seed"]) == (0.6, 0.95, 12, 5)
+    assert tokenizer.eos_token_id in params["stop_token_ids"]

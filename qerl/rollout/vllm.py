@@ -40,31 +40,40 @@ _PEFT_PREFIX = "base_model.model."
 
 
 def adapter_tensors(policy: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(LoRA tensors under peft's saved names, trained norm scales under vLLM's parameter names).
+    """The policy's adapter, split as `split_adapter_state` does. The tensors are the policy's own (no copy); vLLM
+    copies them."""
+    from peft import get_peft_model_state_dict
+
+    return split_adapter_state({name: t.detach() for name, t in get_peft_model_state_dict(policy).items()})
+
+
+def split_adapter_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(LoRA tensors under peft's saved names, trained norm scales under vLLM's parameter names) of a peft adapter
+    state dict (the policy's, or an adapter_model.safetensors).
 
     peft's saved names ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight") are what vLLM's LoRA
     loader parses; it packs q/k/v and gate/up into its fused layers itself. Trainable norms (peft
     modules_to_save) become "model.layers.0.input_layernorm.weight", the name of the same scale in vLLM's model.
-    The tensors are the policy's own (no copy); vLLM copies them.
     """
-    from peft import get_peft_model_state_dict
-
-    state = get_peft_model_state_dict(policy)
     lora, norms = {}, {}
     for name, tensor in state.items():
         if ".lora_A." in name or ".lora_B." in name:
-            lora[name] = tensor.detach()
+            lora[name] = tensor
         elif name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:
-            norms[name.removeprefix(_PEFT_PREFIX)] = tensor.detach()
+            norms[name.removeprefix(_PEFT_PREFIX)] = tensor
         else:
             raise ValueError(f"the vllm rollout backend cannot push trainable tensor {name!r} (LoRA and norms only)")
     return lora, norms
 
 
 def lora_settings(policy: nn.Module) -> dict[str, Any]:
-    """The adapter's peft config as a dict vLLM's PEFTHelper reads (rank, alpha, targets, rsLoRA/DoRA flags)."""
-    config = policy.peft_config[policy.active_adapter]
-    settings = config.to_dict()
+    """The policy's adapter config, as `vllm_lora_settings` gives it."""
+    return vllm_lora_settings(policy.peft_config[policy.active_adapter].to_dict())
+
+
+def vllm_lora_settings(peft_config: dict[str, Any]) -> dict[str, Any]:
+    """A peft LoRA config (dict, or adapter_config.json) as vLLM's PEFTHelper reads it."""
+    settings = dict(peft_config)
     settings["target_modules"] = sorted(settings["target_modules"])  # a set in peft; JSON-like for vLLM
     settings["modules_to_save"] = None  # vLLM's LoRA refuses them; the trained norms are copied in by load_norms
     if settings.get("use_dora"):
@@ -237,7 +246,11 @@ class VLLMEngine:
         for output in outputs:
             sample = output.outputs[0]
             token_ids = list(sample.token_ids)
-            logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids, strict=True)]
+            logprobs = (  # none when the sampling settings ask for none (evaluation)
+                [step[token].logprob for step, token in zip(sample.logprobs, token_ids, strict=True)]
+                if sample.logprobs is not None
+                else []
+            )
             result.append((token_ids, logprobs))
         return result
 
