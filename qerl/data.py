@@ -175,18 +175,16 @@ def detect_format(column_names: list[str], source: str = "dataset") -> str:
 # The built-in arithmetic task
 
 
-def arithmetic_dataset(
-    num_examples: int = 2000, seed: int = 0, max_operand: int = 20, operations: str = "+-"
-) -> Dataset:
+def arithmetic_dataset(num_examples: int = 2000, seed: int = 0, max_operand: int = 20) -> Dataset:
     """Problems "a+b=" / "a-b=" with non-negative results; the answer is the decimal result."""
     rng = random.Random(seed)
     rows = {"prompt": [], "answer": []}
     for _ in range(num_examples):
-        op = rng.choice(operations)
+        op = rng.choice("+-")
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         if op == "-" and b > a:
             a, b = b, a
-        result = a + b if op == "+" else a - b if op == "-" else a * b
+        result = a + b if op == "+" else a - b
         rows["prompt"].append([{"role": "user", "content": f"{a}{op}{b}="}])
         rows["answer"].append(str(result))
     return Dataset.from_dict(rows)

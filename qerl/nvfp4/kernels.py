@@ -37,18 +37,6 @@ def _triton_ok(t: torch.Tensor) -> bool:
     return _tk is not None and (t.is_cuda or (_tk.INTERPRET and t.device.type == "cpu"))
 
 
-# ------------------------------------------------------------------------------------------- reference
-
-
-def dequantize_reference(packed, scale, global_scale, dtype=torch.bfloat16):
-    return codec.dequantize(packed, scale, global_scale, dtype)
-
-
-def linear_reference(x, packed, scale, global_scale, bias=None):
-    w = codec.dequantize(packed, scale, global_scale, x.dtype)
-    return torch.nn.functional.linear(x, w, bias)
-
-
 # ------------------------------------------------------------------------------------------- custom ops
 
 

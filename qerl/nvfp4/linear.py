@@ -75,9 +75,6 @@ class NVFP4Linear(nn.Linear):
         """Fresh zeroed counters on `device` (default: the packed weight's), e.g. after building the layer on meta."""
         self.splitk_counters = kernels.splitk_counters(self.out_features, device or self.weight_packed.device)
 
-    def quantized_weight(self) -> codec.NVFP4Weight:
-        return codec.NVFP4Weight(self.weight_packed, self.weight_scale, self.weight_global_scale)
-
     def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return kernels.dequantize(
             self.weight_packed, self.weight_scale, self.weight_global_scale, dtype or self.compute_dtype
