@@ -88,6 +88,19 @@ class PhaseTimer:
             self.peak_gpu_gib = max(self.peak_gpu_gib, gpu_used_gib())
 
 
+@contextlib.contextmanager
+def max_new_tokens(backend, n: int):
+    """The backend samples up to `n` tokens inside the block (its settings: vLLM's params or a GenerationConfig)."""
+    settings, key = (backend.sampling, "max_tokens") if hasattr(backend, "sampling") else (
+        backend.generation_config.__dict__, "max_new_tokens")  # fmt: skip
+    saved = settings[key]
+    settings[key] = n
+    try:
+        yield
+    finally:
+        settings[key] = saved
+
+
 def gpu_used_gib() -> float:
     free, total = torch.cuda.mem_get_info()
     return (total - free) / 2**30
@@ -133,27 +146,18 @@ def main(argv=None) -> None:
                for row in trainer.train_dataset.select(range(min(64, len(trainer.train_dataset))))]  # fmt: skip
 
     rollout_rows = []
+    noop = lambda model: contextlib.nullcontext()  # noqa: E731
     for batch in [int(b) for b in args.rollout_batches.split(",") if b]:
-        backend_settings = getattr(backend, "sampling", None) or {}
-        saved = dict(backend_settings)
-        if backend_settings:
-            backend_settings["max_tokens"] = args.rollout_tokens
-        else:
-            backend.generation_config.max_new_tokens = args.rollout_tokens
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-        noop = lambda model: contextlib.nullcontext()  # noqa: E731
-        backend.generate(batch_prompts[:2], noop)  # warm-up: CUDA graphs, first LoRA push
-        start = time.perf_counter()
-        with timer.phase("bench rollout"):
-            out = backend.generate(batch_prompts, noop)
-        seconds = time.perf_counter() - start
+        with max_new_tokens(backend, args.rollout_tokens):
+            backend.generate(batch_prompts[:2], noop)  # warm-up: CUDA graphs, first LoRA push
+            with timer.phase("bench rollout"):
+                start = time.perf_counter()
+                out = backend.generate(batch_prompts, noop)
+                seconds = time.perf_counter() - start
         tokens = sum(len(c) for c in out.completion_ids)
         rollout_rows.append({"batch": batch, "new_tokens": args.rollout_tokens, "tokens": tokens,
                              "seconds": seconds, "tokens_per_s": tokens / seconds})  # fmt: skip
-        if backend_settings:
-            backend_settings.update(saved)
-        else:
-            backend.generation_config.max_new_tokens = args.new_tokens
 
     timer.total.clear()
     timer.wrap(backend, "generate", "rollout")
