@@ -98,7 +98,9 @@ def _interpreter_checks():
     from qerl.nvfp4 import triton_kernels as tk
 
     assert tk.INTERPRET and kernels._tk is tk
-    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"torch seed {seed}")  # the subprocess's output is shown when the test fails
+    torch.manual_seed(seed)
     # Dequant: odd N, K/2 not a multiple of the tile, every output dtype, output poisoned beforehand.
     for n, k in ((37, 96), (5, 16)):
         q = _weight(n, k)

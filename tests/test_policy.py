@@ -3,12 +3,7 @@ import torch
 
 from qerl import policy
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.tiny import build_tiny, save_tiny_checkpoints
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return save_tiny_checkpoints(str(tmp_path_factory.mktemp("tiny")))
+from qerl.tiny import build_tiny
 
 
 def _batch(tokenizer):

@@ -13,14 +13,13 @@ from transformers import GenerationConfig
 from qerl import data, policy, rollout
 from qerl.rollout import truncate_at_eos
 from qerl.rollout.vllm import VLLMRollout, adapter_tensors, lora_settings, sampling_kwargs
-from qerl.tiny import save_tiny_checkpoints
 from qerl.trainer import QeRLConfig, QeRLTrainer
 
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    _, nvfp4_dir = save_tiny_checkpoints(str(root))
+def trainer(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    _, nvfp4_dir = checkpoints
     args = QeRLConfig(
         output_dir=str(root / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
         max_steps=1, report_to=[], lora_rank=4, lora_alpha=8, use_cpu=True, save_strategy="no", trainable_norms=True,

@@ -9,19 +9,15 @@ import subprocess
 
 import pytest
 import torch
+from fakes import digit_share_reward
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from qerl import rewards, train
 from qerl.cli import UsageError
-from qerl.tiny import save_tiny_checkpoints
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return save_tiny_checkpoints(str(tmp_path_factory.mktemp("tiny")))
 
 
 def test_reference_flag_names(tmp_path):
@@ -99,9 +95,6 @@ def test_training_scripts(script_path, tmp_path):
     assert (config.seed, config.max_completion_length, config.resume_from_checkpoint) == (2025, 2048, "true")
 
 
-def digit_share_reward(completions, answer, **kwargs):
-    """Stands in for the arithmetic reward: it varies across a random model's samples, so every step updates."""
-    return [sum(ch.isdigit() for ch in c[0]["content"]) / max(len(c[0]["content"]), 1) for c in completions]
 
 
 def _argv(checkpoint, output_dir, steps, *extra):
