@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
-from qerl import aqn
+from qerl import norms
 from qerl.nvfp4.linear import NVFP4Linear
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def lora_config(
 ) -> LoraConfig:
     """LoRA on the projections; with trainable_norms, the per-layer RMSNorms (found by what they are) train in
     full through peft's modules_to_save, as QeRL's `ln` option does for input/post-attention norms."""
-    modules_to_save = aqn.layer_norm_names(model) if trainable_norms else None
+    modules_to_save = norms.layer_norm_names(model) if trainable_norms else None
     if trainable_norms and not modules_to_save:
         raise ValueError(f"trainable_norms: found no per-layer RMSNorm in {type(model).__name__}")
     return LoraConfig(
@@ -130,7 +130,7 @@ def keep_fp32_masters(model: nn.Module) -> list[str]:
 
     An AdamW step at the recipes' lr (1e-5) is below half a BF16 ulp of a scale near 1, so BF16 norm scales
     would never move; peft keeps LoRA in FP32 already (autocast_adapter_dtype), its modules_to_save copies not.
-    The cast modules (other than LoRA's, which peft wraps in casts) run through aqn.FP32Compute, so that a BF16
+    The cast modules (other than LoRA's, which peft wraps in casts) run through norms.FP32Compute, so that a BF16
     model still hands BF16 activations to the next layer (the forward computes in BF16, the master is FP32).
     """
     cast = []
@@ -142,8 +142,8 @@ def keep_fp32_masters(model: nn.Module) -> list[str]:
                 param.data = param.data.float()
                 cast.append(f"{module_name}.{name}")
                 changed = True
-        if changed and "lora_" not in module_name and not aqn.computes_in_fp32(module):
-            aqn.FP32Compute(module)
+        if changed and "lora_" not in module_name and not norms.computes_in_fp32(module):
+            norms.FP32Compute(module)
     return cast
 
 

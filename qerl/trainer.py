@@ -22,7 +22,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
-from qerl import aqn, policy, rollout
+from qerl import aqn, norms, policy, rollout
 from qerl.nvfp4.linear import NVFP4Linear
 
 logger = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class QeRLTrainer(GRPOTrainer):
         # samples. Our backends are such samplers (noisy norms at least), so declare it; the other use_vllm
         # branches belong to tools / rollout_func, refused above, and to the generation hook, overridden below.
         self.use_vllm = bool(args.vllm_importance_sampling_correction)
-        self._norm_sites: dict[int, aqn.NormSites] = {}
+        self._norm_sites: dict[int, norms.NormSites] = {}
         self.last_noise = aqn.NoiseStats()
         self._noise_round = (-1, 0)
         self._noise_seed = 0
@@ -293,10 +293,10 @@ class QeRLTrainer(GRPOTrainer):
         a = self.args
         return aqn.sigma_at(self.state.global_step, self.state.max_steps, a.sigma_start, a.sigma_end, a.num_stages)
 
-    def _sites(self, model) -> aqn.NormSites:
+    def _sites(self, model) -> norms.NormSites:
         key = id(model)
         if key not in self._norm_sites:  # the module tree does not change during training
-            self._norm_sites[key] = aqn.find_norms(model)
+            self._norm_sites[key] = norms.find_norms(model)
             if not self._norm_sites[key].layer_norms and self.aqn_enabled:
                 raise RuntimeError(f"AQN found no RMSNorm in {type(model).__name__}")
         return self._norm_sites[key]

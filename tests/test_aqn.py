@@ -2,10 +2,8 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from qerl import aqn, policy
+from qerl import aqn, norms, policy
 from qerl.tiny import build_tiny, save_tiny_checkpoints
 
 
@@ -48,91 +46,6 @@ def test_schedule_shape():
         aqn.sigma_trend(1e-2, 1e-4, 2)
 
 
-class NamelessNorm(nn.Module):
-    """An RMSNorm whose class name says nothing: found by its behaviour."""
-
-    def __init__(self, n, eps=1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.rand(n) + 0.5)
-        self.eps = eps
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class GemmaStyle(NamelessNorm):
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
-
-
-def test_is_rmsnorm_by_behaviour():
-    assert aqn.is_rmsnorm(NamelessNorm(32))
-    assert aqn.is_rmsnorm(GemmaStyle(32))
-    assert aqn.is_rmsnorm(nn.RMSNorm(32))
-    assert not aqn.is_rmsnorm(nn.LayerNorm(32))
-    assert not aqn.is_rmsnorm(nn.LayerNorm(32, bias=False))  # has eps and a 1-D weight, but centres x
-    assert not aqn.is_rmsnorm(nn.Linear(32, 32))
-    assert not aqn.is_rmsnorm(NamelessNorm(32), hidden_size=64)
-
-
-def _norm_paths(model):
-    sites = aqn.find_norms(model)
-    return sorted(sites.layer_norms), sorted(sites.final_norms)
-
-
-def test_find_norms_qwen2_llama_qwen3():
-    model, _ = build_tiny()
-    layer, final = _norm_paths(model)
-    assert layer == [f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")]
-    assert final == ["model.norm"]
-
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=50,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
-    layer, final = _norm_paths(llama)
-    assert len(layer) == 6 and final == ["model.norm"]
-
-    # Qwen3's per-head q_norm/k_norm are RMSNorms too, but of head size: not the scales QeRL perturbs.
-    qwen3 = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=50,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-        )
-    )
-    layer, final = _norm_paths(qwen3)
-    assert all(p.endswith(("input_layernorm", "post_attention_layernorm")) for p in layer) and len(layer) == 4
-
-
-def test_find_norms_foreign_classes():
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pre = NamelessNorm(32)
-            self.proj = nn.Linear(32, 32)
-            self.ln = nn.LayerNorm(32)
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([Block(), Block()])
-            self.out_norm = NamelessNorm(32)
-
-    layer, final = _norm_paths(Net())
-    assert layer == ["blocks.0.pre", "blocks.1.pre"] and final == ["out_norm"]
-
-
 @pytest.mark.parametrize("rule", ["fp32", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_noise_applied_and_restored_bit_exactly(dtype, rule):
@@ -159,7 +72,7 @@ def test_noise_applied_and_restored_bit_exactly(dtype, rule):
     for k, v in model.state_dict().items():
         assert v.dtype == clean[k].dtype and torch.equal(v, clean[k]), k
     assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects (optimizer refs)
-    assert not any(aqn.computes_in_fp32(m) for m in model.modules())  # no hook left behind
+    assert not any(norms.computes_in_fp32(m) for m in model.modules())  # no hook left behind
 
 
 def test_noise_is_drawn_the_same_under_both_rules():
@@ -168,7 +81,7 @@ def test_noise_is_drawn_the_same_under_both_rules():
 
     def noisy(rule):
         with aqn.noisy_norms(model, 0.1, torch.Generator().manual_seed(5), dtype_rule=rule):
-            return torch.cat([m.weight.float().flatten() - 1 for m in aqn.find_norms(model).layer_norms.values()])
+            return torch.cat([m.weight.float().flatten() - 1 for m in norms.find_norms(model).layer_norms.values()])
 
     fp32, bf16 = noisy("fp32"), noisy("bf16")
     torch.testing.assert_close(fp32.to(torch.bfloat16).float(), bf16, atol=4e-3, rtol=0)
@@ -220,24 +133,6 @@ def test_noise_reaches_the_rollout_logits_at_every_stage(nvfp4_bf16_policy, sigm
         assert current is param and current.dtype == value.dtype and torch.equal(current, value), name
 
 
-def test_fp32_scale_in_a_bf16_model_hands_bf16_on():
-    """A trainable (FP32) norm in a BF16 model: BF16 out, one rounding of the FP32 product, gradients reach w."""
-    model, _ = build_tiny(dtype=torch.bfloat16)
-    norm = model.model.layers[0].input_layernorm
-    norm.weight.data = norm.weight.data.float() + 1e-3  # an update far below a BF16 ulp of 1
-    compute = aqn.FP32Compute(norm)
-    x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
-    y = norm(x)
-    xf = x.float()
-    expected = (norm.weight * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).bfloat16()
-    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
-    y.float().sum().backward()
-    assert norm.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
-    model(input_ids=torch.tensor([[5, 6, 7]]))  # the BF16 projections accept what the norm hands on
-    compute.remove()
-    assert not aqn.computes_in_fp32(norm) and norm(x).dtype == torch.float32  # transformers' own behaviour
-
-
 def test_noise_is_fresh_reproducible_and_optional_final_norm():
     model, _ = build_tiny()
 
@@ -266,10 +161,10 @@ def test_restored_after_exception_and_zero_sigma_is_noop():
 
 def test_trainable_norms_perturb_the_active_copy():
     model, _ = build_tiny()
-    names = aqn.layer_norm_names(model)
+    names = norms.layer_norm_names(model)
     assert names == ["input_layernorm", "post_attention_layernorm"]
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"], modules_to_save=names))
-    sites = aqn.find_norms(peft_model)
+    sites = norms.find_norms(peft_model)
     assert len(sites.layer_norms) == 4
     assert all(".modules_to_save.default" in p for p in sites.layer_norms)
     wrapper = peft_model.base_model.model.model.layers[0].input_layernorm
@@ -282,4 +177,4 @@ def test_trainable_norms_perturb_the_active_copy():
     assert torch.equal(wrapper(x), clean_out)
     # With adapters disabled the original module runs, so that is the one to perturb.
     with peft_model.disable_adapter():
-        assert all(".original_module" in p for p in aqn.find_norms(peft_model).layer_norms)
+        assert all(".original_module" in p for p in norms.find_norms(peft_model).layer_norms)

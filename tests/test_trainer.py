@@ -7,7 +7,7 @@ import pytest
 import torch
 from fakes import digit_share_reward
 
-from qerl import aqn, data, policy
+from qerl import aqn, data, norms, policy
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.transformers import SampledTokenLogprobs, sampling_warpers
 from qerl.tiny import save_tiny_checkpoints
@@ -56,7 +56,7 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     rounds, backend_generate = [], trainer.rollout.generate
 
     def watched_generate(prompt_ids, perturb):
-        sites = aqn.find_norms(model)
+        sites = norms.find_norms(model)
         assert len(sites.layer_norms) == 4 and all("modules_to_save" in p for p in sites.layer_norms)
         clean = {p: m.weight.detach().clone() for p, m in sites.layer_norms.items()}
 
