@@ -244,7 +244,7 @@ def run(benchmark: Benchmark, argv: list[str], description: str) -> dict:
     _check_data(benchmark, args.data)
     if args.out:
         _check_out(args.out)
-    from qerl.policy import is_nvfp4_checkpoint
+    from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 
     if args.load == "bf16" and is_nvfp4_checkpoint(args.model):
         raise cli.UsageError(f"--model {args.model} is an NVFP4 checkpoint; use --load auto or nvfp4")

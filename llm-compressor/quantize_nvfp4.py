@@ -23,13 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from qerl import cli  # noqa: E402
-from qerl.nvfp4.checkpoint import (  # noqa: E402
-    DEFAULT_SHARD_BYTES,
-    _AtomicOutputDir,
-    copy_side_files,
-    quantize_checkpoint,
-    resolve_model_dir,
-)
+from qerl.nvfp4.checkpoint import quantize_checkpoint  # noqa: E402
+from qerl.nvfp4.checkpoint.format import resolve_model_dir  # noqa: E402
+from qerl.nvfp4.checkpoint.write import DEFAULT_SHARD_BYTES, AtomicOutputDir, copy_side_files  # noqa: E402
 from qerl.nvfp4.quantize import DEFAULT_IGNORE  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -46,7 +42,7 @@ def quantize_with_llmcompressor(model: str, output: str, device: str, dtype, ign
     from transformers import AutoModelForCausalLM
 
     src = resolve_model_dir(model)
-    with _AtomicOutputDir(output, overwrite, source=src) as tmp:
+    with AtomicOutputDir(output, overwrite, source=src) as tmp:
         hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, device_map=device)
         recipe = QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=list(ignore))
         oneshot(model=hf_model, recipe=recipe)

@@ -16,22 +16,13 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 from qerl import norms
+from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint, load_nvfp4_model
 from qerl.nvfp4.linear import NVFP4Linear
 
 logger = logging.getLogger(__name__)
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PRECISIONS = ("auto", "nvfp4", "bf16")
-
-
-def is_nvfp4_checkpoint(name_or_path: str | os.PathLike) -> bool:
-    """Whether a local checkpoint folder declares compressed-tensors quantization (hub ids: False)."""
-    config_path = os.path.join(name_or_path, "config.json")
-    if not os.path.isfile(config_path):
-        return False
-    with open(config_path) as f:
-        qcfg = json.load(f).get("quantization_config") or {}
-    return qcfg.get("quant_method") == "compressed-tensors"
 
 
 def is_nvfp4_model(model: nn.Module) -> bool:
@@ -54,8 +45,6 @@ def load_base_model(
     if precision == "auto":
         precision = "nvfp4" if is_nvfp4_checkpoint(name_or_path) else "bf16"
     if precision == "nvfp4":
-        from qerl.nvfp4.checkpoint import load_nvfp4_model
-
         model = load_nvfp4_model(name_or_path, device=device, dtype=dtype)
     else:
         from transformers import AutoModelForCausalLM

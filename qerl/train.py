@@ -27,6 +27,7 @@ import yaml
 from trl import TrlParser
 
 from qerl import cli, data, policy, rewards
+from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.trainer import QeRLConfig, QeRLTrainer
 
 logger = logging.getLogger("qerl.train")
@@ -215,7 +216,8 @@ def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
     cli.check_model(script_args.model_name, "--model-name")
     if script_args.precision not in policy.PRECISIONS:
         raise cli.UsageError(f"--precision {script_args.precision!r}: use one of {', '.join(policy.PRECISIONS)}")
-    if script_args.precision == "bf16" and policy.is_nvfp4_checkpoint(script_args.model_name):
+    # A folder quantized some other way than NVFP4A16 is refused here, by name.
+    if is_nvfp4_checkpoint(script_args.model_name) and script_args.precision == "bf16":
         raise cli.UsageError(f"--model-name {script_args.model_name} is an NVFP4 checkpoint; use --precision auto")
     if not isinstance(getattr(torch, script_args.dtype, None), torch.dtype):
         raise cli.UsageError(f"--dtype {script_args.dtype!r} is not a torch dtype (bfloat16, float16, float32)")

@@ -14,13 +14,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 from qerl.nvfp4.checkpoint import (
-    INDEX_FILE,
     CheckpointError,
+    is_nvfp4_checkpoint,
     load_nvfp4_model,
     quantize_checkpoint,
     save_nvfp4_checkpoint,
-    tensor_index,
 )
+from qerl.nvfp4.checkpoint.format import INDEX_FILE, tensor_index
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.nvfp4.quantize import quantize_model
 
@@ -189,6 +189,12 @@ def test_other_formats_are_refused_by_name(tmp_path, qcfg, message):
     with pytest.raises(CheckpointError, match=message) as info:
         load_nvfp4_model(tmp_path / "m", device="cpu")
     assert "config.json" in str(info.value)
+    # The one check, as a question: a BF16 folder is not NVFP4; a folder quantized otherwise is named the same way.
+    if qcfg is None:
+        assert not is_nvfp4_checkpoint(tmp_path / "m")
+    else:
+        with pytest.raises(CheckpointError, match=message):
+            is_nvfp4_checkpoint(tmp_path / "m")
 
 
 def test_output_folder_is_refused_unless_overwrite(tmp_path):

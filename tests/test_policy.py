@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from qerl import policy
+from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.tiny import build_tiny
 
@@ -13,7 +14,7 @@ def _batch(tokenizer):
 
 def test_nvfp4_checkpoint_loads_as_nvfp4_linear(checkpoints):
     bf16_dir, nvfp4_dir = checkpoints
-    assert policy.is_nvfp4_checkpoint(nvfp4_dir) and not policy.is_nvfp4_checkpoint(bf16_dir)
+    assert is_nvfp4_checkpoint(nvfp4_dir) and not is_nvfp4_checkpoint(bf16_dir)
     base = policy.load_base_model(nvfp4_dir, dtype=torch.float32, device="cpu")
     quantized = [n for n, m in base.named_modules() if isinstance(m, NVFP4Linear)]
     assert len(quantized) == 2 * 7 and not isinstance(base.lm_head, NVFP4Linear)

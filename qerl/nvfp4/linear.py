@@ -71,9 +71,10 @@ class NVFP4Linear(nn.Linear):
         quantized = codec.quantize(linear.weight.detach(), global_scale, name=name)
         return cls.from_quantized(quantized, linear.bias, compute_dtype=linear.weight.dtype)
 
-    def reset_splitk_counters(self, device: torch.device | str | None = None):
-        """Fresh zeroed counters on `device` (default: the packed weight's), e.g. after building the layer on meta."""
-        self.splitk_counters = kernels.splitk_counters(self.out_features, device or self.weight_packed.device)
+    def process_weights_after_loading(self) -> None:
+        """A loader calls this once the checkpoint's tensors are in place (as vLLM calls its hook of this name): the
+        layer builds what the checkpoint does not hold, the fused kernel's split-K scratch, next to its weight."""
+        self.splitk_counters = kernels.splitk_counters(self.out_features, self.weight_packed.device)
 
     def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return kernels.dequantize(
