@@ -1,25 +1,23 @@
-"""Load a policy for QeRL: an NVFP4 (or BF16) base model, frozen, with trainable LoRA adapters through peft.
+"""The policy's parts: an NVFP4 (or BF16) base model, frozen, and the LoRA adapters that train on it.
 
-The base is whatever the checkpoint is: a compressed-tensors NVFP4A16 folder loads with NVFP4Linear layers
-(qerl.nvfp4.checkpoint), anything else through transformers. Only the LoRA matrices train, plus the
-per-layer RMSNorm scales when `trainable_norms` (QeRL's `ln`) asks for it.
+One road leads from a checkpoint to a trainable policy, in training and in the tests alike:
+    load_base_model(folder)      NVFP4A16 folder -> NVFP4Linear layers (qerl.nvfp4.checkpoint); else transformers
+    QeRLTrainer(base, ...)       lora_config(...) -> TRL's get_peft_model -> keep_fp32_masters(...)
+Only the LoRA matrices train, plus the per-layer RMSNorm scales when `trainable_norms` (QeRL's `ln`) asks for it.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig
 from torch import nn
 
 from qerl import norms
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint, load_nvfp4_model
 from qerl.nvfp4.linear import NVFP4Linear
-
-logger = logging.getLogger(__name__)
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PRECISIONS = ("auto", "nvfp4", "bf16")
@@ -100,20 +98,6 @@ def lora_config(
     )
 
 
-def apply_lora(model: nn.Module, config: LoraConfig, gradient_checkpointing: bool = False) -> PeftModel:
-    """Wrap `model` with LoRA adapters; everything but the adapters (and modules_to_save) stays frozen."""
-    peft_model = get_peft_model(model, config)
-    if gradient_checkpointing:
-        # Non-reentrant checkpointing recomputes through frozen layers without needing grad-carrying inputs.
-        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        peft_model.enable_input_require_grads()
-    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
-    unexpected = [n for n in trainable if "lora_" not in n and "modules_to_save" not in n]
-    if unexpected:  # a frozen base is the premise of everything downstream
-        raise RuntimeError(f"parameters outside the adapters are trainable: {unexpected[:5]}")
-    return peft_model
-
-
 def keep_fp32_masters(model: nn.Module) -> list[str]:
     """Cast every trainable parameter that is not FP32 to FP32; returns their names.
 
@@ -135,26 +119,3 @@ def keep_fp32_masters(model: nn.Module) -> list[str]:
             norms.FP32Compute(module)
     return cast
 
-
-def load_policy(
-    name_or_path: str | os.PathLike,
-    precision: str = "auto",
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str | None = None,
-    lora_rank: int = 16,
-    lora_alpha: int = 16,
-    lora_targets: tuple[str, ...] | list[str] = LORA_TARGETS,
-    lora_dropout: float = 0.0,
-    trainable_norms: bool = False,
-    gradient_checkpointing: bool = False,
-) -> PeftModel:
-    """Base model (NVFP4 or BF16) + LoRA, ready for QeRLTrainer."""
-    model = load_base_model(name_or_path, precision=precision, dtype=dtype, device=device)
-    config = lora_config(model, lora_rank, lora_alpha, lora_targets, lora_dropout, trainable_norms)
-    policy = apply_lora(model, config, gradient_checkpointing=gradient_checkpointing)
-    logger.info(
-        "policy %s: %s base, LoRA r=%d alpha=%d on %s%s", name_or_path,
-        "NVFP4" if is_nvfp4_model(policy) else str(dtype).removeprefix("torch."), lora_rank, lora_alpha,
-        ",".join(lora_targets), " + trainable norms" if trainable_norms else "",
-    )  # fmt: skip
-    return policy

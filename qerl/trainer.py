@@ -170,8 +170,8 @@ class JsonlMetrics(TrainerCallback):
 class QeRLTrainer(GRPOTrainer):
     """GRPOTrainer whose rollouts come from the AQN-perturbed policy through a rollout backend.
 
-    `model` may be a path (an NVFP4 or BF16 checkpoint folder), a model, or a peft model. Without a peft model
-    or `peft_config`, LoRA is applied from the config's lora_* fields (and trainable_norms).
+    `model` is the frozen base as policy.load_base_model loads it (or a peft model). Without a peft model or
+    `peft_config`, LoRA is applied from the config's lora_* fields (and trainable_norms).
     """
 
     _tag_names = ["trl", "grpo", "qerl"]
@@ -185,11 +185,8 @@ class QeRLTrainer(GRPOTrainer):
             args = QeRLConfig("qerl-output")
         if not isinstance(args, QeRLConfig):
             raise TypeError(f"QeRLTrainer needs a QeRLConfig, got {type(args).__name__}")
-        model_path = str(model) if isinstance(model, (str, os.PathLike)) else None
-        if isinstance(model, (str, os.PathLike)):
-            dtype = (args.model_init_kwargs or {}).get("dtype", torch.bfloat16)
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-            model = policy.load_base_model(model, dtype=dtype, device=args.device)
+        if isinstance(model, (str, os.PathLike)):  # TRL would load it with transformers, blind to NVFP4
+            raise TypeError("QeRLTrainer takes a loaded model: policy.load_base_model(path, precision, dtype, device)")
         self.is_nvfp4 = policy.is_nvfp4_model(model)
         self.aqn_enabled = self.is_nvfp4 if args.aqn is None else args.aqn
         if self.aqn_enabled and not self.is_nvfp4:
@@ -214,7 +211,7 @@ class QeRLTrainer(GRPOTrainer):
             policy.keep_fp32_masters(self.model)
 
         self._exclude_packed_weights_from_ddp()
-        self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup(model_path))
+        self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup())
         # TRL applies its importance-sampling correction only when `use_vllm` is set, i.e. when a separate engine
         # samples. Our backends are such samplers (noisy norms at least), so declare it; the other use_vllm
         # branches belong to tools / rollout_func, refused above, and to the generation hook, overridden below.
@@ -242,10 +239,10 @@ class QeRLTrainer(GRPOTrainer):
         if packed:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, packed)
 
-    def _rollout_setup(self, model_path: str | None) -> rollout.RolloutSetup:
+    def _rollout_setup(self) -> rollout.RolloutSetup:
         args = self.args
-        if model_path is None:  # a loaded model remembers its folder (transformers and our NVFP4 loader set it)
-            model_path = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", None) or None
+        # A loaded model remembers its folder (transformers and our NVFP4 loader set it).
+        model_path = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", None) or None
         return rollout.RolloutSetup(
             generation_config=self.generation_config,
             eos_token_ids=list(self.eos_token_ids),

@@ -1,7 +1,22 @@
-"""Stand-ins the tests share."""
+"""Stand-ins the tests share, and the one way they build a trainer."""
+
+import torch
 
 
 def digit_share_reward(completions, **kwargs) -> list[float]:
     """Share of digits in each completion: it varies across a random model's samples, so advantages are non-zero
     and every GRPO step updates (the real rewards would be 0 on a random model)."""
     return [sum(ch.isdigit() for ch in c[0]["content"]) / max(len(c[0]["content"]), 1) for c in completions]
+
+
+def make_trainer(checkpoint, args, dtype=torch.bfloat16, reward=digit_share_reward, num_examples=64):
+    """QeRLTrainer on a checkpoint folder, built as qerl.train builds it (policy.load_base_model, then QeRLTrainer:
+    LoRA through TRL, FP32 masters), on the arithmetic task. `trainer.model` is the policy training uses."""
+    from qerl import data, policy
+    from qerl.trainer import QeRLTrainer
+
+    model = policy.load_base_model(checkpoint, dtype=dtype, device="cpu")
+    task = data.load_task("arithmetic", num_examples=num_examples)
+    return QeRLTrainer(
+        model, [reward], args=args, train_dataset=task.train, processing_class=policy.load_tokenizer(checkpoint)
+    )

@@ -1,10 +1,12 @@
 import numpy as np
 import pytest
 import torch
+from fakes import make_trainer
 from peft import LoraConfig, get_peft_model
 
-from qerl import aqn, norms, policy
-from qerl.tiny import build_tiny, save_tiny_checkpoints
+from qerl import aqn, norms
+from qerl.tiny import build_tiny
+from qerl.trainer import QeRLConfig
 
 
 # The reference (NVlabs/QeRL trl_trainer/noise_scheduler.py + grpo_trainer.py), transcribed as the oracle.
@@ -91,12 +93,14 @@ def test_noise_is_drawn_the_same_under_both_rules():
 
 
 @pytest.fixture(scope="module")
-def nvfp4_bf16_policy(tmp_path_factory):
-    """The tiny NVFP4 model in BF16 with LoRA and trainable norms, prepared as QeRLTrainer prepares it."""
-    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path_factory.mktemp("tiny")))
-    model = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
-    model = policy.apply_lora(model, policy.lora_config(model, 4, 8, trainable_norms=True))
-    assert policy.keep_fp32_masters(model)  # the norm copies were BF16
+def nvfp4_bf16_policy(checkpoints, tmp_path_factory):
+    """The tiny NVFP4 model in BF16 with LoRA and trainable norms: the policy QeRLTrainer trains."""
+    _, nvfp4_dir = checkpoints
+    args = QeRLConfig(str(tmp_path_factory.mktemp("run")), use_cpu=True, report_to=[], per_device_train_batch_size=4,
+                      num_generations=4, lora_rank=4, lora_alpha=8, trainable_norms=True)  # fmt: skip
+    model = make_trainer(nvfp4_dir, args, dtype=torch.bfloat16).model
+    norm_copies = [p for n, p in model.named_parameters() if "modules_to_save" in n and p.requires_grad]
+    assert len(norm_copies) == 4 and all(p.dtype == torch.float32 for p in norm_copies)  # FP32 masters
     with torch.no_grad():  # a trained adapter: LoRA B is zero at initialisation
         for name, param in model.named_parameters():
             if "lora_B" in name:

@@ -1,10 +1,21 @@
+"""The road from a checkpoint to a trainable policy (policy.load_base_model, then QeRLTrainer), as training takes it."""
+
 import pytest
 import torch
+from fakes import make_trainer
 
 from qerl import policy
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.tiny import build_tiny
+from qerl.trainer import QeRLConfig
+
+
+def _policy(checkpoint, tmp_path, dtype=torch.float32, **config):
+    """The policy QeRLTrainer trains (LoRA rank 4 unless asked otherwise)."""
+    args = QeRLConfig(str(tmp_path / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=4,
+                      num_generations=4, **{"lora_rank": 4, **config})  # fmt: skip
+    return make_trainer(checkpoint, args, dtype=dtype).model
 
 
 def _batch(tokenizer):
@@ -28,11 +39,9 @@ def test_nvfp4_checkpoint_loads_as_nvfp4_linear(checkpoints):
 
 
 @pytest.mark.parametrize("trainable_norms", [False, True])
-def test_only_lora_and_asked_norms_train(checkpoints, trainable_norms):
+def test_only_lora_and_asked_norms_train(checkpoints, tmp_path, trainable_norms):
     _, nvfp4_dir = checkpoints
-    model = policy.load_policy(
-        nvfp4_dir, dtype=torch.float32, device="cpu", lora_rank=4, lora_alpha=8, trainable_norms=trainable_norms
-    )
+    model = _policy(nvfp4_dir, tmp_path, lora_alpha=8, trainable_norms=trainable_norms)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     lora = [n for n in trainable if "lora_" in n]
     norms = [n for n in trainable if "modules_to_save" in n]
@@ -43,10 +52,10 @@ def test_only_lora_and_asked_norms_train(checkpoints, trainable_norms):
     assert model.peft_config["default"].r == 4 and model.peft_config["default"].lora_alpha == 8
 
 
-def test_training_step_moves_adapters_only(checkpoints):
+def test_training_step_moves_adapters_only(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
     tokenizer = policy.load_tokenizer(nvfp4_dir)
-    model = policy.load_policy(nvfp4_dir, dtype=torch.float32, device="cpu", lora_rank=4, trainable_norms=True)
+    model = _policy(nvfp4_dir, tmp_path, trainable_norms=True)
     frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k and "modules_to_save" not in k}
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     input_ids, mask = _batch(tokenizer)
@@ -68,20 +77,19 @@ def test_training_step_moves_adapters_only(checkpoints):
             assert torch.equal(v, frozen[k]), k
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(checkpoints):
+def test_gradient_checkpointing_gives_the_same_gradients(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
     tokenizer = policy.load_tokenizer(nvfp4_dir)
     input_ids, mask = _batch(tokenizer)
     grads = []
     for checkpointing in (False, True):
-        torch.manual_seed(0)
-        model = policy.load_policy(
-            nvfp4_dir, dtype=torch.float32, device="cpu", lora_rank=4, gradient_checkpointing=checkpointing
-        )
+        model = _policy(nvfp4_dir, tmp_path, gradient_checkpointing=checkpointing)  # the same seed: the same LoRA
+        if checkpointing:  # what Trainer.train switches on
+            model.gradient_checkpointing_enable()
         with torch.no_grad():  # non-zero B so that every adapter gets a gradient
             for n, p in model.named_parameters():
                 if "lora_B" in n:
-                    p.normal_(0, 0.1)
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
         model.train()
         assert model.base_model.model.is_gradient_checkpointing == checkpointing
         model(input_ids=input_ids, attention_mask=mask, labels=input_ids).loss.backward()
@@ -91,9 +99,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(checkpoints):
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_policy_and_tokenizer_roundtrip(checkpoints):
+def test_bf16_policy_and_tokenizer_roundtrip(checkpoints, tmp_path):
     bf16_dir, _ = checkpoints
-    model = policy.load_policy(bf16_dir, dtype=torch.bfloat16, device="cpu", lora_rank=4)
+    model = _policy(bf16_dir, tmp_path, dtype=torch.bfloat16)
     assert not policy.is_nvfp4_model(model)
     assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if "lora_" not in n)
     tokenizer = policy.load_tokenizer(bf16_dir)

@@ -8,12 +8,13 @@ import re
 
 import pytest
 import torch
+from fakes import make_trainer
 from transformers import GenerationConfig
 
-from qerl import data, policy, rollout
+from qerl import policy, rollout
 from qerl.rollout import truncate_at_eos
 from qerl.rollout.vllm import VLLMRollout, adapter_tensors, lora_settings, sampling_kwargs
-from qerl.trainer import QeRLConfig, QeRLTrainer
+from qerl.trainer import QeRLConfig
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +26,7 @@ def trainer(checkpoints, tmp_path_factory):
         max_steps=1, report_to=[], lora_rank=4, lora_alpha=8, use_cpu=True, save_strategy="no", trainable_norms=True,
         rollout_backend="transformers", temperature=0.7, top_p=0.9, top_k=20,
     )  # fmt: skip
-    model = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
-    task = data.load_task("arithmetic", num_examples=8)
-    return QeRLTrainer(model, [lambda completions, **kw: [0.0] * len(completions)], args=args,
-                       train_dataset=task.train, processing_class=policy.load_tokenizer(nvfp4_dir))  # fmt: skip
+    return make_trainer(nvfp4_dir, args, reward=lambda completions, **kw: [0.0] * len(completions), num_examples=8)
 
 
 def test_adapter_tensors_use_peft_names_and_vllm_norm_names(trainer):
@@ -37,7 +35,7 @@ def test_adapter_tensors_use_peft_names_and_vllm_norm_names(trainer):
     layers = model.config.num_hidden_layers
     assert len(lora) == 2 * 7 * layers  # A and B of q, k, v, o, gate, up, down in every layer
     # Parameter names of the checkpoint's own model: vLLM's Qwen2 uses the same names.
-    checkpoint_names = set(policy.load_base_model(trainer._rollout_setup(None).model_path, device="cpu").state_dict())
+    checkpoint_names = set(policy.load_base_model(trainer._rollout_setup().model_path, device="cpu").state_dict())
     base_modules = dict(model.get_base_model().named_modules())
     for name, tensor in lora.items():
         # The format vLLM's parse_fine_tuned_lora_name reads: base_model.model.<module>.lora_{A,B}.weight
@@ -100,7 +98,7 @@ class RecordingEngine:
 
 
 def test_round_order_with_a_recording_engine(trainer, tmp_path):
-    setup = trainer._rollout_setup(None)
+    setup = trainer._rollout_setup()
     setup.options["sleep"] = True
     backend = VLLMRollout(setup, engine_factory=RecordingEngine)
     engine = backend.engine
@@ -127,14 +125,14 @@ def test_round_order_with_a_recording_engine(trainer, tmp_path):
 
 
 def test_engine_sleeps_again_when_a_round_fails(trainer):
-    backend = VLLMRollout(trainer._rollout_setup(None), engine_factory=RecordingEngine)
+    backend = VLLMRollout(trainer._rollout_setup(), engine_factory=RecordingEngine)
     with pytest.raises(RuntimeError, match="empty prompt"):
         backend.generate([[]], lambda model: contextlib.nullcontext())
     assert backend.engine.calls[-1] == "sleep"
 
 
 def test_backend_needs_a_checkpoint_folder(trainer):
-    setup = trainer._rollout_setup(None)
+    setup = trainer._rollout_setup()
     setup.model_path = "Qwen/not-a-folder"
     with pytest.raises(ValueError, match="checkpoint folder the policy came from"):
         VLLMRollout(setup, engine_factory=RecordingEngine)
@@ -158,7 +156,7 @@ def test_eval_on_vllm_pushes_the_saved_adapter_and_samples_with_the_protocol(tra
 
     adapter = tmp_path / "adapter"
     trainer.save_model(str(adapter))
-    model_path = trainer._rollout_setup(None).model_path
+    model_path = trainer._rollout_setup().model_path
     tokenizer = trainer.processing_class
     engines = []
 

@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
-from fakes import digit_share_reward
+from fakes import digit_share_reward, make_trainer
 
-from qerl import aqn, data, norms, policy
+from qerl import aqn, norms, policy
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.transformers import SampledTokenLogprobs, sampling_warpers
 from qerl.tiny import save_tiny_checkpoints
@@ -27,22 +27,10 @@ def _config(tmp_path, **overrides):
     return QeRLConfig(**kwargs)
 
 
-def _trainer(checkpoint, args, dtype=torch.bfloat16):
-    task = data.load_task("arithmetic", num_examples=64)
-    model = policy.load_base_model(checkpoint, dtype=dtype, device="cpu")
-    return QeRLTrainer(
-        model,
-        [digit_share_reward],
-        args=args,
-        train_dataset=task.train,
-        processing_class=policy.load_tokenizer(checkpoint),
-    )
-
-
 def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
     args = _config(tmp_path, trainable_norms=True, num_stages=3)
-    trainer = _trainer(nvfp4_dir, args)
+    trainer = make_trainer(nvfp4_dir, args)
     model = trainer.model
     assert trainer.aqn_enabled and trainer.is_nvfp4  # AQN defaults on for an NVFP4 base
     base = {n: b.clone() for n, b in model.named_buffers() if "weight_" in n}
@@ -151,7 +139,7 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
 def test_rollout_logprobs_match_trl_at_the_sampling_temperature(checkpoints, tmp_path):
     """With AQN off, the rollout log-probs must equal TRL's own training log-probs (logits / temperature)."""
     _, nvfp4_dir = checkpoints
-    trainer = _trainer(nvfp4_dir, _config(tmp_path, aqn=False, temperature=0.7, max_steps=2))
+    trainer = make_trainer(nvfp4_dir, _config(tmp_path, aqn=False, temperature=0.7, max_steps=2))
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["aqn/sigma"] == 0.0 for h in history)
@@ -172,7 +160,7 @@ def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_p
         sigma_end=0.1,
         num_stages=3,
     )
-    trainer = _trainer(nvfp4_dir, args)
+    trainer = make_trainer(nvfp4_dir, args)
     batches, score = [], trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: batches.append(score(inputs)) or batches[-1]
     trainer.train()
@@ -190,7 +178,7 @@ def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_p
 def test_generation_config_of_the_model_does_not_leak(checkpoints, tmp_path):
     """A checkpoint's own sampling defaults (here top_k=1) must not override the trainer's sampling."""
     _, nvfp4_dir = checkpoints
-    trainer = _trainer(nvfp4_dir, _config(tmp_path, aqn=False, max_completion_length=6))
+    trainer = make_trainer(nvfp4_dir, _config(tmp_path, aqn=False, max_completion_length=6))
     trainer.model.generation_config.update(do_sample=True, top_k=1, temperature=0.1)
     prompt = trainer.processing_class.apply_chat_template(
         [{"role": "user", "content": "1+1="}], add_generation_prompt=True
@@ -234,9 +222,11 @@ def test_bad_configs(checkpoints, tmp_path):
         _config(tmp_path, rollout_backend="sglang")
     bf16_dir, _ = checkpoints
     with pytest.warns(UserWarning, match="AQN is on for a BF16 base"):
-        trainer = _trainer(bf16_dir, _config(tmp_path, aqn=True))
+        trainer = make_trainer(bf16_dir, _config(tmp_path, aqn=True))
     assert trainer.aqn_enabled and not trainer.is_nvfp4
-    assert not _trainer(bf16_dir, _config(tmp_path)).aqn_enabled  # default: off for BF16
+    assert not make_trainer(bf16_dir, _config(tmp_path)).aqn_enabled  # default: off for BF16
+    with pytest.raises(TypeError, match="policy.load_base_model"):  # one road from a folder: the base loader
+        QeRLTrainer(bf16_dir, [digit_share_reward], args=_config(tmp_path))
 
 
 def test_demo_pipeline(tmp_path):
@@ -285,7 +275,7 @@ def test_bf16_checkpoint_and_its_nvfp4_twin_give_the_same_stop_tokens_and_defaul
         do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
     )  # fmt: skip
     bf16_dir, nvfp4_dir = save_tiny_checkpoints(str(tmp_path), model, tokenizer)
-    trainers = [_trainer(path, _config(tmp_path)) for path in (bf16_dir, nvfp4_dir)]
+    trainers = [make_trainer(path, _config(tmp_path)) for path in (bf16_dir, nvfp4_dir)]
     assert trainers[0].is_nvfp4 is False and trainers[1].is_nvfp4 is True
     assert trainers[0].eos_token_ids == trainers[1].eos_token_ids == [tokenizer.eos_token_id, end_of_turn]
     defaults = [t.model.generation_config.to_diff_dict() for t in trainers]
