@@ -4,6 +4,8 @@ Everything RL (advantages, GRPO/DAPO losses, clipping, importance sampling, logg
 QeRL changes one thing, the generation hook: every generation round samples from the policy with fresh
 Gaussian noise on its RMSNorm scales (sigma from the AQN schedule), and returns the log-probability of each
 sampled token under that noisy policy. The loss then runs on clean norms.
+
+What this relies on inside TRL is listed, and used, in one section of QeRLTrainer: "THE TRL SEAM".
 """
 
 from __future__ import annotations
@@ -114,16 +116,10 @@ class QeRLConfig(GRPOConfig):
         try:
             super().__post_init__()
         except ValueError as err:
-            if "divisible by num_generations" not in str(err):
+            fix = QeRLTrainer._batch_error_fix(err, self)  # TRL seam
+            if fix is None:
                 raise
-            per_round = self.generation_batch_size
-            hint = ", ".join(str(n) for n in range(2, per_round + 1) if per_round % n == 0) or "none"
-            raise ValueError(
-                f"{err} Each generation round samples per_device_train_batch_size x processes x steps_per_generation "
-                f"= {per_round} completions, in groups of num_generations completions of one prompt. Fix: set "
-                f"num_generations to a divisor of {per_round} (here: {hint}), or raise per_device_train_batch_size "
-                f"or gradient_accumulation_steps so that the product is a multiple of {self.num_generations}."
-            ) from err
+            raise ValueError(f"{err} {fix}") from err
 
 
 class JsonlMetrics(TrainerCallback):
@@ -174,9 +170,6 @@ class QeRLTrainer(GRPOTrainer):
     `peft_config`, LoRA is applied from the config's lora_* fields (and trainable_norms).
     """
 
-    _tag_names = ["trl", "grpo", "qerl"]
-    _name = "QeRL"
-
     def __init__(self, model, reward_funcs=None, args: QeRLConfig | None = None, peft_config=None, **kwargs):
         for unsupported in ("tools", "rollout_func", "environment_factory"):
             if kwargs.get(unsupported) is not None:
@@ -210,12 +203,8 @@ class QeRLTrainer(GRPOTrainer):
         if args.deepspeed_plugin is None and not self.is_fsdp_enabled:
             policy.keep_fp32_masters(self.model)
 
-        self._exclude_packed_weights_from_ddp()
+        self._adapt_trl_internals()
         self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup())
-        # TRL applies its importance-sampling correction only when `use_vllm` is set, i.e. when a separate engine
-        # samples. Our backends are such samplers (noisy norms at least), so declare it; the other use_vllm
-        # branches belong to tools / rollout_func, refused above, and to the generation hook, overridden below.
-        self.use_vllm = bool(args.vllm_importance_sampling_correction)
         self._norm_sites: dict[int, norms.NormSites] = {}
         self.last_noise = aqn.NoiseStats()
         self._noise_round = (-1, 0)
@@ -224,12 +213,84 @@ class QeRLTrainer(GRPOTrainer):
         if args.metrics_jsonl:
             self.add_callback(JsonlMetrics(os.path.join(args.output_dir, "metrics.jsonl")))
 
-    def _exclude_packed_weights_from_ddp(self):
-        """DDP broadcasts every buffer from rank 0 when it wraps the model (and, by default, before every
-        forward). The packed NVFP4 weights are frozen buffers that every rank loads identically; broadcasting
-        them is wasted bandwidth, and gloo cannot send float8 at all."""
+    # ------------------------------------------------------------------------------------------------------
+    # AQN
+
+    def current_sigma(self) -> float:
+        """AQN sigma for the current optimizer step (0 when AQN is off or outside training)."""
+        if not self.aqn_enabled or not self.model.training or not self.state.max_steps:
+            return 0.0
+        a = self.args
+        return aqn.sigma_at(self.state.global_step, self.state.max_steps, a.sigma_start, a.sigma_end, a.num_stages)
+
+    def _sites(self, model) -> norms.NormSites:
+        key = id(model)
+        if key not in self._norm_sites:  # the module tree does not change during training
+            self._norm_sites[key] = norms.find_norms(model)
+            if not self._norm_sites[key].layer_norms and self.aqn_enabled:
+                raise RuntimeError(f"AQN found no RMSNorm in {type(model).__name__}")
+        return self._norm_sites[key]
+
+    @contextlib.contextmanager
+    def _perturb(self, model, sigma: float):
+        # One seed per generation round from (seed, optimizer step, round within the step): the same on every
+        # rank, so all ranks sample from one noisy policy as a single process would, and the same after a resume.
+        step = self.state.global_step
+        self._noise_round = (step, self._noise_round[1] + 1 if self._noise_round[0] == step else 0)
+        self._noise_seed = hash((self.args.seed, *self._noise_round))
+        generator = torch.Generator().manual_seed(self._noise_seed)
+        sites = self._sites(model) if sigma > 0 else None
+        a = self.args
+        # The policy's transformers norms need FP32Compute to use an FP32 scale; an engine's own model (vLLM:
+        # FP32 norm weights, CUDA graphs where hooks never run) applies its FP32 scales itself.
+        own = model is self.model
+        with aqn.noisy_norms(model, sigma, generator, a.aqn_final_norm, sites, a.aqn_dtype, fp32_compute=own) as stats:
+            yield stats
+
+    # ======================================================================================================
+    # THE TRL SEAM (trl 1.16). Every TRL internal the trainer relies on is used below and nowhere above;
+    # tests/test_trl_seam.py pins each one (and the two TRL utilities the rollout backends import: pad,
+    # ensure_master_addr_port), so that a TRL upgrade that moves one fails there, by name.
+    #
+    # Private methods, overridden or called:
+    #   _generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)
+    #       -> (completion ids, sampled-token log-probs): TRL's one call that samples a round. Overridden: the
+    #       round goes to our rollout backend, under AQN.
+    #   _generate_and_score_completions(inputs) -> batch dict: extended. Reads its keys prompt_ids, prompt_mask,
+    #       completion_ids, completion_mask, old_per_token_logps, sampling_per_token_logps, tool_mask; adds
+    #       aqn_noisy_logps, one row per sample, which TRL's shuffling and splitting carry to _compute_loss.
+    #   _get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size)
+    #       -> (logps, entropies, aux_loss): called under the round's noise (aqn/logprob_shift), and wrapped to
+    #       keep the loss forward's log-probs.
+    #   _compute_loss(model, inputs): wrapped. TRL computes old_per_token_logps only when generation and
+    #       optimizer steps are misaligned (or for the correction); otherwise its loss forward runs the very
+    #       parameters that sampled, so its log-probs are the clean side of sampling/* and aqn/logprob_shift.
+    # Private state:
+    #   use_vllm: re-used to mean "apply the importance-sampling correction". After __init__ TRL reads it to gate
+    #       that correction (the old_per_token_logps forward, the ratio, its loss factor, the sampling/* metrics),
+    #       in _generate_single_turn (overridden) and on the tools / rollout_func paths (refused in __init__).
+    #   _metrics[mode][name]: the lists TRL averages and logs; aqn/* and sampling/* values go there.
+    #   _dist.summon_full_params(model, recurse=False): TRL's switch that gives FSDP's generate() full parameters.
+    #   _tokenizer, eos_token_ids, pad_to_multiple_of, generation_config: the rollout's settings, as TRL made them.
+    #   _tag_names, _name: the model card's tags and trainer name.
+    # TRL's helpers: profiling_context, disable_gradient_checkpointing, unwrap_model_for_generation.
+    # Copied: the sampling/* metric names and formulas (_log_rollout_mismatch), from TRL's correction block,
+    #   so that the rollout/training mismatch is logged under TRL's names with the correction off too.
+    # Matched by text: GRPOConfig.__post_init__'s "... must be divisible by num_generations" (_batch_error_fix).
+    # torch's private DistributedDataParallel._set_params_and_buffers_to_ignore_for_model (_adapt_trl_internals).
+
+    _tag_names = ["trl", "grpo", "qerl"]
+    _name = "QeRL"
+
+    def _adapt_trl_internals(self):
         from torch.nn.parallel import DistributedDataParallel
 
+        # TRL applies its importance-sampling correction only when `use_vllm` is set, i.e. when a separate engine
+        # samples. Our backends are such samplers (noisy norms at least), so declare it when the correction is asked.
+        self.use_vllm = bool(self.args.vllm_importance_sampling_correction)
+        # DDP broadcasts every buffer from rank 0 when it wraps the model (and, by default, before every forward).
+        # The packed NVFP4 weights are frozen buffers that every rank loads identically; broadcasting them is
+        # wasted bandwidth, and gloo cannot send float8 at all.
         packed = [
             f"{module_name}.{buffer_name}"
             for module_name, module in self.model.named_modules()
@@ -279,43 +340,6 @@ class QeRLTrainer(GRPOTrainer):
             summon,
         ):
             yield model
-
-    # ------------------------------------------------------------------------------------------------------
-    # AQN
-
-    def current_sigma(self) -> float:
-        """AQN sigma for the current optimizer step (0 when AQN is off or outside training)."""
-        if not self.aqn_enabled or not self.model.training or not self.state.max_steps:
-            return 0.0
-        a = self.args
-        return aqn.sigma_at(self.state.global_step, self.state.max_steps, a.sigma_start, a.sigma_end, a.num_stages)
-
-    def _sites(self, model) -> norms.NormSites:
-        key = id(model)
-        if key not in self._norm_sites:  # the module tree does not change during training
-            self._norm_sites[key] = norms.find_norms(model)
-            if not self._norm_sites[key].layer_norms and self.aqn_enabled:
-                raise RuntimeError(f"AQN found no RMSNorm in {type(model).__name__}")
-        return self._norm_sites[key]
-
-    @contextlib.contextmanager
-    def _perturb(self, model, sigma: float):
-        # One seed per generation round from (seed, optimizer step, round within the step): the same on every
-        # rank, so all ranks sample from one noisy policy as a single process would, and the same after a resume.
-        step = self.state.global_step
-        self._noise_round = (step, self._noise_round[1] + 1 if self._noise_round[0] == step else 0)
-        self._noise_seed = hash((self.args.seed, *self._noise_round))
-        generator = torch.Generator().manual_seed(self._noise_seed)
-        sites = self._sites(model) if sigma > 0 else None
-        a = self.args
-        # The policy's transformers norms need FP32Compute to use an FP32 scale; an engine's own model (vLLM:
-        # FP32 norm weights, CUDA graphs where hooks never run) applies its FP32 scales itself.
-        own = model is self.model
-        with aqn.noisy_norms(model, sigma, generator, a.aqn_final_norm, sites, a.aqn_dtype, fp32_compute=own) as stats:
-            yield stats
-
-    # ------------------------------------------------------------------------------------------------------
-    # TRL hooks
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if images is not None or multimodal_fields:
@@ -416,3 +440,17 @@ class QeRLTrainer(GRPOTrainer):
         if self.model.training and "loss" in logs and not self._metrics["train"].get("aqn/sigma"):
             self._metrics["train"]["aqn/sigma"].append(self.current_sigma())
         super().log(logs, start_time)
+
+    @staticmethod
+    def _batch_error_fix(err: ValueError, config: QeRLConfig) -> str | None:
+        """The fix for GRPOConfig's batch/num_generations error, recognised by its text; None for another error."""
+        if "divisible by num_generations" not in str(err):
+            return None
+        per_round = config.generation_batch_size
+        divisors = ", ".join(str(n) for n in range(2, per_round + 1) if per_round % n == 0) or "none"
+        return (
+            f"Each generation round samples per_device_train_batch_size x processes x steps_per_generation "
+            f"= {per_round} completions, in groups of num_generations completions of one prompt. Fix: set "
+            f"num_generations to a divisor of {per_round} (here: {divisors}), or raise per_device_train_batch_size "
+            f"or gradient_accumulation_steps so that the product is a multiple of {config.num_generations}."
+        )
