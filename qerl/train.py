@@ -32,16 +32,11 @@ from qerl.trainer import QeRLConfig, QeRLTrainer
 
 logger = logging.getLogger("qerl.train")
 
-# Reference flags with another name here, and reference flags that configure tools we do not use.
-FLAG_ALIASES = {
-    "--random-state": "--seed",
-    "--random_state": "--seed",
-    "--warmup-ratio": "--warmup-steps",  # transformers 5 reads a warmup_steps below 1 as a ratio
-    "--warmup_ratio": "--warmup-steps",
-}
+# Reference flags that configured tools we do not use: accepted (fields below), warned about, ignored. The
+# reference's other names are aliases of the fields they mean (QeRLConfig: --ln, --random-state, ...).
 IGNORED_FLAGS = {
-    "--fast-inference": "it selected the reference's unsloth/vLLM engine; see --rollout-backend",
-    "--max-seq-length": "it sized the reference's unsloth engine; prompt and completion limits suffice here",
+    "fast_inference": "it selected the reference's unsloth/vLLM engine; see --rollout-backend",
+    "max_seq_length": "it sized the reference's unsloth engine; prompt and completion limits suffice here",
 }
 
 
@@ -76,6 +71,8 @@ class QeRLScriptArguments:
         metadata={"help": "Start over in an --output-dir that holds an earlier run: its checkpoint-* folders and "
                   "adapter are deleted (its metrics.jsonl is kept as metrics.N.jsonl)."},
     )  # fmt: skip
+    fast_inference: bool | None = field(default=None, metadata={"help": f"Ignored: {IGNORED_FLAGS['fast_inference']}."})
+    max_seq_length: int | None = field(default=None, metadata={"help": f"Ignored: {IGNORED_FLAGS['max_seq_length']}."})
 
 
 # `python -m qerl.train --help`: these first; `--help-all` lists every field of TRL and transformers.
@@ -102,19 +99,6 @@ QUICK_HELP_TEXT = {
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _rewrite_reference_flags(argv: list[str]) -> list[str]:
-    out, i = [], 0
-    while i < len(argv):
-        flag = argv[i].split("=", 1)[0]
-        if flag in IGNORED_FLAGS:
-            warnings.warn(f"ignoring {flag}: {IGNORED_FLAGS[flag]}", stacklevel=2)
-            i += 1 if "=" in argv[i] or i + 1 == len(argv) or argv[i + 1].startswith("--") else 2
-            continue
-        out.append(FLAG_ALIASES.get(flag, flag) + argv[i][len(flag) :])
-        i += 1
-    return out
-
-
 class _Parser(cli.ParserErrors, TrlParser):
     pass
 
@@ -131,7 +115,6 @@ def quick_help(parser: _Parser) -> str:
     actions = {}
     for action in parser._actions:
         actions.setdefault(action.dest, action)
-    aliases = {"trainable_norms": ["--ln"], "seed": ["--random-state"]}
     lines = [
         "usage: python -m qerl.train [--config RECIPE.yaml] --model-name CHECKPOINT [--flag VALUE ...]",
         "",
@@ -145,11 +128,14 @@ def quick_help(parser: _Parser) -> str:
         lines.append(f"{group}:")
         for dest in dests:
             action = actions[dest]
-            flags = ", ".join([max(action.option_strings, key=lambda f: f.count("-")), *aliases.get(dest, [])])
+            flags = ", ".join(f for f in action.option_strings if "_" not in f)  # the dashed name and its aliases
             text = QUICK_HELP_TEXT.get(dest) or (action.help or "").replace("%%", "%").split(". ")[0].rstrip(".")
             if action.default is not None and action.default != "":
                 text += f" (default: {action.default})"
-            lines += textwrap.wrap(text, 118, initial_indent=f"  {flags:<38}", subsequent_indent=" " * 40)
+            if len(flags) > 37:  # the help starts on the next line
+                lines.append(f"  {flags}")
+            indent = " " * 40 if len(flags) > 37 else f"  {flags:<38}"
+            lines += textwrap.wrap(text, 118, initial_indent=indent, subsequent_indent=" " * 40)
     return "\n".join(lines)
 
 
@@ -177,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
     if "--help-all" in argv:
         parser.print_help()
         raise SystemExit(0)
-    argv = cli.attach_negative_numbers(_rewrite_reference_flags(argv))
+    argv = cli.attach_negative_numbers(argv)
     if "--config" in argv:
         index = argv.index("--config")
         if index + 1 == len(argv):
@@ -190,6 +176,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
         raise cli.UsageError(str(err)) from err
     if not script_args.model_name:
         raise cli.UsageError("--model-name is required (a checkpoint folder or hub id)")
+    for name, reason in IGNORED_FLAGS.items():
+        if getattr(script_args, name) is not None:
+            warnings.warn(f"ignoring --{name.replace('_', '-')}: {reason}", stacklevel=2)
     return script_args, config
 
 

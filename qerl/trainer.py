@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 AQN_DTYPES = list(aqn.DTYPE_RULES)  # QeRLConfig's field `aqn` shadows the module inside the class body
 
 
+def _also_as(name: str, *aliases: str):
+    """GRPOConfig's field `name` as it is (default, help), accepted on the command line under `aliases` too."""
+    inherited = GRPOConfig.__dataclass_fields__[name]
+    return field(default=inherited.default, metadata={**inherited.metadata, "aliases": list(aliases)})
+
+
 @dataclass
 class QeRLConfig(GRPOConfig):
     r"""GRPOConfig plus QeRL's knobs. Defaults follow the QeRL reference scripts where it sets them.
@@ -64,6 +70,10 @@ class QeRLConfig(GRPOConfig):
                   "the training forward: how far the noise moved the policy, apart from the rollout engine's own "
                   "numerics. Costs one no-grad forward of the batch per noisy round (the clean side is the loss's)."},
     )  # fmt: skip
+    # The QeRL reference's names of two TrainingArguments fields (transformers 5 reads a warmup_steps below 1 as a
+    # ratio, so the reference's --warmup-ratio is that).
+    seed: int = _also_as("seed", "--random-state", "--random_state")
+    warmup_steps: float = _also_as("warmup_steps", "--warmup-ratio", "--warmup_ratio")
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})

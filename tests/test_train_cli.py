@@ -42,6 +42,12 @@ def test_reference_flag_names(tmp_path):
     )
     assert config.warmup_steps == 0.1 and config.get_warmup_steps(100) == 10
     assert config.aqn is None and config.vllm_importance_sampling_correction is False  # defaults
+    # The aliases are HfArgumentParser's: both spellings, and the fields keep TRL's defaults.
+    _, config = train.parse_args(["--model-name", "m", "--random_state", "8", "--warmup_ratio", "0.2",
+                                  "--output-dir", str(tmp_path), "--use-cpu", "True"])  # fmt: skip
+    assert (config.seed, config.warmup_steps) == (8, 0.2)
+    _, config = train.parse_args(["--model-name", "m", "--output-dir", str(tmp_path), "--use-cpu", "True"])
+    assert (config.seed, config.warmup_steps) == (42, 0)
 
 
 @pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(REPO_ROOT, "configs", "dapo_*.yaml"))))
