@@ -3,8 +3,9 @@
     python -m qerl.train --config configs/dapo_gsm8k_nvfp4.yaml --model-name /models/Qwen2.5-7B-NVFP4
     accelerate launch --config_file configs/accelerate/zero2.yaml -m qerl.train --config ... (several GPUs)
 
-Flags keep the QeRL reference's names (--model-name, --dataset, --lora-rank, --lora-alpha, --ln,
---sigma-start, --sigma-end, --num-stages, --max-prompt-length, --random-state, and every GRPOConfig field).
+A recipe may extend others (`base: [parts/dapo.yaml, ...]`, see load_recipe); flags override it. Flags keep the
+QeRL reference's names (--model-name, --dataset, --lora-rank, --lora-alpha, --ln, --sigma-start, --sigma-end,
+--num-stages, --max-prompt-length, --random-state, and every GRPOConfig field).
 `--resume-from-checkpoint true` continues from the newest complete checkpoint in --output-dir; a path picks one.
 Flags, recipe and input files are checked before anything loads: a mistake is one line (see qerl.cli).
 """
@@ -122,7 +123,8 @@ def quick_help(parser: _Parser) -> str:
         "recipes are in configs/. The most used flags (--help-all: every TRL/transformers option; --debug: show the",
         "traceback of an input error):",
         "",
-        "  --config RECIPE.yaml".ljust(40) + "YAML file of flag values (keys are flag names with underscores).",
+        "  --config RECIPE.yaml".ljust(40) + "YAML file of flag values (keys are flag names with underscores; base:",
+        " " * 40 + "other recipes it extends).",
     ]
     for group, dests in QUICK_HELP.items():
         lines.append(f"{group}:")
@@ -139,19 +141,37 @@ def quick_help(parser: _Parser) -> str:
     return "\n".join(lines)
 
 
-def _check_recipe(path: str, parser: _Parser) -> None:
-    cli.check_file(path, "--config")
+def load_recipe(path: str, parser: _Parser, named_by: str = "--config", _extending: tuple[str, ...] = ()) -> dict:
+    """A recipe's settings: first those of the files its `base:` names (one path or a list, relative to the recipe;
+    a later file overrides an earlier one), then its own. Every key must be a flag's name (or `env`)."""
+    where = f"{named_by} {path}"
+    cli.check_file(path, named_by)
     try:
         with open(path) as f:
             recipe = yaml.safe_load(f)
     except yaml.YAMLError as err:
-        raise cli.UsageError(f"--config {path}: not valid YAML ({cli.one_line(err)})") from None
+        raise cli.UsageError(f"{where}: not valid YAML ({cli.one_line(err)})") from None
     if not isinstance(recipe, dict):
-        raise cli.UsageError(f"--config {path}: expected a mapping of flag names to values")
-    known = {action.dest for action in parser._actions} | {"env"}
+        raise cli.UsageError(f"{where}: expected a mapping of flag names to values")
+    known = {action.dest for action in parser._actions} | {"env", "base"}
     for key in recipe:
         if key not in known:
-            raise cli.UsageError(f"--config {path}: unknown key {key!r}{cli.nearest(str(key), sorted(known))}")
+            raise cli.UsageError(f"{where}: unknown key {key!r}{cli.nearest(str(key), sorted(known))}")
+    bases = recipe.pop("base", [])
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(base, str) for base in bases):
+        raise cli.UsageError(f"{where}: base must be a file name or a list of them")
+    if not isinstance(recipe.get("env", {}), dict):
+        raise cli.UsageError(f"{where}: env must be a mapping of variable names to values")
+    extending = (*_extending, os.path.realpath(path))
+    settings: dict = {"env": {}}
+    for base in bases:
+        base_path = os.path.join(os.path.dirname(path), base)
+        if os.path.realpath(base_path) in extending:
+            raise cli.UsageError(f"{where}: base {base} extends itself")
+        inherited = load_recipe(base_path, parser, f"{path}: base", extending)
+        settings = {**settings, **inherited, "env": {**settings["env"], **inherited["env"]}}
+    return {**settings, **recipe, "env": {**settings["env"], **recipe.get("env", {})}}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRLConfig]:
@@ -164,12 +184,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
         parser.print_help()
         raise SystemExit(0)
     argv = cli.attach_negative_numbers(argv)
-    if "--config" in argv:
+    if "--config" in argv:  # the recipe sets the defaults, flags override them
         index = argv.index("--config")
         if index + 1 == len(argv):
             raise cli.UsageError("--config needs a YAML file")
-        _check_recipe(argv[index + 1], parser)
-    cli.reject_unknown_flags(argv, [*parser.known_flags(), "--config"])
+        recipe = load_recipe(argv.pop(index + 1), parser)
+        argv.pop(index)
+        for name, value in recipe.pop("env").items():
+            os.environ[name] = str(value)
+        parser.set_defaults_with_config(**recipe)
+    cli.reject_unknown_flags(argv, parser.known_flags())
     try:
         script_args, config = parser.parse_args_and_config(args=argv)
     except ValueError as err:  # raised while building the configs from flags: the flags are at fault

@@ -79,6 +79,10 @@ def world(tmp_path_factory):
     (root / "nocolumn.jsonl").write_text(json.dumps({"question": "q", "solution": "1"}) + "\n")
     (root / "math.jsonl").write_text(json.dumps({"problem": "What is $1+1$?", "answer": "2"}) + "\n")
     (root / "typo.yaml").write_text("dataset: arithmetic\nsigma_strat: 0.1\n")
+    (root / "extends_typo.yaml").write_text("base: typo.yaml\n")
+    (root / "extends_missing.yaml").write_text("base: [nope.yaml]\n")
+    (root / "loop.yaml").write_text("base: extends_loop.yaml\n")
+    (root / "extends_loop.yaml").write_text("base: [loop.yaml]\n")
     (root / "truncated").mkdir()
     for name in ("config.json", "generation_config.json"):
         (root / "truncated" / name).write_bytes((root / "ck" / "bf16" / name).read_bytes())
@@ -134,6 +138,9 @@ TRIALS = [
     ("qerl.train", [*T, "--sigma-strat", "0.1"], "unknown flag --sigma-strat (did you mean --sigma-start?)"),
     ("qerl.train", [*T, "--config", "typo.yaml"], "typo.yaml: unknown key 'sigma_strat' (did you mean sigma_start?)"),
     ("qerl.train", [*T, "--config", "nope.yaml"], "--config nope.yaml: no such file"),
+    ("qerl.train", [*T, "--config", "extends_typo.yaml"], "extends_typo.yaml: base typo.yaml: unknown key"),
+    ("qerl.train", [*T, "--config", "extends_missing.yaml"], "extends_missing.yaml: base nope.yaml: no such file"),
+    ("qerl.train", [*T, "--config", "loop.yaml"], "base loop.yaml extends itself"),
     ("qerl.train", [*T, "--max-steps", "abc"], "invalid int value: 'abc'"),
     ("qerl.train", [*T, "--num-generations", "3"], "num_generations to a divisor of 8"),
     ("qerl.train", [*T, "--precision", "bf16"], "is an NVFP4 checkpoint"),

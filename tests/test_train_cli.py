@@ -76,6 +76,19 @@ def test_yaml_recipes(recipe, tmp_path):
     assert script.dataset in os.path.basename(recipe)
 
 
+def test_a_recipe_extends_its_bases_in_order(tmp_path, monkeypatch):
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "a.yaml").write_text("lora_rank: 8\nsigma_start: 0.5\nenv: {QERL_RECIPE_A: a}\n")
+    (tmp_path / "parts" / "b.yaml").write_text("lora_rank: 32\nlora_alpha: 7\nenv: {QERL_RECIPE_B: b}\n")
+    (tmp_path / "run.yaml").write_text("base: [parts/a.yaml, parts/b.yaml]\nlora_alpha: 9\nenv: {QERL_RECIPE_B: own}\n")
+    for name in ("QERL_RECIPE_A", "QERL_RECIPE_B"):
+        monkeypatch.setenv(name, "")  # restored (removed) after the test
+    _, config = train.parse_args(["--config", str(tmp_path / "run.yaml"), "--model-name", "m", "--output-dir",
+                                  str(tmp_path / "out"), "--use-cpu", "True", "--sigma-start", "0.2"])  # fmt: skip
+    assert (config.lora_rank, config.lora_alpha, config.sigma_start) == (32, 9, 0.2)  # later base, own key, flag
+    assert (os.environ["QERL_RECIPE_A"], os.environ["QERL_RECIPE_B"]) == ("a", "own")
+
+
 @pytest.mark.parametrize("script_path", sorted(glob.glob(os.path.join(REPO_ROOT, "training", "dapo_qwen2.5-*.sh"))))
 def test_training_scripts(script_path, tmp_path):
     env = dict(os.environ, DRY_RUN="1", MODEL_PATH="/models/x", CKPTS_DIR=str(tmp_path))
