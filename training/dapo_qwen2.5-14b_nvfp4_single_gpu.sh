@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # QeRL: DAPO on Qwen2.5-14B-Instruct with an NVFP4 base + LoRA + Adaptive Quantization Noise, on one GPU;
-# the QeRL reference's training/dapo_qwen2.5-14b_nvfp4_single_gpu.sh. Settings: dapo_single_gpu.sh.
+# the QeRL reference's training/dapo_qwen2.5-14b_nvfp4_single_gpu.sh.
+# Settings: the recipe (see dapo_single_gpu.sh); this script sets the batch of its size.
 # Usage: MODEL_PATH=/models/Qwen2.5-14B-Instruct-NVFP4 bash training/dapo_qwen2.5-14b_nvfp4_single_gpu.sh [--flag value ...]
 # Make the NVFP4 checkpoint first:
 #   python llm-compressor/quantize_nvfp4.py --model Qwen/Qwen2.5-14B-Instruct --output /models/Qwen2.5-14B-Instruct-NVFP4
