@@ -151,7 +151,7 @@ def test_noise_is_fresh_reproducible_and_optional_final_norm():
     assert not torch.equal(noisy_copy(0, include_final=True)["model.norm.weight"], torch.ones(64))
 
 
-def test_restored_after_exception_and_zero_sigma_is_noop():
+def test_restored_after_exception_and_zero_sigma_is_noop(seed):
     model, _ = build_tiny()
     clean = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(RuntimeError):
@@ -163,7 +163,7 @@ def test_restored_after_exception_and_zero_sigma_is_noop():
         assert all(torch.equal(v, clean[k]) for k, v in model.state_dict().items())
 
 
-def test_trainable_norms_perturb_the_active_copy():
+def test_trainable_norms_perturb_the_active_copy(seed):
     model, _ = build_tiny()
     names = norms.layer_norm_names(model)
     assert names == ["input_layernorm", "post_attention_layernorm"]

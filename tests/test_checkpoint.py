@@ -42,8 +42,7 @@ CONFIGS = {
 }
 
 
-def _bf16_model(arch: str, path: Path, scale_layer: int | None = None):
-    torch.manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+def _bf16_model(arch: str, path: Path):
     model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).to(torch.bfloat16)
     with torch.no_grad():  # some spread between q, k and v so that the shared global scale matters
         for layer in model.model.layers:
@@ -60,7 +59,7 @@ def _decompressed_by_compressed_tensors(path: Path):
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_cli_round_trip_logits_equal_compressed_tensors(tmp_path, arch):
+def test_cli_round_trip_logits_equal_compressed_tensors(seed, tmp_path, arch):
     _bf16_model(arch, tmp_path / "bf16")
     result = subprocess.run(
         [sys.executable, str(CLI), "--model", str(tmp_path / "bf16"), "--output", str(tmp_path / "nvfp4")],
@@ -80,7 +79,7 @@ def test_cli_round_trip_logits_equal_compressed_tensors(tmp_path, arch):
         torch.testing.assert_close(ours(tokens).logits, ref(tokens).logits, rtol=0, atol=0)
 
 
-def test_native_bytes_match_compressed_tensors_compressor(tmp_path):
+def test_native_bytes_match_compressed_tensors_compressor(seed, tmp_path):
     bf16 = _bf16_model("qwen2", tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "nvfp4")
     written = load_file(tmp_path / "nvfp4" / "model.safetensors")
@@ -107,7 +106,7 @@ def test_native_bytes_match_compressed_tensors_compressor(tmp_path):
     assert config["ignore"] == ["lm_head"] and config["quantization_status"] == "compressed"
 
 
-def test_config_parses_as_compressed_tensors_nvfp4a16(tmp_path):
+def test_config_parses_as_compressed_tensors_nvfp4a16(seed, tmp_path):
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
@@ -122,7 +121,7 @@ def test_config_parses_as_compressed_tensors_nvfp4a16(tmp_path):
         assert getattr(weights, field) == getattr(preset, field), field
 
 
-def test_in_memory_save_equals_streaming_quantizer(tmp_path):
+def test_in_memory_save_equals_streaming_quantizer(seed, tmp_path):
     bf16 = _bf16_model("qwen2", tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "streamed")
     save_nvfp4_checkpoint(quantize_model(bf16), tmp_path / "in_memory")
@@ -135,7 +134,7 @@ def test_in_memory_save_equals_streaming_quantizer(tmp_path):
         assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), key
 
 
-def test_sharded_checkpoint_loads_and_missing_shard_is_named(tmp_path):
+def test_sharded_checkpoint_loads_and_missing_shard_is_named(seed, tmp_path):
     _bf16_model("qwen2", tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "nvfp4", max_shard_bytes=8 * 1024)
     shards = sorted((tmp_path / "nvfp4").glob("model-*-of-*.safetensors"))
@@ -180,7 +179,7 @@ def test_sharded_checkpoint_loads_and_missing_shard_is_named(tmp_path):
         ),
     ],
 )
-def test_other_formats_are_refused_by_name(tmp_path, qcfg, message):
+def test_other_formats_are_refused_by_name(seed, tmp_path, qcfg, message):
     _bf16_model("llama", tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     if qcfg is not None:
@@ -197,7 +196,7 @@ def test_other_formats_are_refused_by_name(tmp_path, qcfg, message):
             is_nvfp4_checkpoint(tmp_path / "m")
 
 
-def test_output_folder_is_refused_unless_overwrite(tmp_path):
+def test_output_folder_is_refused_unless_overwrite(seed, tmp_path):
     _bf16_model("llama", tmp_path / "bf16")
     (tmp_path / "out").mkdir()
     with pytest.raises(CheckpointError, match="--overwrite"):
@@ -206,7 +205,7 @@ def test_output_folder_is_refused_unless_overwrite(tmp_path):
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
-def test_failed_run_leaves_no_checkpoint_behind(tmp_path):
+def test_failed_run_leaves_no_checkpoint_behind(seed, tmp_path):
     _bf16_model("qwen2", tmp_path / "bf16")
     weights = load_file(tmp_path / "bf16" / "model.safetensors")
     weights["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")  # the last layer fails, after the first
@@ -231,7 +230,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_llmcompressor_backend_writes_the_same_bytes(tmp_path):
+def test_llmcompressor_backend_writes_the_same_bytes(seed, tmp_path):
     pytest.importorskip("llmcompressor", reason="the llmcompressor backend is optional (pip install -e .[quantize])")
     _bf16_model("qwen2", tmp_path / "bf16")
     for backend in ("native", "llmcompressor"):

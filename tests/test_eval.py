@@ -12,7 +12,6 @@ from eval import math as eval_math
 from qerl import cli
 from qerl.policy import load_base_model
 from qerl.rewards import gsm8k_gold
-from qerl.tiny import save_tiny_checkpoints
 
 GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
@@ -40,8 +39,8 @@ def _eval(module, argv, out):
     return lines[0], lines[1:]
 
 
-def test_runs_on_nvfp4_base_applies_the_adapter_and_is_seeded(tmp_path):
-    _, nvfp4_dir = save_tiny_checkpoints(tmp_path / "ckpt")
+def test_runs_on_nvfp4_base_applies_the_adapter_and_is_seeded(checkpoints, tmp_path):
+    _, nvfp4_dir = checkpoints
     data = tmp_path / "gsm8k.jsonl"
     data.write_text(
         "".join(
@@ -72,9 +71,9 @@ def test_runs_on_nvfp4_base_applies_the_adapter_and_is_seeded(tmp_path):
     assert greedy["do_sample"] is False and not list(tmp_path.glob("*.partial-*"))
 
 
-def test_math_eval_on_a_local_file_scores_boxed_answers(tmp_path, monkeypatch):
+def test_math_eval_on_a_local_file_scores_boxed_answers(checkpoints, tmp_path, monkeypatch):
     """eval.math reads problem/answer rows and scores through qerl.rewards' math-verify reward."""
-    _, nvfp4_dir = save_tiny_checkpoints(tmp_path / "ckpt")
+    _, nvfp4_dir = checkpoints
     data = tmp_path / "math.jsonl"
     data.write_text(
         "".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in (("1+1?", "2"), ("x?", "\\frac{1}{2}")))

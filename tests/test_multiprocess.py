@@ -9,8 +9,6 @@ import textwrap
 import pytest
 import torch
 
-from qerl.tiny import save_tiny_checkpoints
-
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs inside each process: the real entry point, plus a dump of this rank's trainable weights.
@@ -43,8 +41,8 @@ def _free_port():
 
 
 @pytest.mark.slow
-def test_two_processes_end_with_identical_lora(tmp_path):
-    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "tiny"))
+def test_two_processes_end_with_identical_lora(checkpoints, tmp_path):
+    _, nvfp4_dir = checkpoints
     harness = tmp_path / "harness.py"
     harness.write_text(HARNESS)
     out = tmp_path / "out"

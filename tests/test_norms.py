@@ -25,7 +25,7 @@ class GemmaStyle(NamelessNorm):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
 
 
-def test_is_rmsnorm_by_behaviour():
+def test_is_rmsnorm_by_behaviour(seed):
     assert norms.is_rmsnorm(NamelessNorm(32))
     assert norms.is_rmsnorm(GemmaStyle(32))
     assert norms.is_rmsnorm(nn.RMSNorm(32))
@@ -75,7 +75,7 @@ def test_find_norms_qwen2_llama_qwen3():
     assert all(p.endswith(("input_layernorm", "post_attention_layernorm")) for p in layer) and len(layer) == 4
 
 
-def test_find_norms_foreign_classes():
+def test_find_norms_foreign_classes(seed):
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -93,7 +93,7 @@ def test_find_norms_foreign_classes():
     assert layer == ["blocks.0.pre", "blocks.1.pre"] and final == ["out_norm"]
 
 
-def test_fp32_scale_in_a_bf16_model_hands_bf16_on():
+def test_fp32_scale_in_a_bf16_model_hands_bf16_on(seed):
     """A trainable (FP32) norm in a BF16 model: BF16 out, one rounding of the FP32 product, gradients reach w."""
     model, _ = build_tiny(dtype=torch.bfloat16)
     norm = model.model.layers[0].input_layernorm
