@@ -1,45 +1,116 @@
-"""Rollout throughput of the transformers backend: BF16 vs NVFP4 weights at Qwen2.5 shapes, on one GPU.
+"""Rollout throughput of the backends side by side: native | transformers | vllm, NVFP4 and BF16, on one GPU.
 
-    python -m benchmarks.rollout --size 7b --batch 8 --prompt-len 256 --new-tokens 256 [--out runs/rollout.json]
+    python -m benchmarks.rollout --engine native --size 7b --batches 8,64 --new-tokens 2048 [--profile]
+    python -m benchmarks.rollout --engine vllm --size 7b --batches 8,64 --new-tokens 2048
 
-Builds a Qwen2.5-shaped model with random weights on the GPU (no download), samples `new-tokens` tokens for
-`batch` random prompts with `generate` (what the trainer's `transformers` rollout backend runs), then
-quantizes the same model to NVFP4 in place and samples again. Before timing NVFP4 it checks the quantized
-model's logits against a BF16 model holding the dequantized weights. Weights memory is what the model's
-tensors occupy on the GPU. Tokens/s counts generated tokens of the whole batch.
+Builds the model with random weights on the GPU (NVFP4: quantized layer by layer as it is built, so a 32B model
+never exists in BF16), wraps it in a rank-16 LoRA on every projection (B random, so the adapter is not zero)
+and samples through the rollout backend exactly as the trainer calls it (`RolloutSetup` -> `generate`),
+at temperature 1, with `batch` random prompts of `prompt-len` tokens and no EOS (random weights almost never
+sample one anyway). vllm gets the same model written as a checkpoint under --workdir.
+
+Per row: tokens/s of the whole batch, ms per decode step, and for native the bytes floor of a decode step
+(weights + LoRA + the valid KV of an average step, over the measured copy bandwidth) and peak GPU memory.
+--profile adds, for native, the GPU time per decode step by kernel family (an eager run of 40 more tokens minus
+one of 8, so prefill cancels out), against the graph's measured step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 
-from qerl.nvfp4.linear import NVFP4Linear
+from qerl import policy as qpolicy
 from qerl.nvfp4.quantize import quantize_model
+from qerl.rollout import RolloutSetup, create_backend
+from qerl.tiny import build_tiny_tokenizer
 
-# (hidden, intermediate, layers, heads, kv heads) of Qwen2.5-{3,7,14,32}B; vocab 151936 (3B) / 152064.
+# (hidden, intermediate, layers, heads, kv heads, vocab) of Qwen2.5-{3,7,14,32}B; Llama-3.1-8B as the
+# architecture the native engine was not tuned on (no q/k/v bias, llama3 RoPE scaling, 128K context).
 QWEN25 = {
     "3b": (2048, 11008, 36, 16, 2, 151936),
     "7b": (3584, 18944, 28, 28, 4, 152064),
     "14b": (5120, 13824, 48, 40, 8, 152064),
     "32b": (5120, 27648, 64, 40, 8, 152064),
 }
+SIZES = [*QWEN25, "llama8b"]
 
 
-def build(size: str, device="cuda") -> Qwen2ForCausalLM:
+def model_config(size: str):
+    if size == "llama8b":
+        return LlamaConfig(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192},
+        )  # fmt: skip
     hidden, inter, layers, heads, kv, vocab = QWEN25[size]
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096, tie_word_embeddings=False,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768, tie_word_embeddings=False,
     )  # fmt: skip
-    with torch.device(device):  # made in BF16 directly: a 32B model in fp32 would not fit
+
+
+@torch.no_grad()
+def build(size: str, precision: str = "bf16", device="cuda"):
+    """Random-weight model in BF16, or NVFP4 quantized one decoder layer at a time (peak: one BF16 layer)."""
+    config = model_config(size)
+    torch.manual_seed(0)
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    std = config.initializer_range
+
+    def materialize(module):
+        module.to_empty(device=device, recurse=True)
+        for sub in module.modules():
+            if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
+                sub.weight.normal_(0, std)
+                if getattr(sub, "bias", None) is not None:
+                    sub.bias.zero_()
+            elif hasattr(sub, "weight") and sub.weight is not None and sub.weight.dim() == 1:
+                sub.weight.fill_(1.0)  # norms
+
+    inner = model.model
+    for name, child in inner.named_children():
+        if name == "layers":
+            for layer in child:
+                materialize(layer)
+                if precision == "nvfp4":
+                    quantize_model(layer)
+        elif name == "rotary_emb":  # its inv_freq is computed, not initialized: rebuild it on the device
+            inner.rotary_emb = type(child)(config=config, device=device)
+        else:
+            materialize(child)
+    materialize(model.lm_head)
     return model.eval()
+
+
+def padded_tokenizer(vocab_size: int):
+    """The demo's character tokenizer with filler tokens up to `vocab_size`, so sampled ids all decode."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens([f"<f{i}>" for i in range(vocab_size - len(tokenizer))])
+    return tokenizer
+
+
+@contextlib.contextmanager
+def max_new_tokens(backend, n: int):
+    """The backend samples up to `n` tokens inside the block (its settings: vLLM's params or a GenerationConfig)."""
+    settings, key = (backend.sampling, "max_tokens") if hasattr(backend, "sampling") else (
+        backend.generation_config.__dict__, "max_new_tokens")  # fmt: skip
+    saved = settings[key]
+    settings[key] = n
+    try:
+        yield
+    finally:
+        settings[key] = saved
 
 
 def weights_gb(model) -> float:
@@ -47,76 +118,171 @@ def weights_gb(model) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 1e9
 
 
-@torch.no_grad()
-def tokens_per_second(model, prompts: torch.Tensor, new_tokens: int, static_cache: bool) -> tuple[float, float]:
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
-    if static_cache:  # transformers then compiles the decode step (torch.compile, CUDA graphs)
-        kwargs["cache_implementation"] = "static"
-    # Warm-up (kernels, compile, cache) at the timed length: a static cache is sized by it, and a new size
-    # recompiles the decode step, which would land in the timed run.
-    warm = new_tokens if static_cache else 8
-    model.generate(prompts, max_new_tokens=warm, min_new_tokens=warm, **kwargs)
+def with_lora(model, rank: int = 16):
+    peft_model = get_peft_model(model, qpolicy.lora_config(model, rank=rank, alpha=rank))  # as TRL wraps the base
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1e-3)
+    return peft_model
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting read + write."""
+    src = torch.empty(2**30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+    for _ in range(10):
+        dst.copy_(src)
     torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    generated = (out.shape[1] - prompts.shape[1]) * prompts.shape[0]
-    return generated / seconds, 1e3 * seconds / (out.shape[1] - prompts.shape[1])
+    return 10 * 2 * src.numel() * 2 / (time.perf_counter() - start)
 
 
-@torch.no_grad()
-def dequantized_copy_error(model, size: str, prompts: torch.Tensor) -> float:
-    """Relative error of the NVFP4 model's logits against a BF16 model holding its dequantized weights."""
-    packed = ("weight_packed", "weight_scale", "weight_global_scale")
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith(packed)}
-    for name, module in model.named_modules():
-        if isinstance(module, NVFP4Linear):
-            state[f"{name}.weight"] = module.dequantize_weight(torch.bfloat16)
-    reference = build(size, prompts.device)
-    reference.load_state_dict(state, strict=True)
-    ours = model(prompts[:2, :64]).logits.float()
-    ref = reference(prompts[:2, :64]).logits.float()
-    del reference
+def decode_bytes(decoder, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """What one average decode step must read: frozen weights, LoRA buffers, norms, LM head, valid KV."""
+    tensors = [decoder.lm_head]
+    for p in decoder.projections():
+        tensors += [p.packed, p.scale] if p.nvfp4 else [p.weight]
+        tensors += [t for t in (p.lora_a, p.lora_b) if t is not None]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    kv_per_token = 2 * len(decoder.layers) * decoder.num_kv_heads * decoder.head_dim * decoder.embed.element_size()
+    return weights + batch * (prompt_len + new_tokens / 2) * kv_per_token
+
+
+KERNEL_FAMILIES = (  # substring of the kernel name -> family, first match wins
+    ("_gemm_tc_kernel", "NVFP4 GEMM"), ("_split_kernel", "attention"), ("_merge_kernel", "attention"),
+    ("_rmsnorm", "add+RMSNorm"), ("_rope_cache", "rotary+KV write"), ("_silu_mul", "SiLU gate"),
+    ("gemm", "cuBLAS GEMM (BF16 base, LoRA, LM head)"), ("gemv", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
+    ("splitKreduce", "cuBLAS GEMM (BF16 base, LoRA, LM head)"), ("nvjet", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
+    ("softmax", "sampling"), ("exponential", "sampling"), ("argmax", "sampling"), ("reduce", "sampling"),
+)
+
+
+def kernel_times(engine, prompts, new_tokens: int) -> dict[str, float]:
+    """GPU microseconds per family of one eager generate."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.cuda_graphs
+    engine.cuda_graphs = False
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, new_tokens)
+            torch.cuda.synchronize()
+    finally:
+        engine.cuda_graphs = graphs
+    totals = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            family = next((f for key, f in KERNEL_FAMILIES if key.lower() in event.name.lower()), "other")
+            totals[family] += event.device_time
+    return totals
+
+
+def profile_decode_step(engine, prompts) -> dict[str, float]:
+    """GPU microseconds per decode step, by kernel family: (eager 48 tokens) - (eager 8 tokens), over 40 steps."""
+    kernel_times(engine, prompts, 8)  # warm-up
+    short, long = kernel_times(engine, prompts, 8), kernel_times(engine, prompts, 48)
+    return {k: (long[k] - short.get(k, 0.0)) / 40 for k in sorted(long, key=lambda k: -long[k])}
+
+
+def setup_for(model, new_tokens: int, model_path: str | None, options: dict) -> RolloutSetup:
+    return RolloutSetup(
+        generation_config=GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                           max_new_tokens=new_tokens),
+        eos_token_ids=[], pad_token_id=0, open_policy=lambda: contextlib.nullcontext(model),
+        device=torch.device("cuda"), model_path=model_path, options=options,
+    )  # fmt: skip
+
+
+def run(args, precision: str) -> list[dict]:
     torch.cuda.empty_cache()
-    return ((ours - ref).norm() / ref.norm()).item()
+    torch.cuda.reset_peak_memory_stats()
+    base = build(args.size, precision)
+    gb = weights_gb(base)
+    model_path = None
+    if args.engine == "vllm":  # vLLM loads a folder: the same weights, written once per run
+        from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
+
+        folder = Path(args.workdir) / f"{args.size}-{precision}"
+        tokenizer = padded_tokenizer(base.config.vocab_size)
+        if precision == "nvfp4":
+            save_nvfp4_checkpoint(base, folder, tokenizer=tokenizer, overwrite=True)
+        else:
+            base.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+        model_path = str(folder)
+    model = with_lora(base, args.lora_rank)
+    options = {"gpu_memory_utilization": args.gpu_memory_utilization, "sleep": False,
+               "max_model_len": args.prompt_len + args.new_tokens} if args.engine == "vllm" else {}  # fmt: skip
+    backend = create_backend(args.engine, setup_for(model, args.new_tokens, model_path, options))
+    noop = lambda module: contextlib.nullcontext()  # noqa: E731
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for batch in args.batches:
+        prompts = torch.randint(10, base.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+        with max_new_tokens(backend, 16):
+            backend.generate(prompts, noop)  # warm-up at the timed batch: Triton compiles per shape
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = backend.generate(prompts, noop)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tokens = sum(len(c) for c in out.completion_ids)
+        steps = max(len(c) for c in out.completion_ids)
+        row = {"engine": args.engine, "precision": precision, "batch": batch, "tokens": tokens, "seconds": seconds,
+               "tokens_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / steps, "weights_gb": gb,
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+        if args.engine == "native":
+            engine = backend.engine
+            row["waves"] = engine.last_waves
+            row["floor_ms"] = 1e3 * decode_bytes(engine.decoder, batch, args.prompt_len, args.new_tokens) / args.bw
+            if args.profile:
+                row["kernels_us_per_step"] = profile_decode_step(engine, prompts)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del backend, model, base
+    return rows
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(QWEN25), default="7b")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--engine", choices=("native", "transformers", "vllm"), default="native")
+    parser.add_argument("--size", choices=SIZES, default="7b")
+    parser.add_argument("--precisions", default="nvfp4,bf16")
+    parser.add_argument("--batches", default="8,64")
     parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--static-cache", action="store_true",
-                        help="static KV cache, which makes transformers compile the decode step into CUDA graphs")
+    parser.add_argument("--new-tokens", type=int, default=2048)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--profile", action="store_true", help="native: GPU time per decode step by kernel family")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: its share of the GPU")
+    parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/rollout.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.rollout needs a CUDA GPU")
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.bw = copy_bandwidth()
+    rows = [row for precision in args.precisions.split(",") for row in run(args, precision)]
 
-    torch.manual_seed(0)
-    model = build(args.size)
-    prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len), device="cuda")
-    rows = {}
-    rows["bf16"] = (weights_gb(model), *tokens_per_second(model, prompts, args.new_tokens, args.static_cache))
-    quantize_model(model)
-    torch.cuda.empty_cache()
-    error = dequantized_copy_error(model, args.size, prompts)
-    rows["nvfp4"] = (weights_gb(model), *tokens_per_second(model, prompts, args.new_tokens, args.static_cache))
-
-    cache = "static cache + compiled decode" if args.static_cache else "dynamic cache"
-    print(f"Qwen2.5-{args.size} shapes, random weights, batch {args.batch}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, {cache}, {torch.cuda.get_device_name()}")  # fmt: skip
-    print(f"NVFP4 logits vs BF16 with the dequantized weights: relative error {error:.2e}")
-    print(f"{'weights':8s} {'GB':>7s} {'tok/s':>8s} {'ms/step':>8s}")
-    for name, (gb, tps, ms) in rows.items():
-        print(f"{name:8s} {gb:7.2f} {tps:8.0f} {ms:8.2f}")
-    print(f"NVFP4 / BF16 throughput: {rows['nvfp4'][1] / rows['bf16'][1]:.2f}x")
+    print(f"\n{args.size} shapes, random weights, LoRA r{args.lora_rank}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, {args.engine}, {torch.cuda.get_device_name()}, "
+          f"copy bandwidth {args.bw / 1e12:.2f} TB/s")  # fmt: skip
+    print(f"{'weights':8s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'floor ms':>8s} {'peak GiB':>8s}")
+    for r in rows:
+        floor = f"{r['floor_ms']:8.2f}" if "floor_ms" in r else f"{'':8s}"
+        print(f"{r['precision']:8s} {r['batch']:5d} {r['tokens_per_s']:8.0f} {r['ms_per_step']:8.2f} {floor} "
+              f"{r['peak_gib']:8.1f}")
+        for family, us in r.get("kernels_us_per_step", {}).items():
+            print(f"    {family:42s} {us:8.1f} us/step")
+    by = {(r["precision"], r["batch"]): r["tokens_per_s"] for r in rows}
+    for batch in args.batches:
+        if ("nvfp4", batch) in by and ("bf16", batch) in by:
+            print(f"batch {batch}: NVFP4 / BF16 = {by['nvfp4', batch] / by['bf16', batch]:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    result = {"args": vars(args), "device": torch.cuda.get_device_name(), "logits_rel_error": error,
-              **{k: {"weights_gb": v[0], "tokens_per_s": v[1], "ms_per_step": v[2]} for k, v in rows.items()}}
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
+                                          "device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -26,20 +26,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.rollout import QWEN25, build
+from benchmarks.rollout import QWEN25, build, max_new_tokens, padded_tokenizer
 from qerl import train
 from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 from qerl.nvfp4.quantize import quantize_model
-from qerl.tiny import build_tiny_tokenizer
 
 GSM8K = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "train_sample.jsonl"
-
-
-def padded_tokenizer(vocab_size: int):
-    """The demo's character tokenizer with filler tokens up to `vocab_size`, so sampled ids all decode."""
-    tokenizer = build_tiny_tokenizer()
-    tokenizer.add_tokens([f"<f{i}>" for i in range(vocab_size - len(tokenizer))])
-    return tokenizer
 
 
 def checkpoint(size: str, precision: str, workdir: Path) -> str:
@@ -88,19 +80,6 @@ class PhaseTimer:
             self.peak_gpu_gib = max(self.peak_gpu_gib, gpu_used_gib())
 
 
-@contextlib.contextmanager
-def max_new_tokens(backend, n: int):
-    """The backend samples up to `n` tokens inside the block (its settings: vLLM's params or a GenerationConfig)."""
-    settings, key = (backend.sampling, "max_tokens") if hasattr(backend, "sampling") else (
-        backend.generation_config.__dict__, "max_new_tokens")  # fmt: skip
-    saved = settings[key]
-    settings[key] = n
-    try:
-        yield
-    finally:
-        settings[key] = saved
-
-
 def gpu_used_gib() -> float:
     free, total = torch.cuda.mem_get_info()
     return (total - free) / 2**30
@@ -110,13 +89,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(QWEN25), default="7b")
     parser.add_argument("--precision", choices=("nvfp4", "bf16"), default="nvfp4")
-    parser.add_argument("--backend", default="vllm", help="rollout backend: vllm or transformers")
+    parser.add_argument("--backend", default="vllm", help="rollout backend: native, vllm or transformers")
     parser.add_argument("--config", default=None, help="recipe YAML (default: configs/dapo_gsm8k_<precision>.yaml)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=2048, help="max completion length of the steps")
     parser.add_argument("--rollout-batches", default="8,64")
     parser.add_argument("--rollout-tokens", type=int, default=1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--in-memory", action="store_true",
+                        help="build the random model on the GPU instead of writing a checkpoint (not for vllm)")
     parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/step.json")
     parser.add_argument("extra", nargs="*", help="more qerl.train flags")
@@ -124,7 +105,13 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.step needs a CUDA GPU")
 
-    model_path = checkpoint(args.size, args.precision, Path(args.workdir))
+    model = None
+    if args.in_memory:  # random weights built on the GPU (NVFP4 layer by layer): no checkpoint is written
+        model = build(args.size, args.precision)
+        model_path = str(Path(args.workdir) / f"tokenizer-{model.config.vocab_size}")
+        padded_tokenizer(model.config.vocab_size).save_pretrained(model_path)
+    else:
+        model_path = checkpoint(args.size, args.precision, Path(args.workdir))
     recipe = args.config or f"configs/dapo_gsm8k_{args.precision}.yaml"
     out_dir = Path(args.workdir) / f"run-{args.size}-{args.precision}-{args.backend}"
     flags = [
@@ -140,7 +127,7 @@ def main(argv=None) -> None:
         *args.extra,
     ]  # fmt: skip
     timer = PhaseTimer()
-    trainer = train.build_trainer(*train.parse_args(flags))
+    trainer = train.build_trainer(*train.parse_args(flags), model=model)
     backend = trainer.rollout
     prompts = [trainer.processing_class.apply_chat_template(row["prompt"], add_generation_prompt=True)["input_ids"]
                for row in trainer.train_dataset.select(range(min(64, len(trainer.train_dataset))))]  # fmt: skip
@@ -161,10 +148,13 @@ def main(argv=None) -> None:
 
     timer.total.clear()
     timer.wrap(backend, "generate", "rollout")
-    if hasattr(backend, "engine"):
+    if backend.name == "vllm":
         timer.wrap(backend.engine, "load_lora", "lora push")
         timer.wrap(backend.engine, "load_norms", "lora push")
         timer.wrap(backend.engine, "generate", "sampling")  # ends before the engine sleeps: its peak memory
+    elif backend.name == "native" and backend.engine is not None:  # built by the first rollout above
+        timer.wrap(backend.engine.decoder, "refresh", "lora push")  # LoRA and norms into the engine's buffers
+        timer.wrap(backend.engine, "generate", "sampling")
     timer.wrap(trainer, "_get_per_token_logps_and_entropies", "log-prob forwards")
     timer.wrap(trainer.accelerator, "backward", "backward")
     step_times = []

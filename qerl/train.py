@@ -323,10 +323,12 @@ def prepare_output_dir(script_args: QeRLScriptArguments, config: QeRLConfig) -> 
     return None
 
 
-def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig) -> QeRLTrainer:
+def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=None) -> QeRLTrainer:
+    """The trainer of a run; `model`: a base already built in memory (benchmarks), instead of loading model_name."""
     dtype = getattr(torch, script_args.dtype)
     tokenizer = policy.load_tokenizer(script_args.model_name)
-    model = policy.load_base_model(script_args.model_name, script_args.precision, dtype, device=config.device)
+    if model is None:
+        model = policy.load_base_model(script_args.model_name, script_args.precision, dtype, device=config.device)
     task = data.load_task(
         script_args.dataset, script_args.dataset_split, script_args.dataset_format, script_args.num_examples,
         seed=config.seed,

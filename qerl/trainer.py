@@ -91,6 +91,11 @@ class QeRLConfig(GRPOConfig):
                   "is installed, else transformers. vllm reads TRL's vllm_gpu_memory_utilization, "
                   "vllm_max_model_length and vllm_enable_sleep_mode."},
     )  # fmt: skip
+    rollout_kv_cache_gib: float | None = field(
+        default=None,
+        metadata={"help": "rollout_backend native: GPU memory (GiB) the KV cache of a round may take (default: 80% of "
+                  "what is free); a round that needs more runs in waves of as many sequences as fit."},
+    )  # fmt: skip
     vllm_enable_sleep_mode: bool = field(
         default=True,
         metadata={"help": "rollout_backend vllm: put the engine to sleep between rounds (level 1: KV cache freed, "
@@ -329,6 +334,7 @@ class QeRLTrainer(GRPOTrainer):
                 "seed": args.seed,
                 # The fp32 noise rule needs FP32 scales in the engine's norms, or small noise rounds away.
                 "fp32_norms": args.aqn_dtype == "fp32",
+                "kv_cache_gib": args.rollout_kv_cache_gib,
             },
         )
 

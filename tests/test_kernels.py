@@ -139,6 +139,22 @@ def _interpreter_checks():
             y2 = tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, config=cfg, counters=counters)
             assert torch.equal(y2, y) and not counters.any()
 
+    # LoRA up-projection in the epilogue (the native rollout engine's path), with and without split-K, and the
+    # large-M fallback that adds it after the GEMM.
+    for m, split in ((3, 1), (6, 2), (kernels.FUSED_MAX_M + 1, 1)):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        b = torch.randn(n, dtype=torch.bfloat16)
+        lora_s, lora_b = torch.randn(m, 16, dtype=torch.bfloat16), torch.randn(n, 16, dtype=torch.bfloat16) * 0.1
+        expected = _reference(x, q, b) + lora_s.double() @ lora_b.double().t()
+        if m <= kernels.FUSED_MAX_M:
+            y = tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, config=tk.GemmConfig(16, 16, 64, split, 4, 2),
+                        lora=(lora_s, lora_b))
+            assert _rel_err(y, expected) < 1e-2, (m, split)
+        y = kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, b, None, lora_s, lora_b)
+        assert _rel_err(y, expected) < 1e-2, m
+    with pytest.raises(ValueError, match="power of two"):
+        tk.gemm(x[:2], q.packed, q.scale, q.global_scale, lora=(lora_s[:2, :12], lora_b[:, :12]))
+
     # Public API under the interpreter: small M takes the fused kernel, large M dequant + matmul; grads.
     q = _weight(24, 64)
     for m in (3, kernels.FUSED_MAX_M + 1):

@@ -136,10 +136,13 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     assert all({"reward", "entropy", "aqn/sigma"} <= line.keys() for line in lines if "loss" in line)
 
 
-def test_rollout_logprobs_match_trl_at_the_sampling_temperature(checkpoints, tmp_path):
+@pytest.mark.parametrize("backend", ["transformers", "native"])
+def test_rollout_logprobs_match_trl_at_the_sampling_temperature(checkpoints, tmp_path, backend):
     """With AQN off, the rollout log-probs must equal TRL's own training log-probs (logits / temperature)."""
     _, nvfp4_dir = checkpoints
-    trainer = make_trainer(nvfp4_dir, _config(tmp_path, aqn=False, temperature=0.7, max_steps=2))
+    args = _config(tmp_path, aqn=False, temperature=0.7, max_steps=2, rollout_backend=backend)
+    trainer = make_trainer(nvfp4_dir, args)
+    assert trainer.rollout.name == backend
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["aqn/sigma"] == 0.0 for h in history)

@@ -131,6 +131,18 @@ def nvfp4_linear(x, packed, scale, global_scale, bias=None, splitk_counters=None
     return _linear_impl(x, packed, scale, global_scale, bias, splitk_counters)
 
 
+@torch.no_grad()
+def nvfp4_linear_lora(x, packed, scale, global_scale, bias, splitk_counters, lora_s, lora_b):
+    """x @ W^T (+ bias) + lora_s @ lora_b^T for a 2-D x, without autograd (rollouts): a LoRA's up-projection of its
+    shrunk input lora_s = x @ A^T. Few rows take the fused kernel with the LoRA added in its epilogue (lora_s
+    [M, R], lora_b [N, R], R a power of two >= 16); other rows add it after the GEMM."""
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    if _triton_ok(x) and x.dtype in _tk.GEMM_DTYPES and x.shape[0] <= FUSED_MAX_M:
+        return _tk.gemm(x, packed, scale, global_scale, bias, counters=splitk_counters, lora=(lora_s, lora_b))
+    return _linear_impl(x, packed, scale, global_scale, bias, splitk_counters).addmm_(lora_s, lora_b.t())
+
+
 def _needs_op(x, bias) -> bool:
     """The custom op is needed under torch.compile (tracing), on meta tensors and when gradients must flow."""
     if torch.compiler.is_compiling() or x.is_meta:

@@ -166,10 +166,22 @@ def _perm_k(t, BLOCK_N: tl.constexpr, KH: tl.constexpr):
 
 
 @triton.jit
-def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm, M, N, stride_ym, pid_n, pid_k,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """y = acc * scale / global_scale (+ bias); with split-K the last CTA of the N tile sums the partials."""
+def _lora_up(acc, ls_ptr, lb_ptr, rn, rm, n_ok, m_ok, LORA_R: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc[BLOCK_N, BLOCK_M] + (s @ B^T)^T for the LoRA's shrunk input s [M, R] and up-projection B [N, R]."""
+    rr = tl.arange(0, LORA_R)
+    lb = tl.load(lb_ptr + rn.to(tl.int64)[:, None] * LORA_R + rr[None, :], mask=n_ok[:, None], other=0.0)
+    ls = tl.load(ls_ptr + rm[None, :] * LORA_R + rr[:, None], mask=m_ok[None, :], other=0.0)
+    if INTERPRET:  # the interpreter multiplies bf16 as raw integers
+        return tl.dot(lb.to(tl.float32), ls.to(tl.float32), acc)
+    return tl.dot(lb, ls, acc)
+
+
+@triton.jit
+def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, ls_ptr, lb_ptr, rn, rm, M, N, stride_ym,
+                    pid_n, pid_k, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                    SPLIT_K: tl.constexpr, LORA_R: tl.constexpr, INTERPRET: tl.constexpr):
+    """y = acc * scale / global_scale (+ bias) (+ LoRA's s @ B^T); with split-K the last CTA of the N tile sums the
+    partials."""
     n_ok = rn < N
     m_ok = rm < M
     y_mask = n_ok[:, None] & m_ok[None, :]
@@ -178,6 +190,8 @@ def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm, 
         acc = acc * scale / tl.load(gs_ptr)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if LORA_R > 0:
+            acc = _lora_up(acc, ls_ptr, lb_ptr, rn, rm, n_ok, m_ok, LORA_R, INTERPRET)
         tl.store(y_ptr + y_off, _to_out(acc, y_ptr.dtype.element_ty, INTERPRET), mask=y_mask)
     else:
         w_off = rm[None, :] * N + rn[:, None]
@@ -191,17 +205,19 @@ def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm, 
             total = total * scale / tl.load(gs_ptr)
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            if LORA_R > 0:
+                total = _lora_up(total, ls_ptr, lb_ptr, rn, rm, n_ok, m_ok, LORA_R, INTERPRET)
             tl.store(y_ptr + y_off, _to_out(total, y_ptr.dtype.element_ty, INTERPRET), mask=y_mask)
             tl.store(lock_ptr + pid_n, 0)  # re-armed for the next call: every other CTA of this tile has arrived
 
 
 @triton.jit
 def _gemm_tc_kernel(
-    x_ptr, p_ptr, s_ptr, x_desc, p_desc, s_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    x_ptr, p_ptr, s_ptr, x_desc, p_desc, s_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, ls_ptr, lb_ptr,
     M, N, K, stride_xm, stride_ym, tiles_per_split,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, STAGES: tl.constexpr, TMA_P: tl.constexpr,
-    TMA_S: tl.constexpr, USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA_S: tl.constexpr, USE_ASM: tl.constexpr, LORA_R: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """y[M, N] = x @ W^T as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T on the tensor cores, the weight streamed.
 
@@ -275,8 +291,8 @@ def _gemm_tc_kernel(
         else:
             acc = tl.dot(lo, xe, acc)
             acc = tl.dot(hi, xo, acc)
-    _split_epilogue(acc, _DECODE_UNDO if USE_ASM else 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, rn, rm,
-                    M, N, stride_ym, pid_n, pid_k, HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K, INTERPRET)
+    _split_epilogue(acc, _DECODE_UNDO if USE_ASM else 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, ls_ptr, lb_ptr,
+                    rn, rm, M, N, stride_ym, pid_n, pid_k, HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K, LORA_R, INTERPRET)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -380,12 +396,14 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig | None = None, use_asm=None,
-         counters: torch.Tensor | None = None):
-    """y = x @ W^T (+ bias) for a 2-D bf16/fp16 x with few rows.
+         counters: torch.Tensor | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """y = x @ W^T (+ bias) (+ s @ B^T) for a 2-D bf16/fp16 x with few rows.
 
     `counters` (int32 zeros, one per N tile, kept with the weight): the split-K arrival counters. The kernel leaves
     them zeroed, so they are allocated once, before any CUDA-graph capture; without them each split-K call
     allocates and zeroes its own (one memset launch more). Two calls sharing counters must not run concurrently.
+    `lora` = (s [M, R], B [N, R]), contiguous, x's dtype, R a power of two >= 16: a LoRA's up-projection of its
+    shrunk input s = x @ A^T, added in the epilogue (saves the rollout engine a GEMM launch and a pass over y).
     """
     m, k = x.shape
     n = packed.shape[0]
@@ -397,6 +415,15 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    lora_r = 0
+    if lora is not None:
+        lora_s, lora_b = lora
+        lora_r = lora_s.shape[1]
+        if lora_r < 16 or lora_r & (lora_r - 1) or lora_s.shape[0] != m or lora_b.shape != (n, lora_r):
+            raise ValueError(f"lora: s {tuple(lora_s.shape)} and B {tuple(lora_b.shape)} do not fit x {m}x{k}, W "
+                             f"{n}x{k} with a rank that is a power of two >= 16")
+        if not (lora_s.is_contiguous() and lora_b.is_contiguous()):
+            raise ValueError("lora: s and B must be contiguous")
     cfg = config or default_config(m, n, k, x.device)
     if use_asm is None:
         use_asm = x.dtype == torch.bfloat16 and x.is_cuda and not INTERPRET
@@ -414,9 +441,11 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
         ws = locks = out  # unused
     scale_u8 = scale.view(torch.uint8)
     common = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  SPLIT_K=split, TILES_PER_SPLIT=tiles if INTERPRET else 0, USE_ASM=bool(use_asm),
+                  SPLIT_K=split, TILES_PER_SPLIT=tiles if INTERPRET else 0, USE_ASM=bool(use_asm), LORA_R=lora_r,
                   INTERPRET=INTERPRET, num_warps=cfg.num_warps)
-    args = (global_scale, bias if bias is not None else out, out, ws, locks, m, n, k, x.stride(0), out.stride(0), tiles)
+    ls, lb = lora if lora is not None else (out, out)  # unused without LoRA
+    args = (global_scale, bias if bias is not None else out, out, ws, locks, ls, lb, m, n, k, x.stride(0),
+            out.stride(0), tiles)
     # Host-side TMA descriptors (passed by value, so CUDA graphs capture them); the scale tile's rows are
     # BLOCK_K/16 bytes, which TMA takes from 16 up; x is read as int32 (even, odd) pairs.
     tma_p = _tma_ok(packed)

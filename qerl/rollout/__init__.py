@@ -9,6 +9,7 @@ metrics consume) and the noise statistics that `perturb` yielded.
 
     transformers  generate() on the training policy itself (any device; the fallback)
     vllm          a colocated vLLM engine on the same checkpoint: Marlin NVFP4, LoRA pushed from memory
+    native        our engine on the policy's own weights: fused steps, per-sequence KV, CUDA-graph decode
     auto          vllm on a CUDA machine where vLLM is installed, else transformers
 """
 
@@ -76,6 +77,7 @@ class RolloutBackend(ABC):
 BACKENDS: dict[str, str] = {
     "transformers": "qerl.rollout.transformers:TransformersRollout",
     "vllm": "qerl.rollout.vllm:VLLMRollout",
+    "native": "qerl.rollout.native:NativeRollout",
 }
 CHOICES = ("auto", *BACKENDS)
 

@@ -1,0 +1,62 @@
+"""The `native` rollout backend: batched sampling on the policy's own modules and memory, no second copy of any
+weight, the whole decode step in one CUDA graph.
+
+    model.py      the policy's decoder as fused steps over its own tensors (q/k/v and gate/up as one GEMM each,
+                  LoRA unmerged in fixed BF16 buffers, FP32 norm scales that AQN perturbs in place)
+    ops.py        fused elementwise kernels: residual + RMSNorm, rotary + KV-cache write, SiLU gate
+    attention.py  decode attention over each sequence's valid keys only (Triton, split-K)
+    sampling.py   temperature / top-k / top-p / min-p and the sampled token's log-prob, on the GPU
+    engine.py     KV cache sized from the round's lengths (waves when it does not fit), prefill, graph, EOS
+
+Every round: refresh the decoder's LoRA buffers and norm scales from the policy -> AQN noise on those scales ->
+prefill + decode -> clean scales back. Runs on CPU too (eager, PyTorch twins of the kernels), which is how the
+tests check it against the policy's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
+
+
+class NativeRollout(RolloutBackend):
+    """Options (RolloutSetup.options): kv_cache_gib (KV budget per round; default 80% of the free memory),
+    prefill_tokens (rows per prefill chunk), cuda_graphs (default: on CUDA)."""
+
+    name = "native"
+
+    def __init__(self, setup: RolloutSetup):
+        from qerl.rollout.native.sampling import Sampler
+
+        super().__init__(setup)
+        self.generation_config = setup.generation_config  # max_new_tokens is read every round
+        self.sampler = Sampler(setup.generation_config)
+        self.engine = None
+        self._policy_id = None
+
+    def _engine_for(self, policy):
+        from qerl.rollout.native.engine import NativeEngine
+        from qerl.rollout.native.model import Decoder
+
+        if self.engine is None or self._policy_id != id(policy):  # built once: the module tree never changes
+            options = self.setup.options
+            gib = options.get("kv_cache_gib")
+            self.engine = NativeEngine(
+                Decoder(policy), self.sampler, self.setup.eos_token_ids, self.setup.pad_token_id,
+                kv_cache_bytes=None if gib is None else int(gib * 2**30),
+                prefill_tokens=options.get("prefill_tokens") or 8192, cuda_graphs=options.get("cuda_graphs"),
+            )  # fmt: skip
+            self._policy_id = id(policy)
+        return self.engine
+
+    def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
+        setup = self.setup
+        with setup.open_policy() as policy, torch.no_grad():
+            engine = self._engine_for(policy)
+            engine.decoder.refresh()
+            with perturb(engine.decoder.norms) as noise:
+                ids, logprobs = engine.generate(prompt_ids, int(self.generation_config.max_new_tokens))
+        output = truncate_at_eos(ids, logprobs, setup.eos_token_ids)
+        output.noise = noise
+        return output

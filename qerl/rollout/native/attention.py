@@ -1,0 +1,238 @@
+"""Decode attention over a per-sequence KV cache: one new query token per sequence, cost following real lengths.
+
+    decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None) -> out
+        q [B, Hq, D], k_cache/v_cache [B, S_max, Hkv, D] (bf16/fp16), seq_lens int32 [B] on the device;
+        sequence b attends to its keys 0 .. seq_lens[b]-1 and never reads the positions after them.
+    decode_attention_reference(q, k_cache, v_cache, seq_lens, scale) -> the same in plain torch (float32 math or
+        wider), masking by seq_lens: the tests' reference and the path on devices without Triton.
+
+Flash-decoding: kernel 1 (grid B x Hkv x num_splits) gives each program one KV head of one sequence and one
+range of keys, its GQA group's query heads as one padded tile so the tensor cores do QK^T and PV, with an
+online softmax in fp32; it writes the split's normalized output and log-sum-exp. Kernel 2 merges the splits
+of each (sequence, query head). The grid depends only on shapes and splits past seq_lens[b] return at once,
+so a CUDA graph captures one launch pair for any lengths (no host sync, no data-dependent allocation).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # Triton is Linux-only; the torch reference keeps everything working without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the platform
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+BLOCK_S = 64  # keys per tile: one [64, D] K and V tile per step (16 KB each at D=128)
+# num_splits rule (see _splits): enough programs for PROGRAMS_PER_SM per SM when every sequence is S_max long
+# (shorter ones leave their tail splits empty, so aim above one wave), but no split shorter than
+# MIN_TILES_PER_SPLIT tiles (each split reloads q and writes a partial) and at most MAX_SPLITS (the merge
+# kernel holds all of one head's splits in registers).
+PROGRAMS_PER_SM = 4
+MIN_TILES_PER_SPLIT = 2
+MAX_SPLITS = 64
+_LOG2E = 1.4426950408889634  # the kernels take exp2: scores are scaled by scale * log2(e)
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+def _triton_ok(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+
+@_jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b on the tensor cores (16-bit operands, fp32 accumulator); the interpreter multiplies 16-bit
+    floats as raw integers, so there it takes fp32 operands."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a.to(b.dtype), b, acc)
+
+
+@_jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_ob, stride_oh,
+    split_len, qk_scale,
+    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Keys [split * split_len, min((split + 1) * split_len, seq_len)) of one sequence and KV head, for the
+    GROUP query heads sharing it: the output itself when SPLITS == 1, else the split's normalized output and
+    log2-sum-exp (scores in log2 units: qk_scale = scale * log2(e), so exp2 replaces exp)."""
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    start = split * split_len
+    if start >= seq_len:  # past this sequence's keys: nothing to read, and the merge skips this split
+        return
+    end = tl.minimum(start + split_len, seq_len)
+
+    rh = tl.arange(0, BLOCK_H)
+    rd = tl.arange(0, D)
+    heads = kv_head * GROUP + rh
+    h_ok = rh < GROUP
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + rd[None, :], mask=h_ok[:, None], other=0.0)
+    kv_off = b * stride_kb + kv_head * stride_kh + rd[None, :]
+
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    denom = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    for s0 in tl.range(start, end, BLOCK_S, num_stages=NUM_STAGES):
+        rs = s0 + tl.arange(0, BLOCK_S)
+        s_ok = rs < end
+        # Masked loads: positions past seq_len are never read (they may hold anything, NaN included).
+        k = tl.load(k_ptr + kv_off + rs[:, None] * stride_ks, mask=s_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off + rs[:, None] * stride_ks, mask=s_ok[:, None], other=0.0)
+        qk = _dot(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_S), tl.float32), INTERPRET) * qk_scale
+        qk = tl.where(s_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))  # finite: every tile holds at least one valid key
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        acc = _dot(p, v, acc * alpha[:, None], INTERPRET)
+        m = m_new
+
+    o = acc / denom[:, None]
+    if SPLITS == 1:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + rd[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+    else:
+        row = (b * HQ + heads) * SPLITS + split  # partials are [B, Hq, SPLITS, D] and [B, Hq, SPLITS]
+        tl.store(part_ptr + row[:, None] * D + rd[None, :], o, mask=h_ok[:, None])
+        tl.store(lse_ptr + row, m + tl.log2(denom), mask=h_ok)
+
+
+@_jit
+def _merge_kernel(
+    lens_ptr, part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, split_len,
+    HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+):
+    """out[b, head] = the splits' outputs weighted by exp2(lse), over the splits that hold keys of sequence b."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    n_splits = tl.cdiv(tl.load(lens_ptr + b), split_len)
+    rs = tl.arange(0, BLOCK_SPLITS)
+    rd = tl.arange(0, D)
+    s_ok = rs < n_splits
+    row = (b * HQ + head) * SPLITS + rs
+    lse = tl.load(lse_ptr + row, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------- host side
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: any small machine, so that the CPU tests see several splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(batch: int, kv_heads: int, max_len: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:
+    """(splits, keys per split) from static shapes only, so one CUDA graph serves every set of lengths.
+    Default: the rule above the constants. Either way each split covers whole tiles and none is empty at S_max."""
+    tiles = _cdiv(max_len, BLOCK_S)
+    if num_splits is None:
+        want = _cdiv(PROGRAMS_PER_SM * _sm_count(device), batch * kv_heads)
+        num_splits = min(want, _cdiv(tiles, MIN_TILES_PER_SPLIT))
+    tiles_per_split = _cdiv(tiles, max(1, min(num_splits, tiles, MAX_SPLITS)))
+    return _cdiv(tiles, tiles_per_split), tiles_per_split * BLOCK_S
+
+
+def decode_workspace(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
+    """fp32 scratch for decode_attention's split partials at these shapes (pass the same num_splits): allocate it
+    once, before capturing a CUDA graph, and hand it in as `workspace`."""
+    b, hq, d = q.shape
+    splits, _ = _splits(b, k_cache.shape[2], k_cache.shape[1], q.device, num_splits)
+    return torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)
+
+
+def _check(q, k_cache, v_cache, seq_lens):
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"q must be [B, Hq, D] and k_cache [B, S_max, Hkv, D]; got {tuple(q.shape)} and "
+                         f"{tuple(k_cache.shape)}")
+    b, hq, d = q.shape
+    if k_cache.shape[0] != b or k_cache.shape[3] != d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         "disagree on B or D")
+    if hq % k_cache.shape[2]:
+        raise ValueError(f"q's {hq} heads are not a multiple of k_cache's {k_cache.shape[2]} KV heads")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"q and k_cache: head dim D={d} must be a power of two >= 16")
+    if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{b}]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None):
+    """softmax(q . K^T * scale) V per sequence over its first seq_lens[b] cached keys -> out [B, Hq, D] in q's dtype.
+
+    The Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1) for bf16/fp16; the torch reference otherwise.
+    num_splits: key ranges per sequence (default: _splits' rule from B, Hkv, S_max and the SM count).
+    workspace: from decode_workspace (else allocated per call, which a CUDA graph's private pool also serves).
+    """
+    _check(q, k_cache, v_cache, seq_lens)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}; got {out.dtype} {tuple(out.shape)}")
+    if not (_triton_ok(q) and q.dtype in KERNEL_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype):
+        return out.copy_(decode_attention_reference(q, k_cache, v_cache, seq_lens, scale))
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or out.stride(2) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("q, k_cache, v_cache and out need a contiguous last dim, and the caches the same strides")
+
+    b, hq, d = q.shape
+    max_len, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    splits, split_len = _splits(b, hkv, max_len, q.device, num_splits)
+    if splits > 1:
+        size = b * hq * splits * d
+        if workspace is None:
+            workspace = torch.empty(size + b * hq * splits, dtype=torch.float32, device=q.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < size + b * hq * splits:
+            raise ValueError("workspace too small or not fp32: build it with decode_workspace(q, k_cache, num_splits)")
+        part, lse = workspace[:size], workspace[size:]
+    else:
+        part = lse = out  # unused: the split kernel writes out directly
+    _split_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, seq_lens, out, part, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), split_len, scale * _LOG2E,
+        HQ=hq, GROUP=group, D=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_S=BLOCK_S,
+        NUM_STAGES=2, INTERPRET=INTERPRET, num_warps=4,
+    )
+    if splits > 1:
+        _merge_kernel[(b, hq)](
+            seq_lens, part, lse, out, out.stride(0), out.stride(1), split_len,
+            HQ=hq, D=d, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return out
+
+
+def decode_attention_reference(q, k_cache, v_cache, seq_lens, scale):
+    """decode_attention in plain torch, in float32 (or q's dtype if wider), masking the keys past seq_lens (their
+    values are zeroed too, so garbage there, NaN included, cannot leak in)."""
+    _check(q, k_cache, v_cache, seq_lens)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // k_cache.shape[2]
+    valid = torch.arange(k_cache.shape[1], device=q.device) < seq_lens[:, None]  # [B, S_max]
+    k = k_cache.to(dtype).repeat_interleave(group, dim=2)  # [B, S_max, Hq, D]
+    v = torch.where(valid[:, :, None, None], v_cache.to(dtype), 0).repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,bshd->bhs", q.to(dtype), k) * scale
+    p = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhs,bshd->bhd", p, v).to(q.dtype)

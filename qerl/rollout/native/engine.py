@@ -1,0 +1,202 @@
+"""The native engine's loop: KV cache sized from the round's lengths, prefill in large GEMMs, one CUDA graph per
+wave for the whole decode step, stop on EOS.
+
+A round of B prompts runs in waves of as many sequences as the KV budget holds (all of them when it fits). A
+wave:
+  1. allocates its KV cache [layers, B, longest prompt + max_new_tokens, kv heads, head dim] in one tensor
+     (per-sequence rows: attention reads only each sequence's valid keys, so the capacity costs memory, not time);
+  2. prefills the prompts in chunks of at most `prefill_tokens` tokens (right-padded, causal attention through
+     PyTorch's SDPA; pad rows write keys past the prompt that decode overwrites before it reads them) and samples
+     each sequence's first token from its last prompt row;
+  3. captures one decode step (embedding -> layers -> LM head -> sampling -> bookkeeping) in a CUDA graph and
+     replays it, checking every `sync_every` steps whether all sequences have emitted EOS;
+  4. frees the cache and the graph, so the trainer gets the memory back for its log-prob and backward passes.
+Capturing per wave (~0.1 s) rather than once keeps no KV cache alive between rounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from qerl.rollout.native.attention import decode_attention
+from qerl.rollout.native.model import Decoder
+from qerl.rollout.native.sampling import Sampler
+
+
+class NativeEngine:
+    def __init__(self, decoder: Decoder, sampler: Sampler, eos_token_ids: list[int], pad_token_id: int,
+                 kv_cache_bytes: int | None = None, prefill_tokens: int = 8192, sync_every: int = 16,
+                 cuda_graphs: bool | None = None):
+        self.decoder = decoder
+        self.sampler = sampler
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=decoder.device)
+        self.pad_token_id = pad_token_id
+        self.kv_cache_bytes = kv_cache_bytes
+        self.prefill_tokens = prefill_tokens
+        self.sync_every = sync_every
+        self.cuda_graphs = decoder.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.last_waves = 0  # waves of the last round (for benchmarks and logs)
+
+    # ------------------------------------------------------------------------------------------------ sizing
+
+    def _kv_bytes_per_sequence(self, capacity: int) -> int:
+        d = self.decoder
+        return 2 * len(d.layers) * capacity * d.num_kv_heads * d.head_dim * d.embed.element_size()
+
+    def wave_size(self, num_prompts: int, capacity: int) -> int:
+        """Sequences per wave: all, or as many as the KV budget holds (balanced across waves)."""
+        budget = self.kv_cache_bytes
+        if budget is None:
+            if self.decoder.device.type != "cuda":
+                return num_prompts
+            budget = int(torch.cuda.mem_get_info(self.decoder.device)[0] * 0.8)  # the rest: activations, logits
+        per_sequence = self._kv_bytes_per_sequence(capacity)
+        fits = budget // per_sequence
+        if fits < 1:
+            raise RuntimeError(f"native rollout: the KV cache of one sequence of {capacity} tokens needs "
+                               f"{per_sequence / 2**30:.2f} GiB, the budget is {budget / 2**30:.2f} GiB")
+        waves = math.ceil(num_prompts / fits)
+        return math.ceil(num_prompts / waves)
+
+    # -------------------------------------------------------------------------------------------------- round
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Completion token ids [B][max_new_tokens or fewer] (pad after EOS) and their log-probs."""
+        if not prompts:
+            return [], []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("native rollout: empty prompt")
+        capacity = max(len(p) for p in prompts) + max_new_tokens
+        self.decoder.ensure_positions(capacity)
+        size = self.wave_size(len(prompts), capacity)
+        ids, logprobs = [], []
+        self.last_waves = 0
+        for start in range(0, len(prompts), size):
+            wave_ids, wave_lps = self._wave(prompts[start : start + size], max_new_tokens)
+            ids += wave_ids
+            logprobs += wave_lps
+            self.last_waves += 1
+        return ids, logprobs
+
+    def _wave(self, prompts: list[list[int]], max_new_tokens: int):
+        d, device = self.decoder, self.decoder.device
+        batch = len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
+        capacity = max(len(p) for p in prompts) + max_new_tokens
+        kv = torch.empty((2, len(d.layers), batch, capacity, d.num_kv_heads, d.head_dim), dtype=d.dtype,
+                         device=device)
+        k_cache, v_cache = list(kv[0]), list(kv[1])
+        first, first_logprob = self._prefill(prompts, k_cache, v_cache)
+
+        state = DecodeState(first, first_logprob, lengths, max_new_tokens, self.pad_token_id)
+        state.done |= self._is_eos(first)
+        scale = d.scaling
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            return decode_attention(q, k_cache[i], v_cache[i], state.seq_lens, scale).reshape(batch, -1)
+
+        def step():
+            torch.add(state.positions, 1, out=state.seq_lens)  # this step's key is written before attention
+            hidden = d.forward(state.tokens, state.batch_idx, state.positions, k_cache, v_cache, attend)
+            tokens, logprobs = self.sampler(d.logits(hidden))
+            tokens = torch.where(state.done, self.pad_token_id, tokens)
+            state.out_ids.index_copy_(1, state.step, tokens[:, None])
+            state.out_logprobs.index_copy_(1, state.step, logprobs[:, None])
+            state.done |= self._is_eos(tokens)
+            state.tokens.copy_(tokens)
+            state.positions += 1
+            state.step += 1
+
+        steps = max_new_tokens - 1
+        run = self._capture(step, state) if self.cuda_graphs and steps > 0 else step
+        for t in range(steps):
+            run()
+            if (t + 1) % self.sync_every == 0 and bool(state.done.all()):
+                break
+        return state.out_ids.tolist(), state.out_logprobs.tolist()  # the cache and graph go with this frame
+
+    def _is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens[:, None] == self.eos[None]).any(-1)
+
+    def _capture(self, step, state: DecodeState):
+        """One decode step as a CUDA graph. A first eager step on a side stream compiles the Triton kernels and
+        sets up cuBLAS; the state and the random generator it advanced are put back (the KV rows it wrote are
+        rewritten by the first replay, which feeds the same tokens at the same positions), so that graph and
+        eager runs draw the same samples."""
+        saved, rng = state.snapshot(), torch.cuda.get_rng_state()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        state.restore(saved)
+        torch.cuda.set_rng_state(rng)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph.replay
+
+    def _prefill(self, prompts: list[list[int]], k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the prompts through the model in chunks; returns each sequence's first sampled token and log-prob."""
+        d, device = self.decoder, self.decoder.device
+        tokens_out, logprobs_out = [], []
+        start = 0
+        while start < len(prompts):
+            longest = len(prompts[start])
+            end = start + 1
+            while end < len(prompts) and max(longest, len(prompts[end])) * (end + 1 - start) <= self.prefill_tokens:
+                longest = max(longest, len(prompts[end]))
+                end += 1
+            chunk = prompts[start:end]
+            rows = torch.full((len(chunk), longest), self.pad_token_id, dtype=torch.long)
+            for i, p in enumerate(chunk):
+                rows[i, : len(p)] = torch.tensor(p)
+            rows = rows.to(device).reshape(-1)
+            batch_idx = torch.arange(start, end, dtype=torch.int32, device=device).repeat_interleave(longest)
+            positions = torch.arange(longest, dtype=torch.int32, device=device).repeat(len(chunk))
+            span, n = slice(start, end), len(chunk)
+
+            def attend(i: int, q: torch.Tensor, span=span, n=n, length=longest) -> torch.Tensor:
+                q = q.view(n, length, d.num_heads, d.head_dim).transpose(1, 2)
+                k = k_cache[i][span, :length].transpose(1, 2)
+                v = v_cache[i][span, :length].transpose(1, 2)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d.scaling,
+                                                     enable_gqa=d.num_heads != d.num_kv_heads)
+                return out.transpose(1, 2).reshape(n * length, -1)
+
+            hidden = d.forward(rows, batch_idx, positions, k_cache, v_cache, attend)
+            last = torch.tensor([i * longest + len(p) - 1 for i, p in enumerate(chunk)], device=device)
+            tokens, logprobs = self.sampler(d.logits(hidden[last]))
+            tokens_out.append(tokens)
+            logprobs_out.append(logprobs)
+            start = end
+        return torch.cat(tokens_out), torch.cat(logprobs_out)
+
+
+class DecodeState:
+    """The tensors a captured decode step reads and advances (fixed addresses across replays)."""
+
+    def __init__(self, first: torch.Tensor, first_logprob: torch.Tensor, lengths: torch.Tensor,
+                 max_new_tokens: int, pad_token_id: int):
+        batch, device = first.shape[0], first.device
+        self.tokens = first.clone()  # the token each sequence feeds next
+        self.positions = lengths.clone()  # ... and its position
+        self.seq_lens = lengths + 1  # keys valid during the step
+        self.batch_idx = torch.arange(batch, dtype=torch.int32, device=device)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.out_ids = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+        self.out_ids[:, 0] = first
+        self.out_logprobs[:, 0] = first_logprob
+        self.step = torch.ones(1, dtype=torch.long, device=device)
+
+    def snapshot(self):
+        return [t.clone() for t in (self.tokens, self.positions, self.done, self.step)]
+
+    def restore(self, saved) -> None:
+        for t, s in zip((self.tokens, self.positions, self.done, self.step), saved, strict=True):
+            t.copy_(s)

@@ -1,0 +1,283 @@
+"""The policy's decoder as the native engine runs it: a few fused steps per layer over the policy's own tensors.
+
+`Decoder` binds to a peft-wrapped (or plain) Llama/Qwen2/Mistral-style causal LM, NVFP4 or BF16, and computes
+hidden states for any set of (sequence, position, token) rows against a KV cache, in a form that a CUDA graph
+can capture: no host syncs, no allocation that depends on data.
+
+What it shares with the policy and what it keeps of its own:
+  * Frozen weights: shared. q/k/v and gate/up of each layer are laid out once in one buffer per group and the
+    policy's modules keep views of it (same memory, same values; their forward is unchanged), so one GEMM reads
+    a group. No second copy of any weight exists.
+  * LoRA: unmerged. peft keeps the adapters in FP32 (its autocast), the GEMMs take BF16, so every round
+    `refresh()` writes them in BF16 into fixed buffers: per group, the A matrices stacked [sum r, K] and the B
+    matrices block-diagonal [N, sum r] with peft's scaling folded in (sum r zero-padded to a power of two >= 16),
+    so a group's LoRA is two GEMMs whatever its size, and on an NVFP4 base the second one runs in the base
+    GEMM's epilogue. ~1% of the base's bytes at rank 16; the buffers' addresses never change, so a captured
+    graph sees each round's adapter without being captured again.
+  * Norm scales: FP32 buffers (`norms`, an nn.Module tree the AQN hook perturbs in place), refreshed from the
+    policy's norms every round, as the vLLM backend copies them into vLLM's norms.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl.norms import find_norms
+from qerl.nvfp4 import kernels
+from qerl.nvfp4.linear import NVFP4Linear
+from qerl.rollout.native import ops
+
+SUPPORTED = "Llama/Qwen2/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, RMSNorms)"
+
+
+def _base_layer(module: nn.Module) -> nn.Module:
+    return getattr(module, "base_layer", module)
+
+
+def _active_lora(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A [r, K], B [N, r], scaling) of a peft LoRA Linear's active adapter, or None."""
+    if not hasattr(module, "lora_A") or getattr(module, "disable_adapters", False):
+        return None
+    if getattr(module, "merged", False):
+        raise ValueError("native rollout: merged LoRA adapters are not supported (the base would be changed)")
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if len(active) > 1:
+        raise ValueError(f"native rollout: {len(active)} active LoRA adapters; one is supported")
+    if not active:
+        return None
+    name = active[0]
+    if getattr(module, "use_dora", {}).get(name, False):
+        raise ValueError("native rollout: DoRA adapters are not supported")
+    return module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name])
+
+
+def _share_storage(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0 and make each input a view of the result (frees the originals): one buffer for a
+    fused group, which the modules keep seeing as their own tensors."""
+    fused = torch.cat([t.detach() for t in tensors])
+    offset = 0
+    for t in tensors:
+        t.data = fused[offset : offset + t.shape[0]]
+        offset += t.shape[0]
+    return fused
+
+
+class Projection:
+    """One GEMM over a group of sibling Linears (q/k/v, gate/up, or one alone) of the frozen base, plus their
+    LoRA adapters as two small GEMMs."""
+
+    def __init__(self, modules: list[nn.Module], device: torch.device, dtype: torch.dtype):
+        bases = [_base_layer(m) for m in modules]
+        self.modules = modules
+        self.nvfp4 = isinstance(bases[0], NVFP4Linear)
+        if any(isinstance(b, NVFP4Linear) != self.nvfp4 for b in bases):
+            raise ValueError("native rollout: a fused group mixes NVFP4 and BF16 layers")
+        self.out_features = sum(b.out_features for b in bases)
+        biases = [b.bias for b in bases]
+        if any((t is None) != (biases[0] is None) for t in biases):
+            raise ValueError("native rollout: a fused group mixes layers with and without bias")
+        if self.nvfp4:
+            scales = [b.weight_global_scale for b in bases]
+            if any(not torch.equal(s, scales[0]) for s in scales):
+                # Fusion needs one global scale per group (our quantizer and llmcompressor share it).
+                raise ValueError("native rollout: q/k/v (or gate/up) NVFP4 weights have different global scales")
+            self.packed = _share_storage([b.weight_packed for b in bases]) if len(bases) > 1 else bases[0].weight_packed
+            self.scale = _share_storage([b.weight_scale for b in bases]) if len(bases) > 1 else bases[0].weight_scale
+            self.global_scale = scales[0]
+            self.counters = kernels.splitk_counters(self.out_features, device)
+        else:
+            self.weight = _share_storage([b.weight for b in bases]) if len(bases) > 1 else bases[0].weight.detach()
+        self.bias = None
+        if biases[0] is not None:
+            self.bias = _share_storage(biases) if len(bases) > 1 else biases[0].detach()
+            self.bias = self.bias.to(dtype) if self.bias.dtype != dtype else self.bias
+        loras = [_active_lora(m) for m in modules]
+        self.lora_a = self.lora_b = None
+        if any(lora is not None for lora in loras):
+            # Padded with zeros to a power of two >= 16: what the NVFP4 GEMM's LoRA epilogue multiplies.
+            rank = max(16, 1 << (sum(lora[0].shape[0] for lora in loras if lora is not None) - 1).bit_length())
+            in_features = bases[0].in_features
+            self.lora_a = torch.zeros((rank, in_features), dtype=dtype, device=device)
+            self.lora_b = torch.zeros((self.out_features, rank), dtype=dtype, device=device)
+        self._loras = loras
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Write the adapters' current values (BF16, scaling folded into B) into the fixed buffers."""
+        if self.lora_a is None:
+            return
+        r0 = n0 = 0
+        for module, lora in zip(self.modules, self._loras, strict=True):
+            n = _base_layer(module).out_features
+            if lora is not None:
+                a, b, scaling = lora
+                r = a.shape[0]
+                self.lora_a[r0 : r0 + r].copy_(a)
+                self.lora_b[n0 : n0 + n, r0 : r0 + r].copy_(b * scaling)
+                r0 += r
+            n0 += n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nvfp4:
+            args = (x, self.packed, self.scale, self.global_scale, self.bias, self.counters)
+            if self.lora_a is None:
+                return kernels.nvfp4_linear(*args)
+            return kernels.nvfp4_linear_lora(*args, x @ self.lora_a.t(), self.lora_b)  # LoRA up in the epilogue
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora_a is None else y.addmm_(x @ self.lora_a.t(), self.lora_b.t())
+
+
+class NormScales(nn.Module):
+    """FP32 copies of the policy's RMSNorm scales, in a tree that norms.find_norms reads as the policy's: per-layer
+    norms inside a ModuleList, the final norm outside it, in the policy's order (so AQN draws the same noise for
+    the same norm on every backend)."""
+
+    def __init__(self, layer_norms: list[dict[str, nn.Module]], final_norm: nn.Module, hidden: int, eps: float,
+                 device: torch.device):
+        super().__init__()
+
+        def holder() -> nn.RMSNorm:
+            return nn.RMSNorm(hidden, eps=eps, device=device, dtype=torch.float32).requires_grad_(False)
+
+        self.layers = nn.ModuleList(nn.ModuleDict({role: holder() for role in d}) for d in layer_norms)
+        self.norm = holder()
+        # (holder, policy norm) pairs; a plain list, so the policy's modules do not become children of this tree.
+        self.pairs = [(self.layers[i][role], norm) for i, d in enumerate(layer_norms) for role, norm in d.items()]
+        self.pairs.append((self.norm, final_norm))
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for holder, norm in self.pairs:
+            holder.weight.copy_(norm.weight)
+
+
+@dataclass
+class Layer:
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+
+
+# Attention of one layer: (layer index, rotated queries [M, Hq, D]) -> [M, Hq * D]; the engine supplies it
+# (prefill: causal attention over each prompt; decode: the KV cache up to each sequence's length).
+Attend = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def _causal_lm(policy: nn.Module) -> nn.Module:
+    model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        raise ValueError(f"native rollout: {type(model).__name__} is not a causal LM with model.layers; supported: "
+                         f"{SUPPORTED}")
+    return model
+
+
+def _norms_by_layer(policy: nn.Module, num_layers: int) -> tuple[list[dict[str, nn.Module]], nn.Module]:
+    """The active copy of each layer's input/post-attention norm and the final norm (norms.find_norms sees through
+    peft's modules_to_save wrappers)."""
+    sites = find_norms(policy)
+    layers: list[dict[str, nn.Module]] = [{} for _ in range(num_layers)]
+    for path, module in sites.layer_norms.items():
+        match = re.search(r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)(\.|$)", path)
+        if match is None:
+            raise ValueError(f"native rollout: unexpected norm {path!r}; supported: {SUPPORTED}")
+        layers[int(match.group(1))][match.group(2)] = module
+    finals = list(sites.final_norms.values())
+    if any(len(d) != 2 for d in layers) or len(finals) != 1:
+        raise ValueError(f"native rollout: expected 2 norms per layer and one final norm; supported: {SUPPORTED}")
+    return [{"input_layernorm": d["input_layernorm"], "post_attention_layernorm": d["post_attention_layernorm"]}
+            for d in layers], finals[0]
+
+
+class Decoder:
+    """Forward of the policy's decoder on rows (sequence index, position, token) against a KV cache."""
+
+    def __init__(self, policy: nn.Module):
+        model = _causal_lm(policy)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None)
+                                                                                  or ()):
+            raise ValueError("native rollout: sliding-window attention is not supported")
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.dtype = self.embed.dtype
+        device = self.embed.device
+        self.device = device
+        head = _base_layer(model.lm_head)
+        if not isinstance(head, nn.Linear) or isinstance(head, NVFP4Linear) or _active_lora(model.lm_head):
+            raise ValueError("native rollout: the LM head must be a plain Linear (no LoRA, not quantized)")
+        self.lm_head, self.lm_head_bias = head.weight, head.bias
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.hidden = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.num_heads
+        self.eps = float(config.rms_norm_eps)
+        self.scaling = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5))
+        self.rotary = inner.rotary_emb
+        layer_norms, final_norm = _norms_by_layer(policy, len(inner.layers))
+        self.norms = NormScales(layer_norms, final_norm, self.hidden, self.eps, device)
+        self.layers = []
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if hasattr(attn, "q_norm") or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                raise ValueError(f"native rollout: layer {i} attention is not supported; supported: {SUPPORTED}")
+            if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                raise ValueError(f"native rollout: layer {i} MLP is not supported; supported: {SUPPORTED}")
+            holders = self.norms.layers[i]
+            self.layers.append(Layer(
+                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], device, self.dtype),
+                o=Projection([attn.o_proj], device, self.dtype),
+                gate_up=Projection([mlp.gate_proj, mlp.up_proj], device, self.dtype),
+                down=Projection([mlp.down_proj], device, self.dtype),
+                input_norm=holders["input_layernorm"].weight,
+                post_norm=holders["post_attention_layernorm"].weight,
+            ))  # fmt: skip
+        self.cos = self.sin = torch.empty(0, device=device)
+
+    def projections(self):
+        for layer in self.layers:
+            yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
+
+    def refresh(self) -> None:
+        """The policy's current adapter and norms, before a round."""
+        for projection in self.projections():
+            projection.refresh()
+        self.norms.refresh()
+
+    @torch.no_grad()
+    def ensure_positions(self, length: int) -> None:
+        """Rotary tables for positions [0, length), from the model's own rotary module (any RoPE scaling)."""
+        if self.cos.shape[0] >= length:
+            return
+        positions = torch.arange(length, device=self.device)[None]
+        probe = torch.zeros(1, dtype=torch.float32, device=self.device)
+        cos, sin = self.rotary(probe, positions)  # [1, length, D], halves repeated (rotate-half convention)
+        half = self.head_dim // 2
+        self.cos = cos[0, :, :half].float().contiguous()
+        self.sin = sin[0, :, :half].float().contiguous()
+
+    def forward(self, tokens: torch.Tensor, batch_idx: torch.Tensor, positions: torch.Tensor,
+                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], attend: Attend) -> torch.Tensor:
+        """Final-normed hidden states [M, H] of rows (batch_idx, positions, tokens); writes each row's key and
+        value into layer l's k_cache[l] / v_cache[l] [B, S, Hkv, D] at (batch_idx, position)."""
+        residual = F.embedding(tokens, self.embed)
+        h = ops.rmsnorm(residual, self.layers[0].input_norm, self.eps)
+        for i, layer in enumerate(self.layers):
+            q = ops.rope_cache(layer.qkv(h), self.cos, self.sin, batch_idx, positions, k_cache[i], v_cache[i],
+                               self.num_heads, self.num_kv_heads)
+            h = ops.rmsnorm(layer.o(attend(i, q)), layer.post_norm, self.eps, residual=residual)
+            out = layer.down(ops.silu_mul(layer.gate_up(h)))
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norms.norm.weight
+            h = ops.rmsnorm(out, after, self.eps, residual=residual)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head, self.lm_head_bias).float()

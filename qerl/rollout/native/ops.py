@@ -1,0 +1,170 @@
+"""The native engine's elementwise steps, each one kernel: residual add + RMSNorm, rotary + KV-cache write,
+SiLU gate. Under a CUDA graph every launch costs ~2 us whatever it does, so these fuse what eager PyTorch runs
+as 5-15 kernels each.
+
+Every op computes in FP32 and rounds its output once to the activation dtype (the trainer's FP32-master norms
+do the same through norms.FP32Compute). Each has a plain-torch twin used on CPU (without TRITON_INTERPRET) and
+by the tests as the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is Linux-only; the torch twins keep the engine working without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the platform
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_ok(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+
+# ---------------------------------------------------------------------------------------- residual + RMSNorm
+
+
+def rmsnorm_torch(x, weight, eps, residual=None):
+    if residual is not None:
+        residual.copy_(residual + x)
+        x = residual
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
+        if HAS_RES:  # the residual stream is updated in place: h = bf16(h + x), as a BF16 add rounds
+            x = (tl.load(res_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32))
+            x = x.to(res_ptr.dtype.element_ty)
+            tl.store(res_ptr + row * n + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm(x) * weight for x [M, H] (weight in any float dtype, applied in FP32). With `residual`, first
+    residual += x in place and normalize the sum (the decoder's pre-norm residual stream)."""
+    if not _triton_ok(x):
+        return rmsnorm_torch(x, weight, eps, residual)
+    m, n = x.shape
+    out = torch.empty_like(x)
+    res = residual if residual is not None else x
+    _rmsnorm_kernel[(m,)](x, res, weight, out, n, eps, HAS_RES=residual is not None,
+                          BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4)
+    return out
+
+
+# ------------------------------------------------------------------------------------ rotary + KV-cache write
+
+
+def rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads):
+    m = qkv.shape[0]
+    d = k_cache.shape[-1]
+    q, k, v = qkv.float().split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    c, s = cos[positions].float()[:, None], sin[positions].float()[:, None]
+
+    def rotate(t, heads):
+        t = t.reshape(m, heads, d)
+        t1, t2 = t[..., : d // 2], t[..., d // 2 :]
+        return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1)
+
+    idx = (batch_idx.long(), positions.long())
+    k_cache[idx] = rotate(k, num_kv_heads).to(k_cache.dtype)
+    v_cache[idx] = v.reshape(m, num_kv_heads, d).to(v_cache.dtype)
+    return rotate(q, num_heads).to(qkv.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, bidx_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+                           stride_cb, stride_cs, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+        tok = tl.program_id(0)
+        b = tl.load(bidx_ptr + tok).to(tl.int64)
+        p = tl.load(pos_ptr + tok).to(tl.int64)
+        half = tl.arange(0, D // 2)
+        c = tl.load(cos_ptr + p * (D // 2) + half)[None, :]
+        s = tl.load(sin_ptr + p * (D // 2) + half)[None, :]
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        row = qkv_ptr + tok * (HQ + 2 * HKV) * D
+        # q heads -> rotated into q_out; k heads -> rotated into the cache; v heads -> copied into the cache.
+        qm = heads < HQ
+        q1 = tl.load(row + heads * D + half[None, :], mask=qm, other=0.0).to(tl.float32)
+        q2 = tl.load(row + heads * D + D // 2 + half[None, :], mask=qm, other=0.0).to(tl.float32)
+        q_out = q_ptr + tok * HQ * D + heads * D
+        tl.store(q_out + half[None, :], (q1 * c - q2 * s).to(q_ptr.dtype.element_ty), mask=qm)
+        tl.store(q_out + D // 2 + half[None, :], (q2 * c + q1 * s).to(q_ptr.dtype.element_ty), mask=qm)
+        km = heads < HKV
+        k1 = tl.load(row + (HQ + heads) * D + half[None, :], mask=km, other=0.0).to(tl.float32)
+        k2 = tl.load(row + (HQ + heads) * D + D // 2 + half[None, :], mask=km, other=0.0).to(tl.float32)
+        slot = b * stride_cb + p * stride_cs + heads * D
+        tl.store(kc_ptr + slot + half[None, :], (k1 * c - k2 * s).to(kc_ptr.dtype.element_ty), mask=km)
+        tl.store(kc_ptr + slot + D // 2 + half[None, :], (k2 * c + k1 * s).to(kc_ptr.dtype.element_ty), mask=km)
+        dims = tl.arange(0, D)[None, :]
+        v = tl.load(row + (HQ + HKV + heads) * D + dims, mask=km, other=0.0)
+        tl.store(vc_ptr + slot + dims, v.to(vc_ptr.dtype.element_ty), mask=km)
+
+
+def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_idx: torch.Tensor,
+               positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+               num_kv_heads: int) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention, tables cos/sin [positions, D/2] in FP32) of the fused projection
+    qkv [M, (Hq + 2 Hkv) * D]: returns the rotated queries [M, Hq, D] and writes the rotated keys and the values
+    of token i into k_cache/v_cache [B, S, Hkv, D] at (batch_idx[i], positions[i])."""
+    if not _triton_ok(qkv):
+        return rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads)
+    m = qkv.shape[0]
+    d = k_cache.shape[-1]
+    q = torch.empty((m, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    _rope_cache_kernel[(m,)](qkv, cos, sin, batch_idx, positions, q, k_cache, v_cache, k_cache.stride(0),
+                             k_cache.stride(1), HQ=num_heads, HKV=num_kv_heads, D=d,
+                             BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), num_warps=4)
+    return q
+
+
+# ------------------------------------------------------------------------------------------------ SiLU gate
+
+
+def silu_mul_torch(gate_up):
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        g = tl.load(gu_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of the fused projection [M, 2I] (gate first) -> [M, I]."""
+    if not _triton_ok(gate_up):
+        return silu_mul_torch(gate_up)
+    m, n2 = gate_up.shape
+    n = n2 // 2
+    out = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(m, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+    return out

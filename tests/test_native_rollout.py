@@ -1,0 +1,161 @@
+"""The native rollout engine against the policy's own forward (CPU; the GPU path is tests/test_native_gpu.py).
+
+A tiny Qwen2 in float32 with a LoRA adapter and trainable norms whose values are far from their initial ones, so
+that a LoRA or norm the engine failed to apply would change the tokens."""
+
+import pytest
+import torch
+from peft import get_peft_model
+from transformers import GenerationConfig
+
+from qerl import aqn, norms, policy
+from qerl.rollout.native.engine import NativeEngine
+from qerl.rollout.native.model import Decoder
+from qerl.rollout.native.sampling import Sampler
+from qerl.tiny import build_tiny
+
+
+def _policy(dtype=torch.float32):
+    model, tokenizer = build_tiny(dtype=dtype, num_layers=3)
+    peft_model = get_peft_model(model, policy.lora_config(model, rank=4, alpha=8, trainable_norms=True))
+    policy.keep_fp32_masters(peft_model)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # peft starts B at zero: the adapter would do nothing
+            elif p.requires_grad:  # trained norms
+                p.add_(torch.randn_like(p) * 0.2)
+    return peft_model.eval(), tokenizer
+
+
+def _prompts(tokenizer, lengths=(5, 11, 2, 8)):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(10, len(tokenizer), (n,), generator=gen).tolist() for n in lengths]
+
+
+def _engine(model, eos, pad, **generation):
+    config = GenerationConfig(do_sample=bool(generation), **generation)
+    return NativeEngine(Decoder(model), Sampler(config), eos, pad)
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt, steps):
+    ids = torch.tensor([prompt])
+    for _ in range(steps):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def test_greedy_tokens_equal_a_plain_forward_loop():
+    model, tokenizer = _policy()
+    prompts = _prompts(tokenizer)
+    engine = _engine(model, [-1], tokenizer.pad_token_id)  # no EOS: every sequence runs to the limit
+    engine.decoder.refresh()
+    ids, logprobs = engine.generate(prompts, 12)
+    assert ids == [_hf_greedy(model, p, 12) for p in prompts]
+    assert all(len(row) == 12 for row in logprobs)
+
+
+def test_sampled_logprobs_equal_the_trainers_recomputation(seed):
+    model, tokenizer = _policy()
+    prompts = _prompts(tokenizer)
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=0.7)
+    engine.decoder.refresh()
+    ids, logprobs = engine.generate(prompts, 10)
+    with torch.no_grad():
+        for prompt, completion, lps in zip(prompts, ids, logprobs, strict=True):
+            full = torch.tensor([prompt + completion])
+            logits = model(full).logits[0, len(prompt) - 1 : -1] / 0.7  # TRL: logits / temperature
+            expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(lps), expected, rtol=0, atol=1e-4)
+
+
+def test_early_eos_stops_each_sequence_at_its_own_step():
+    model, tokenizer = _policy()
+    prompts = _prompts(tokenizer)
+    pad = tokenizer.pad_token_id
+    engine = _engine(model, [-1], pad)
+    engine.decoder.refresh()
+    free_ids, free_lps = engine.generate(prompts, 12)
+    eos = free_ids[1][3]  # a token of the second sequence becomes EOS
+    engine = _engine(model, [eos], pad)
+    engine.decoder.refresh()
+    ids, lps = engine.generate(prompts, 12)
+    for free, row, free_lp, lp in zip(free_ids, ids, free_lps, lps, strict=True):
+        stop = free.index(eos) + 1 if eos in free else len(free)
+        assert row[:stop] == free[:stop] and lp[:stop] == pytest.approx(free_lp[:stop], abs=1e-5)
+        assert all(t == pad for t in row[stop:])  # after EOS: padding (truncate_at_eos cuts it)
+    assert ids[1].index(eos) <= 3
+
+
+def test_waves_and_prefill_chunks_give_the_same_tokens():
+    model, tokenizer = _policy()
+    prompts = _prompts(tokenizer, (5, 11, 2, 8, 3))
+    engine = _engine(model, [-1], tokenizer.pad_token_id)
+    engine.decoder.refresh()
+    whole, _ = engine.generate(prompts, 6)
+    assert engine.last_waves == 1
+    engine.kv_cache_bytes = 2 * engine._kv_bytes_per_sequence(11 + 6)  # two sequences per wave
+    engine.prefill_tokens = 12  # one or two prompts per prefill chunk
+    assert engine.generate(prompts, 6)[0] == whole and engine.last_waves == 3
+    engine.kv_cache_bytes = engine._kv_bytes_per_sequence(11 + 6) - 1
+    with pytest.raises(RuntimeError, match="KV cache of one sequence"):
+        engine.generate(prompts, 6)
+
+
+def test_engine_shares_the_policys_weights_and_sees_each_new_adapter():
+    model, tokenizer = _policy()
+    before = {n: t.data_ptr() for n, t in model.named_parameters() if not t.requires_grad}
+    bytes_before = sum(t.numel() * t.element_size() for t in model.parameters())
+    decoder = Decoder(model)
+    layer = model.base_model.model.model.layers[0]
+    q, k, v = (getattr(layer.self_attn, n).base_layer.weight for n in ("q_proj", "k_proj", "v_proj"))
+    fused = decoder.layers[0].qkv.weight
+    assert q.data_ptr() == fused.data_ptr() and v.data_ptr() + v.numel() * v.element_size() == (
+        fused.data_ptr() + fused.numel() * fused.element_size())
+    assert k.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert sum(t.numel() * t.element_size() for t in model.parameters()) == bytes_before
+    assert before.keys() == {n for n, t in model.named_parameters() if not t.requires_grad}
+
+    engine = NativeEngine(decoder, Sampler(GenerationConfig(do_sample=False)), [-1], tokenizer.pad_token_id)
+    prompts = _prompts(tokenizer)
+    decoder.refresh()
+    first, _ = engine.generate(prompts, 8)
+    with torch.no_grad():  # an optimizer step, as far as the engine can tell
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-3.0)
+    decoder.refresh()
+    second, _ = engine.generate(prompts, 8)
+    assert second == [_hf_greedy(model, p, 8) for p in prompts] and second != first
+
+
+def test_aqn_reaches_the_engine_and_is_undone():
+    model, tokenizer = _policy()
+    prompts = _prompts(tokenizer)
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=1.0)
+    decoder = engine.decoder
+    decoder.refresh()
+    sites = norms.find_norms(decoder.norms)
+    assert len(sites.layer_norms) == 6 and len(sites.final_norms) == 1
+    assert [p.rsplit(".", 1)[-1] for p in sites.layer_norms][:2] == ["input_layernorm", "post_attention_layernorm"]
+    clean = [h.weight.clone() for h, _ in decoder.norms.pairs]
+
+    def logprobs(sigma):
+        torch.manual_seed(1)
+        with aqn.noisy_norms(decoder.norms, sigma, torch.Generator().manual_seed(2), fp32_compute=False) as stats:
+            return engine.generate(prompts, 4)[1], stats
+
+    base, _ = logprobs(0.0)
+    noisy, stats = logprobs(1e-2)
+    assert stats.num_norms == 6 and stats.changed_fraction == 1.0
+    assert noisy != base
+    assert all(torch.equal(h.weight, c) for (h, _), c in zip(decoder.norms.pairs, clean, strict=True))
+    assert logprobs(0.0)[0] == base
+
+
+def test_unsupported_models_are_refused_by_name():
+    model, _ = build_tiny(num_layers=1)
+    model.model.layers[0].self_attn.q_norm = torch.nn.RMSNorm(16)  # a Qwen3-style per-head norm
+    with pytest.raises(ValueError, match="layer 0 attention is not supported"):
+        Decoder(model)
