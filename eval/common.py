@@ -152,9 +152,9 @@ def _generation_eos(model: str, tokenizer) -> list[int]:
 
 def _auto_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling, batch_size: int) -> list[str]:
     """vLLM on a CUDA device of a machine that has it, else transformers."""
-    from qerl.rollout import resolve_backend
+    from qerl.rollout import serving_backend
 
-    backend = resolve_backend("auto", spec.device)
+    backend = serving_backend(spec.device)
     return GENERATORS[backend](spec, prompts, sampling, batch_size)
 
 

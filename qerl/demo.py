@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hidden-size", type=int, default=64,
                         help="model width; vLLM's NVFP4 (Marlin) kernel needs 128 or more")  # fmt: skip
     parser.add_argument("--rollout-backend", default="transformers",
-                        help="transformers, or vllm (on a GPU, with --hidden-size 128 or more)")  # fmt: skip
+                        help="transformers, native (our CUDA-graph engine; the trainer's auto choice on a GPU), "
+                        "or vllm (on a GPU, with --hidden-size 128 or more)")  # fmt: skip
     args = parser.parse_args(argv)
 
     start = time.time()

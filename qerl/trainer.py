@@ -87,8 +87,9 @@ class QeRLConfig(GRPOConfig):
     )
     rollout_backend: str = field(
         default="auto",
-        metadata={"help": f"Rollout engine: {', '.join(rollout.CHOICES)}. auto: vllm on a CUDA machine where vLLM "
-                  "is installed, else transformers. vllm reads TRL's vllm_gpu_memory_utilization, "
+        metadata={"help": f"Rollout engine: {', '.join(rollout.CHOICES)}. auto: native on a CUDA device (vllm or "
+                  "transformers where native cannot run the model, or under DeepSpeed/FSDP), transformers on CPU. "
+                  "native reads rollout_kv_cache_gib; vllm reads TRL's vllm_gpu_memory_utilization, "
                   "vllm_max_model_length and vllm_enable_sleep_mode."},
     )  # fmt: skip
     rollout_kv_cache_gib: float | None = field(
@@ -335,6 +336,8 @@ class QeRLTrainer(GRPOTrainer):
                 # The fp32 noise rule needs FP32 scales in the engine's norms, or small noise rounds away.
                 "fp32_norms": args.aqn_dtype == "fp32",
                 "kv_cache_gib": args.rollout_kv_cache_gib,
+                # ZeRO-3 / FSDP shard the parameters: an engine that reads the policy's own tensors cannot.
+                "sharded": args.deepspeed_plugin is not None or self.is_fsdp_enabled,
             },
         )
 

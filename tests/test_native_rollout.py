@@ -3,6 +3,8 @@
 A tiny Qwen2 in float32 with a LoRA adapter and trainable norms whose values are far from their initial ones, so
 that a LoRA or norm the engine failed to apply would change the tokens."""
 
+import contextlib
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -159,3 +161,32 @@ def test_unsupported_models_are_refused_by_name():
     model.model.layers[0].self_attn.q_norm = torch.nn.RMSNorm(16)  # a Qwen3-style per-head norm
     with pytest.raises(ValueError, match="layer 0 attention is not supported"):
         Decoder(model)
+
+
+def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monkeypatch):
+    from qerl import rollout
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
+    assert rollout.resolve_backend("auto", torch.device("cuda")) == "native"
+    assert rollout.resolve_backend("auto", torch.device("cpu")) == "transformers"
+    assert rollout.resolve_backend("auto", torch.device("cuda"), sharded=True) == "transformers"
+    monkeypatch.setattr(rollout, "vllm_available", lambda: True)
+    assert rollout.resolve_backend("auto", torch.device("cuda"), sharded=True) == "vllm"
+
+    # A model native refuses (here: Qwen3-style per-head norms): auto goes on to the next engine, a named
+    # backend fails with the reason.
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
+    model, tokenizer = build_tiny(num_layers=1)
+    model.model.layers[0].self_attn.q_norm = torch.nn.RMSNorm(16)
+    setup = rollout.RolloutSetup(
+        generation_config=GenerationConfig(do_sample=True, max_new_tokens=4), eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id, open_policy=lambda: contextlib.nullcontext(model),
+        device=torch.device("cuda"),
+    )  # fmt: skip
+    assert rollout.create_backend("auto", setup).name == "transformers"
+    with pytest.raises(rollout.Unsupported, match="layer 0 attention"):
+        rollout.create_backend("native", setup)
+    setup.options["sharded"] = True
+    with pytest.raises(rollout.Unsupported, match="DeepSpeed/FSDP"):
+        rollout.create_backend("native", setup)

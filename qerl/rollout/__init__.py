@@ -10,13 +10,16 @@ metrics consume) and the noise statistics that `perturb` yielded.
     transformers  generate() on the training policy itself (any device; the fallback)
     vllm          a colocated vLLM engine on the same checkpoint: Marlin NVFP4, LoRA pushed from memory
     native        our engine on the policy's own weights: fused steps, per-sequence KV, CUDA-graph decode
-    auto          vllm on a CUDA machine where vLLM is installed, else transformers
+    auto          on a CUDA device: native (faster than vllm on NVFP4 at batch 8 and 64, no second copy of the
+                  weights: docs/benchmarks.md), or vllm / transformers where native cannot run the model or
+                  the parameters are sharded (ZeRO-3, FSDP); on CPU: transformers
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -26,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import GenerationConfig
+
+logger = logging.getLogger(__name__)
 
 Perturb = Callable[[nn.Module], AbstractContextManager]
 
@@ -86,17 +91,39 @@ def vllm_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
-def resolve_backend(name: str, device: torch.device | None = None) -> str:
-    """The backend `name` stands for: `auto` is vLLM when training on a CUDA device (`device`, when known) of a
-    machine that has vLLM, else transformers."""
+class Unsupported(ValueError):
+    """A backend cannot run this model or set-up (auto then falls back to the next choice)."""
+
+
+def serving_backend(device: torch.device | None = None) -> str:
+    """vLLM on a CUDA device (`device`, when known) of a machine that has it, else transformers: the engines that
+    load a checkpoint folder (evaluation, and auto's fallback)."""
+    on_gpu = device is None or torch.device(device).type == "cuda"
+    return "vllm" if on_gpu and vllm_available() else "transformers"
+
+
+def resolve_backend(name: str, device: torch.device | None = None, sharded: bool = False) -> str:
+    """The backend `name` stands for first (see the module docstring for auto)."""
     if name not in CHOICES:
         raise ValueError(f"unknown rollout_backend {name!r}; available: {', '.join(CHOICES)}")
     if name == "auto":
-        on_gpu = device is None or torch.device(device).type == "cuda"
-        return "vllm" if on_gpu and vllm_available() else "transformers"
+        on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+        return "native" if on_gpu and not sharded else serving_backend(device)
     return name
 
 
-def create_backend(name: str, setup: RolloutSetup) -> RolloutBackend:
-    module_name, class_name = BACKENDS[resolve_backend(name, setup.device)].split(":")
+def _build(name: str, setup: RolloutSetup) -> RolloutBackend:
+    module_name, class_name = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)(setup)
+
+
+def create_backend(name: str, setup: RolloutSetup) -> RolloutBackend:
+    choice = resolve_backend(name, setup.device, bool(setup.options.get("sharded")))
+    try:
+        return _build(choice, setup)
+    except Unsupported as error:
+        if name != "auto":
+            raise
+        fallback = serving_backend(setup.device)
+        logger.warning("rollout_backend auto: %s; using %s", error, fallback)
+        return _build(fallback, setup)

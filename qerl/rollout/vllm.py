@@ -275,7 +275,7 @@ class VLLMRollout(RolloutBackend):
         self.sampling = sampling_kwargs(setup.generation_config, setup.eos_token_ids)
         with setup.open_policy() as policy:
             self.lora_settings = lora_settings(policy) if hasattr(policy, "peft_config") else None
-        native_only = ("kv_cache_gib",)  # the trainer's options serve every backend
+        native_only = ("kv_cache_gib", "sharded")  # the trainer's options serve every backend
         options = {k: v for k, v in setup.options.items() if v is not None and k not in native_only}
         self.engine = engine_factory(
             setup.model_path, lora_rank=self.lora_settings["r"] if self.lora_settings else None, **options

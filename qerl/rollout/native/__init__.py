@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
+from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, Unsupported, truncate_at_eos
 
 
 class NativeRollout(RolloutBackend):
@@ -30,10 +30,14 @@ class NativeRollout(RolloutBackend):
         from qerl.rollout.native.sampling import Sampler
 
         super().__init__(setup)
+        if setup.options.get("sharded"):
+            raise Unsupported("the native rollout engine reads the policy's own tensors, which DeepSpeed/FSDP shard")
         self.generation_config = setup.generation_config  # max_new_tokens is read every round
         self.sampler = Sampler(setup.generation_config)
         self.engine = None
         self._policy_id = None
+        with setup.open_policy() as policy:  # a model the engine cannot run is refused now, not at the first round
+            self._engine_for(policy)
 
     def _engine_for(self, policy):
         from qerl.rollout.native.engine import NativeEngine
