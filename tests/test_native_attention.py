@@ -10,15 +10,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreter import run_under_interpreter
 
 from qerl.rollout.native import attention
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _inputs(b, hq, hkv, d, s_max, lens, dtype=torch.bfloat16, device="cpu", garbage=float("nan")):
@@ -128,12 +125,7 @@ def _interpreter_checks():
 
 
 def test_triton_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "interpreter checks passed" in proc.stdout
+    run_under_interpreter(__file__)
 
 
 # ------------------------------------------------------------------------------------ GPU

@@ -1,0 +1,21 @@
+"""Runs a test file's Triton checks under TRITON_INTERPRET=1 on the CPU.
+
+The flag must be set before Triton is first imported, so the checks run in a fresh process: the test file run as a
+script, whose `__main__` block calls its checks and prints "interpreter checks passed"."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_under_interpreter(test_file: str) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(test_file)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "interpreter checks passed" in proc.stdout

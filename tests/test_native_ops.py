@@ -1,0 +1,83 @@
+"""The native engine's fused elementwise kernels (qerl/rollout/native/ops.py) against their plain-torch twins,
+under the Triton interpreter on the CPU (GPU: exercised through tests/test_native_gpu.py)."""
+
+import os
+
+import torch
+from interpreter import run_under_interpreter
+
+from qerl.rollout.native import ops
+
+# Two BF16 ulps: the interpreter truncates FP32 -> BF16 where the GPU rounds to nearest, and the residual's
+# rounding feeds the norm.
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+
+
+def _interpreter_checks():
+    assert ops.INTERPRET
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"torch seed {seed}")
+    torch.manual_seed(seed)
+    bf16 = torch.bfloat16
+
+    # Residual add + RMSNorm, FP32 scale, hidden not a power of two; the residual is updated in place.
+    x, res = torch.randn(5, 96, dtype=bf16), torch.randn(5, 96, dtype=bf16)
+    w, eps = torch.rand(96) + 0.5, 1e-6
+    res_ref = res.clone()
+    out = ops.rmsnorm(x, w, eps, residual=res)
+    ref = ops.rmsnorm_torch(x, w, eps, residual=res_ref)
+    torch.testing.assert_close(res.float(), res_ref.float(), **BF16_TOL)
+    assert not torch.equal(res, res_ref.new_zeros(res.shape))
+    torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
+    torch.testing.assert_close(ops.rmsnorm(x, w, eps).float(), ops.rmsnorm_torch(x, w, eps).float(), **BF16_TOL)
+
+    # Rotary + KV-cache write: GQA 3:1, rows of different sequences and positions, the rest of the cache untouched.
+    hq, hkv, d, batch, cap = 6, 2, 16, 3, 10
+    qkv = torch.randn(4, (hq + 2 * hkv) * d, dtype=bf16)
+    angles = torch.rand(cap, d // 2) * 3
+    cos, sin = angles.cos(), angles.sin()
+    batch_idx = torch.tensor([0, 2, 2, 1], dtype=torch.int32)
+    positions = torch.tensor([0, 3, 9, 5], dtype=torch.int32)
+    caches = [torch.full((batch, cap, hkv, d), float("nan"), dtype=bf16) for _ in range(4)]
+    q = ops.rope_cache(qkv, cos, sin, batch_idx, positions, caches[0], caches[1], hq, hkv)
+    q_ref = ops.rope_cache_torch(qkv, cos, sin, batch_idx, positions, caches[2], caches[3], hq, hkv)
+    torch.testing.assert_close(q.float(), q_ref.float(), **BF16_TOL)
+    for ours, theirs in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(ours.isnan(), theirs.isnan())  # the same slots written, no other
+        written = ~ours.isnan()
+        torch.testing.assert_close(ours[written].float(), theirs[written].float(), **BF16_TOL)
+
+    # SiLU gate, width not a multiple of the block.
+    gate_up = torch.randn(3, 2 * 1100, dtype=bf16)
+    torch.testing.assert_close(ops.silu_mul(gate_up).float(), ops.silu_mul_torch(gate_up).float(), **BF16_TOL)
+    print("interpreter checks passed")
+
+
+def test_triton_interpreter():
+    run_under_interpreter(__file__)
+
+
+def test_torch_twins_are_the_math():
+    """The twins (the CPU path and the references above) against the formulas in float64."""
+    x = torch.randn(4, 32, dtype=torch.float64)
+    w = torch.rand(32, dtype=torch.float64)
+    expected = x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w
+    torch.testing.assert_close(ops.rmsnorm_torch(x, w, 1e-5), expected)
+    gate, up = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)
+    torch.testing.assert_close(ops.silu_mul_torch(torch.cat([gate, up], -1)), gate * torch.sigmoid(gate) * up)
+    # Rotary of one head at position p: each (x_i, x_{i+D/2}) pair turned by angle p * theta_i.
+    d, p = 8, 3
+    theta = torch.rand(d // 2, dtype=torch.float64)
+    qkv = torch.randn(1, 3 * d, dtype=torch.float64)
+    cache = [torch.zeros(1, 5, 1, d, dtype=torch.float64) for _ in range(2)]
+    pos = torch.tensor([p])
+    angle = (pos[:, None] * theta).expand(5, -1)  # every row of the table: position p's angles
+    q = ops.rope_cache_torch(qkv, angle.cos(), angle.sin(), torch.tensor([0]), pos, cache[0], cache[1], 1, 1)[0, 0]
+    x1, x2 = qkv[0, : d // 2], qkv[0, d // 2 : d]
+    c, s = (p * theta).cos(), (p * theta).sin()
+    torch.testing.assert_close(q, torch.cat([x1 * c - x2 * s, x2 * c + x1 * s]))
+    torch.testing.assert_close(cache[1][0, p, 0], qkv[0, 2 * d :])
+
+
+if __name__ == "__main__":
+    _interpreter_checks()
