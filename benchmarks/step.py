@@ -152,7 +152,7 @@ def main(argv=None) -> None:
         timer.wrap(backend.engine, "load_lora", "lora push")
         timer.wrap(backend.engine, "load_norms", "lora push")
         timer.wrap(backend.engine, "generate", "sampling")  # ends before the engine sleeps: its peak memory
-    elif backend.name == "native" and backend.engine is not None:  # built by the first rollout above
+    elif backend.name == "native":
         timer.wrap(backend.engine.decoder, "refresh", "lora push")  # LoRA and norms into the engine's buffers
         timer.wrap(backend.engine, "generate", "sampling")
     timer.wrap(trainer, "_get_per_token_logps_and_entropies", "log-prob forwards")

@@ -11,8 +11,8 @@ metrics consume) and the noise statistics that `perturb` yielded.
     vllm          a colocated vLLM engine on the same checkpoint: Marlin NVFP4, LoRA pushed from memory
     native        our engine on the policy's own weights: fused steps, per-sequence KV, CUDA-graph decode
     auto          on a CUDA device: native (faster than vllm on NVFP4 at batch 8 and 64, no second copy of the
-                  weights: docs/benchmarks.md), or vllm / transformers where native cannot run the model or
-                  the parameters are sharded (ZeRO-3, FSDP); on CPU: transformers
+                  weights: docs/benchmarks.md), or vllm / transformers where native cannot run the model or where
+                  DeepSpeed/FSDP own the parameters; on CPU: transformers
 """
 
 from __future__ import annotations

@@ -264,6 +264,8 @@ class VLLMRollout(RolloutBackend):
     max_model_len, max_num_seqs (vLLM's default), sleep, seed, fp32_norms, enforce_eager."""
 
     name = "vllm"
+    ENGINE_OPTIONS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "sleep", "seed", "fp32_norms",
+                      "enforce_eager")
 
     def __init__(self, setup: RolloutSetup, engine_factory=VLLMEngine):
         super().__init__(setup)
@@ -275,8 +277,8 @@ class VLLMRollout(RolloutBackend):
         self.sampling = sampling_kwargs(setup.generation_config, setup.eos_token_ids)
         with setup.open_policy() as policy:
             self.lora_settings = lora_settings(policy) if hasattr(policy, "peft_config") else None
-        native_only = ("kv_cache_gib", "sharded")  # the trainer's options serve every backend
-        options = {k: v for k, v in setup.options.items() if v is not None and k not in native_only}
+        # The trainer's options serve every backend: each takes the ones it knows.
+        options = {k: v for k, v in setup.options.items() if v is not None and k in self.ENGINE_OPTIONS}
         self.engine = engine_factory(
             setup.model_path, lora_rank=self.lora_settings["r"] if self.lora_settings else None, **options
         )

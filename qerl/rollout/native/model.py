@@ -60,7 +60,9 @@ def _active_lora(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] 
 
 def _share_storage(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along dim 0 and make each input a view of the result (frees the originals): one buffer for a
-    fused group, which the modules keep seeing as their own tensors."""
+    fused group, which the modules keep seeing as their own tensors. A group of one is its own buffer."""
+    if len(tensors) == 1:
+        return tensors[0].detach()
     fused = torch.cat([t.detach() for t in tensors])
     offset = 0
     for t in tensors:
@@ -88,16 +90,15 @@ class Projection:
             if any(not torch.equal(s, scales[0]) for s in scales):
                 # Fusion needs one global scale per group (our quantizer and llmcompressor share it).
                 raise Unsupported("native rollout: q/k/v (or gate/up) NVFP4 weights have different global scales")
-            self.packed = _share_storage([b.weight_packed for b in bases]) if len(bases) > 1 else bases[0].weight_packed
-            self.scale = _share_storage([b.weight_scale for b in bases]) if len(bases) > 1 else bases[0].weight_scale
+            self.packed = _share_storage([b.weight_packed for b in bases])
+            self.scale = _share_storage([b.weight_scale for b in bases])
             self.global_scale = scales[0]
             self.counters = kernels.splitk_counters(self.out_features, device)
         else:
-            self.weight = _share_storage([b.weight for b in bases]) if len(bases) > 1 else bases[0].weight.detach()
+            self.weight = _share_storage([b.weight for b in bases])
         self.bias = None
         if biases[0] is not None:
-            self.bias = _share_storage(biases) if len(bases) > 1 else biases[0].detach()
-            self.bias = self.bias.to(dtype) if self.bias.dtype != dtype else self.bias
+            self.bias = _share_storage(biases).to(dtype)  # a copy only if the bias is not in the activations' dtype
         loras = [_active_lora(m) for m in modules]
         self.lora_a = self.lora_b = None
         if any(lora is not None for lora in loras):
@@ -120,7 +121,7 @@ class Projection:
                 a, b, scaling = lora
                 r = a.shape[0]
                 self.lora_a[r0 : r0 + r].copy_(a)
-                self.lora_b[n0 : n0 + n, r0 : r0 + r].copy_(b * scaling)
+                self.lora_b[n0 : n0 + n, r0 : r0 + r].copy_(b).mul_(scaling)
                 r0 += r
             n0 += n
 
