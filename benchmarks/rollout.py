@@ -12,7 +12,8 @@ sample one anyway). vllm gets the same model written as a checkpoint under --wor
 Per row: tokens/s of the whole batch, ms per decode step, and for native the bytes floor of a decode step
 (weights + LoRA + the valid KV of an average step, over the measured copy bandwidth) and peak GPU memory.
 --profile adds, for native, the GPU time per decode step by kernel family (an eager run of 40 more tokens minus
-one of 8, so prefill cancels out), against the graph's measured step.
+one of 8, so prefill cancels out), against the graph's measured step. It profiles at the timed run's average
+context (prompt + new-tokens / 2), so attention weighs what it weighs on average over the run.
 """
 
 from __future__ import annotations
@@ -238,8 +239,10 @@ def run(args, precision: str) -> list[dict]:
             engine = backend.engine
             row["waves"] = engine.last_waves
             row["floor_ms"] = 1e3 * decode_bytes(engine.decoder, batch, args.prompt_len, args.new_tokens) / args.bw
-            if args.profile:
-                row["kernels_us_per_step"] = profile_decode_step(engine, prompts)
+            if args.profile:  # prompts as long as the timed run's average context
+                context = args.prompt_len + args.new_tokens // 2
+                mid_run = torch.randint(10, base.config.vocab_size, (batch, context), generator=gen).tolist()
+                row["kernels_us_per_step"] = profile_decode_step(engine, mid_run)
         rows.append(row)
         print(json.dumps(row), flush=True)
     del backend, model, base
