@@ -87,7 +87,7 @@ def test_split_rule(monkeypatch):
     for s_max in (1, 63, 64, 65, 300, 2304, 5000):  # any requested count: whole tiles, none empty at S_max
         for requested in (None, 1, 2, 3, 7, 100):
             splits, split_len = attention._splits(4, 2, s_max, cuda, requested)
-            assert split_len % attention.BLOCK_S == 0 and 1 <= splits <= attention.MAX_SPLITS
+            assert split_len % attention.DEFAULT_CONFIG.block_s == 0 and 1 <= splits <= attention.MAX_SPLITS
             assert (splits - 1) * split_len < s_max <= splits * split_len, (s_max, requested)
 
 

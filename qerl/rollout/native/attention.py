@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -29,12 +30,22 @@ except ImportError:  # pragma: no cover - depends on the platform
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
-BLOCK_S = 64  # keys per tile: one [64, D] K and V tile per step (16 KB each at D=128)
-# num_splits rule (see _splits): enough programs for PROGRAMS_PER_SM per SM when every sequence is S_max long
-# (shorter ones leave their tail splits empty, so aim above one wave), but no split shorter than
-# MIN_TILES_PER_SPLIT tiles (each split reloads q and writes a partial) and at most MAX_SPLITS (the merge
-# kernel holds all of one head's splits in registers).
-PROGRAMS_PER_SM = 4
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the split kernel (benchmarks/attention.py times the alternatives).
+
+    block_s: keys per tile (one [block_s, D] K and V tile per step). num_splits rule (see _splits): enough
+    programs for programs_per_sm per SM when every sequence is S_max long (shorter ones leave their tail splits
+    empty, so aim above one wave), but no split shorter than MIN_TILES_PER_SPLIT tiles (each split reloads q and
+    writes a partial) and at most MAX_SPLITS (the merge kernel holds all of one head's splits in registers)."""
+
+    block_s: int = 64
+    num_stages: int = 2
+    num_warps: int = 4
+    programs_per_sm: int = 4
+
+
+DEFAULT_CONFIG = DecodeConfig()
 MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634  # the kernels take exp2: scores are scaled by scale * log2(e)
@@ -144,22 +155,24 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _splits(batch: int, kv_heads: int, max_len: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:
+def _splits(batch: int, kv_heads: int, max_len: int, device: torch.device, num_splits: int | None,
+            config: DecodeConfig = DEFAULT_CONFIG) -> tuple[int, int]:
     """(splits, keys per split) from static shapes only, so one CUDA graph serves every set of lengths.
-    Default: the rule above the constants. Either way each split covers whole tiles and none is empty at S_max."""
-    tiles = _cdiv(max_len, BLOCK_S)
+    Default: DecodeConfig's rule. Either way each split covers whole tiles and none is empty at S_max."""
+    tiles = _cdiv(max_len, config.block_s)
     if num_splits is None:
-        want = _cdiv(PROGRAMS_PER_SM * _sm_count(device), batch * kv_heads)
+        want = _cdiv(config.programs_per_sm * _sm_count(device), batch * kv_heads)
         num_splits = min(want, _cdiv(tiles, MIN_TILES_PER_SPLIT))
     tiles_per_split = _cdiv(tiles, max(1, min(num_splits, tiles, MAX_SPLITS)))
-    return _cdiv(tiles, tiles_per_split), tiles_per_split * BLOCK_S
+    return _cdiv(tiles, tiles_per_split), tiles_per_split * config.block_s
 
 
-def decode_workspace(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
-    """fp32 scratch for decode_attention's split partials at these shapes (pass the same num_splits): allocate it
-    once, before capturing a CUDA graph, and hand it in as `workspace`."""
+def decode_workspace(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None = None,
+                     config: DecodeConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """fp32 scratch for decode_attention's split partials at these shapes (pass the same num_splits and config):
+    allocate it once, before capturing a CUDA graph, and hand it in as `workspace`."""
     b, hq, d = q.shape
-    splits, _ = _splits(b, k_cache.shape[2], k_cache.shape[1], q.device, num_splits)
+    splits, _ = _splits(b, k_cache.shape[2], k_cache.shape[1], q.device, num_splits, config)
     return torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)
 
 
@@ -179,12 +192,14 @@ def _check(q, k_cache, v_cache, seq_lens):
         raise ValueError(f"seq_lens must be int32 [{b}]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
 
 
-def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None):
+def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None,
+                     config: DecodeConfig = DEFAULT_CONFIG):
     """softmax(q . K^T * scale) V per sequence over its first seq_lens[b] cached keys -> out [B, Hq, D] in q's dtype.
 
     The Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1) for bf16/fp16; the torch reference otherwise.
     num_splits: key ranges per sequence (default: _splits' rule from B, Hkv, S_max and the SM count).
     workspace: from decode_workspace (else allocated per call, which a CUDA graph's private pool also serves).
+    config: the split kernel's launch shape (DecodeConfig).
     """
     _check(q, k_cache, v_cache, seq_lens)
     if out is None:
@@ -199,7 +214,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
     b, hq, d = q.shape
     max_len, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    splits, split_len = _splits(b, hkv, max_len, q.device, num_splits)
+    splits, split_len = _splits(b, hkv, max_len, q.device, num_splits, config)
     if splits > 1:
         size = b * hq * splits * d
         if workspace is None:
@@ -213,8 +228,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
         q, k_cache, v_cache, seq_lens, out, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), split_len, scale * _LOG2E,
-        HQ=hq, GROUP=group, D=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_S=BLOCK_S,
-        NUM_STAGES=2, INTERPRET=INTERPRET, num_warps=4,
+        HQ=hq, GROUP=group, D=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_S=config.block_s, NUM_STAGES=config.num_stages, INTERPRET=INTERPRET, num_warps=config.num_warps,
     )
     if splits > 1:
         _merge_kernel[(b, hq)](

@@ -1,0 +1,160 @@
+"""Decode attention at rollout shapes: the native engine's split-K Triton kernel (launch-shape sweep, two KV-cache
+layouts) against vLLM's FlashAttention 3 where vLLM is installed, in GB/s of valid KV read.
+
+    python -m benchmarks.attention            # default config, the cache layout the engine uses, FA3
+    python -m benchmarks.attention --sweep    # also every DecodeConfig in the grid, and the [B, Hkv, S, D] layout
+                                              # (at the average context, 1280; ~450 compiles: --models 7B halves it)
+
+One query token per sequence, every sequence `length` keys long in a cache of S_max = 2304 (prompt 256 + 2048
+new tokens, the rollout benchmark's shape). Each timing is the median replay of a CUDA graph cycling through
+enough per-layer caches that the valid KV (well over the L2) streams from HBM, as in a decode step. The floor
+is the valid K and V bytes over the measured copy bandwidth. Every variant is checked against the float64
+reference before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from benchmarks.kernels import ROTATE_BYTES, graph_time_us, measure_ceilings
+from qerl.rollout.native import attention
+
+SHAPES = {"7B": (28, 4), "32B": (40, 8)}  # (query heads, KV heads) of Qwen2.5; head dim 128
+HEAD_DIM = 128
+S_MAX = 2304
+SWEEP_LENGTH = 1280  # the rollout's average context: prompt 256 + 2048 / 2
+GRID = [attention.DecodeConfig(block_s=s, num_stages=st, num_warps=w, programs_per_sm=p)
+        for s, st, w, p in itertools.product((32, 64, 128), (2, 3, 4), (4, 8), (4, 8, 16))]
+
+
+def label(config: attention.DecodeConfig) -> str:
+    return (f"triton s{config.block_s} st{config.num_stages} w{config.num_warps} "
+            f"p{config.programs_per_sm}")
+
+
+def flash_attention_3():
+    """vLLM's FA3 varlen entry point, or None without vLLM / FA3 on this GPU."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
+    except ImportError:
+        return None
+    return flash_attn_varlen_func if is_fa_version_supported(3) else None
+
+
+class Caches:
+    """`count` layers' K/V caches [B, S_max, Hkv, D], laid out as the engine keeps them (bshd) or with the
+    sequence axis inner to the head axis (bhsd, passed to the kernel as a strided [B, S, Hkv, D] view)."""
+
+    def __init__(self, batch, hkv, length, layout, count):
+        shape = (batch, S_MAX, hkv, HEAD_DIM) if layout == "bshd" else (batch, hkv, S_MAX, HEAD_DIM)
+        self.k = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        self.v = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        if layout == "bhsd":
+            self.k = [t.transpose(1, 2) for t in self.k]
+            self.v = [t.transpose(1, 2) for t in self.v]
+        self.lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+
+
+def valid_bytes(batch, hkv, length):
+    return 2 * batch * length * hkv * HEAD_DIM * 2  # K and V, bf16
+
+
+def max_err(out, ref):
+    return (out.double() - ref).abs().max().item()
+
+
+def time_triton(q, caches, scale, config):
+    outs = [torch.empty_like(q) for _ in range(2)]
+    ws = attention.decode_workspace(q, caches.k[0], config=config)
+    fns = [lambda k=k, v=v, o=outs[i % 2]: attention.decode_attention(q, k, v, caches.lens, scale, out=o,
+                                                                     workspace=ws, config=config)
+           for i, (k, v) in enumerate(zip(caches.k, caches.v, strict=True))]
+    return graph_time_us(fns), fns[0]
+
+
+def time_fa3(fa3, q, caches, scale):
+    batch = q.shape[0]
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    outs = [torch.empty_like(q) for _ in range(2)]
+    fns = [lambda k=k, v=v, o=outs[i % 2]: fa3(q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=S_MAX,
+                                               seqused_k=caches.lens, softmax_scale=scale, causal=True, out=o,
+                                               fa_version=3)
+           for i, (k, v) in enumerate(zip(caches.k, caches.v, strict=True))]
+    return graph_time_us(fns), fns[0]
+
+
+def run_case(model, batch, length, layouts, configs, fa3, copy_gbs):
+    hq, hkv = SHAPES[model]
+    nbytes = valid_bytes(batch, hkv, length)
+    count = max(2, math.ceil(ROTATE_BYTES / nbytes))
+    scale = HEAD_DIM**-0.5
+    q = torch.randn(batch, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for layout in layouts:
+        caches = Caches(batch, hkv, length, layout, count)
+        ref = attention.decode_attention_reference(q.double(), caches.k[0].double(), caches.v[0].double(),
+                                                   caches.lens, scale)
+        variants = [(label(c), functools.partial(time_triton, q, caches, scale, c)) for c in configs]
+        if fa3 is not None and layout == "bshd":
+            variants.append(("vLLM FA3", functools.partial(time_fa3, fa3, q, caches, scale)))
+        for name, timed in variants:
+            try:
+                us, once = timed()
+            except Exception as exc:  # a launch shape past the GPU's shared memory, FA3 refusing the layout
+                print(f"  {model} b{batch} L{length} {layout} {name}: skipped ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:120]})", flush=True)
+                continue
+            err = max_err(once(), ref)
+            if not err < 2e-2:
+                raise SystemExit(f"{name} {layout}: max error {err} at {model} b{batch} L{length}")
+            gbs = nbytes / us / 1e3
+            rows.append(dict(model=model, batch=batch, length=length, layout=layout, variant=name, us=us, gbs=gbs,
+                             pct=100 * gbs / copy_gbs, floor_us=nbytes / copy_gbs / 1e3, err=err))
+        del caches
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="every DecodeConfig of the grid, both cache layouts")
+    parser.add_argument("--lengths", default="300,1280,2300")
+    parser.add_argument("--batches", default="8,64")
+    parser.add_argument("--models", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--out", default="runs/attention.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.attention needs a CUDA GPU")
+    copy_gbs, _ = measure_ceilings("cuda")
+    fa3 = flash_attention_3()
+    print(f"{torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s, vLLM FA3: {'yes' if fa3 else 'not installed'}")
+    rows = []
+    for model, batch, length in itertools.product(args.models.split(","), map(int, args.batches.split(",")),
+                                                  map(int, args.lengths.split(","))):
+        sweep = args.sweep and length == SWEEP_LENGTH
+        configs = GRID if sweep else [attention.DEFAULT_CONFIG]
+        rows += run_case(model, batch, length, ("bshd", "bhsd") if sweep else ("bshd",), configs, fa3, copy_gbs)
+
+    print(f"\n{'model':5s} {'batch':>5s} {'len':>5s} {'layout':6s} {'variant':28s} {'us':>8s} {'GB/s':>6s} "
+          f"{'% copy':>6s} {'floor us':>8s}")
+    for (model, batch, length), group in itertools.groupby(rows, key=lambda r: (r["model"], r["batch"], r["length"])):
+        group = sorted(group, key=lambda r: r["us"])
+        default = [r for r in group if r["variant"] == label(attention.DEFAULT_CONFIG) and r["layout"] == "bshd"]
+        shown = group[:5] + [r for r in default + [r for r in group if "FA3" in r["variant"]] if r not in group[:5]]
+        for r in shown:
+            print(f"{model:5s} {batch:5d} {length:5d} {r['layout']:6s} {r['variant']:28s} {r['us']:8.1f} "
+                  f"{r['gbs']:6.0f} {r['pct']:6.1f} {r['floor_us']:8.1f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,
+                                          "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
