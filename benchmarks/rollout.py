@@ -197,6 +197,33 @@ def setup_for(model, new_tokens: int, model_path: str | None, options: dict) -> 
     )  # fmt: skip
 
 
+def time_batch(args, backend, base, gb: float, precision: str, batch: int, gen: torch.Generator) -> dict:
+    """One timed rollout of `batch` random prompts (after a short warm-up at the same batch) as a result row."""
+    noop = lambda module: contextlib.nullcontext()  # noqa: E731
+    prompts = torch.randint(10, base.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+    with max_new_tokens(backend, 16):
+        backend.generate(prompts, noop)  # warm-up at the timed batch: Triton compiles per shape
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = backend.generate(prompts, noop)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c) for c in out.completion_ids)
+    steps = max(len(c) for c in out.completion_ids)
+    row = {"engine": args.engine, "precision": precision, "batch": batch, "tokens": tokens, "seconds": seconds,
+           "tokens_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / steps, "weights_gb": gb,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+    if args.engine == "native":
+        engine = backend.engine
+        row["waves"] = engine.last_waves
+        row["floor_ms"] = 1e3 * decode_bytes(engine.decoder, batch, args.prompt_len, args.new_tokens) / args.bw
+        if args.profile:  # prompts as long as the timed run's average context
+            context = args.prompt_len + args.new_tokens // 2
+            mid_run = torch.randint(10, base.config.vocab_size, (batch, context), generator=gen).tolist()
+            row["kernels_us_per_step"] = profile_decode_step(engine, mid_run)
+    return row
+
+
 def run(args, precision: str) -> list[dict]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -218,33 +245,18 @@ def run(args, precision: str) -> list[dict]:
     options = {"gpu_memory_utilization": args.gpu_memory_utilization, "sleep": False,
                "max_model_len": args.prompt_len + args.new_tokens} if args.engine == "vllm" else {}  # fmt: skip
     backend = create_backend(args.engine, setup_for(model, args.new_tokens, model_path, options))
-    noop = lambda module: contextlib.nullcontext()  # noqa: E731
     gen = torch.Generator().manual_seed(1)
     rows = []
     for batch in args.batches:
-        prompts = torch.randint(10, base.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-        with max_new_tokens(backend, 16):
-            backend.generate(prompts, noop)  # warm-up at the timed batch: Triton compiles per shape
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = backend.generate(prompts, noop)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        tokens = sum(len(c) for c in out.completion_ids)
-        steps = max(len(c) for c in out.completion_ids)
-        row = {"engine": args.engine, "precision": precision, "batch": batch, "tokens": tokens, "seconds": seconds,
-               "tokens_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / steps, "weights_gb": gb,
-               "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
-        if args.engine == "native":
-            engine = backend.engine
-            row["waves"] = engine.last_waves
-            row["floor_ms"] = 1e3 * decode_bytes(engine.decoder, batch, args.prompt_len, args.new_tokens) / args.bw
-            if args.profile:  # prompts as long as the timed run's average context
-                context = args.prompt_len + args.new_tokens // 2
-                mid_run = torch.randint(10, base.config.vocab_size, (batch, context), generator=gen).tolist()
-                row["kernels_us_per_step"] = profile_decode_step(engine, mid_run)
+        try:
+            row = time_batch(args, backend, base, gb, precision, batch, gen)
+        except torch.OutOfMemoryError as exc:  # keep the batches that fitted
+            row = {"engine": args.engine, "precision": precision, "batch": batch,
+                   "error": str(exc).splitlines()[0]}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if "error" in row:
+            break  # a larger batch would not fit either
     del backend, model, base
     return rows
 
@@ -274,12 +286,15 @@ def main(argv=None) -> None:
           f"copy bandwidth {args.bw / 1e12:.2f} TB/s")  # fmt: skip
     print(f"{'weights':8s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'floor ms':>8s} {'peak GiB':>8s}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['precision']:8s} {r['batch']:5d} {r['error']}")
+            continue
         floor = f"{r['floor_ms']:8.2f}" if "floor_ms" in r else f"{'':8s}"
         print(f"{r['precision']:8s} {r['batch']:5d} {r['tokens_per_s']:8.0f} {r['ms_per_step']:8.2f} {floor} "
               f"{r['peak_gib']:8.1f}")
         for family, us in r.get("kernels_us_per_step", {}).items():
             print(f"    {family:42s} {us:8.1f} us/step")
-    by = {(r["precision"], r["batch"]): r["tokens_per_s"] for r in rows}
+    by = {(r["precision"], r["batch"]): r["tokens_per_s"] for r in rows if "error" not in r}
     for batch in args.batches:
         if ("nvfp4", batch) in by and ("bf16", batch) in by:
             print(f"batch {batch}: NVFP4 / BF16 = {by['nvfp4', batch] / by['bf16', batch]:.2f}x")
