@@ -70,24 +70,23 @@ def max_err(out, ref):
     return (out.double() - ref).abs().max().item()
 
 
-def time_triton(q, caches, scale, config):
+def time_calls(q, caches, call):
+    """Median us of `call(k, v, out)` over the caches (one call per layer, outputs alternating), and one call."""
     outs = [torch.empty_like(q) for _ in range(2)]
+    fns = [functools.partial(call, k, v, outs[i % 2]) for i, (k, v) in enumerate(zip(caches.k, caches.v, strict=True))]
+    return graph_time_us(fns), fns[0]
+
+
+def triton_call(q, caches, scale, config):
     ws = attention.decode_workspace(q, caches.k[0], config=config)
-    fns = [lambda k=k, v=v, o=outs[i % 2]: attention.decode_attention(q, k, v, caches.lens, scale, out=o,
-                                                                     workspace=ws, config=config)
-           for i, (k, v) in enumerate(zip(caches.k, caches.v, strict=True))]
-    return graph_time_us(fns), fns[0]
+    return lambda k, v, out: attention.decode_attention(q, k, v, caches.lens, scale, out=out, workspace=ws,
+                                                        config=config)
 
 
-def time_fa3(fa3, q, caches, scale):
-    batch = q.shape[0]
-    cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    outs = [torch.empty_like(q) for _ in range(2)]
-    fns = [lambda k=k, v=v, o=outs[i % 2]: fa3(q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=S_MAX,
-                                               seqused_k=caches.lens, softmax_scale=scale, causal=True, out=o,
-                                               fa_version=3)
-           for i, (k, v) in enumerate(zip(caches.k, caches.v, strict=True))]
-    return graph_time_us(fns), fns[0]
+def fa3_call(fa3, q, caches, scale):
+    cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device="cuda")
+    return lambda k, v, out: fa3(q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=S_MAX,
+                                 seqused_k=caches.lens, softmax_scale=scale, causal=True, out=out, fa_version=3)
 
 
 def run_case(model, batch, length, layouts, configs, fa3, copy_gbs):
@@ -101,12 +100,12 @@ def run_case(model, batch, length, layouts, configs, fa3, copy_gbs):
         caches = Caches(batch, hkv, length, layout, count)
         ref = attention.decode_attention_reference(q.double(), caches.k[0].double(), caches.v[0].double(),
                                                    caches.lens, scale)
-        variants = [(label(c), functools.partial(time_triton, q, caches, scale, c)) for c in configs]
+        variants = [(label(c), functools.partial(triton_call, q, caches, scale, c)) for c in configs]
         if fa3 is not None and layout == "bshd":
-            variants.append(("vLLM FA3", functools.partial(time_fa3, fa3, q, caches, scale)))
-        for name, timed in variants:
+            variants.append(("vLLM FA3", functools.partial(fa3_call, fa3, q, caches, scale)))
+        for name, make_call in variants:
             try:
-                us, once = timed()
+                us, once = time_calls(q, caches, make_call())
             except Exception as exc:  # a launch shape past the GPU's shared memory, FA3 refusing the layout
                 print(f"  {model} b{batch} L{length} {layout} {name}: skipped ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0][:120]})", flush=True)
@@ -146,8 +145,8 @@ def main(argv=None):
           f"{'% copy':>6s} {'floor us':>8s}")
     for (model, batch, length), group in itertools.groupby(rows, key=lambda r: (r["model"], r["batch"], r["length"])):
         group = sorted(group, key=lambda r: r["us"])
-        default = [r for r in group if r["variant"] == label(attention.DEFAULT_CONFIG) and r["layout"] == "bshd"]
-        shown = group[:5] + [r for r in default + [r for r in group if "FA3" in r["variant"]] if r not in group[:5]]
+        references = (label(attention.DEFAULT_CONFIG), "vLLM FA3")  # shown even when not among the fastest 5
+        shown = group[:5] + [r for r in group[5:] if r["layout"] == "bshd" and r["variant"] in references]
         for r in shown:
             print(f"{model:5s} {batch:5d} {length:5d} {r['layout']:6s} {r['variant']:28s} {r['us']:8.1f} "
                   f"{r['gbs']:6.0f} {r['pct']:6.1f} {r['floor_us']:8.1f}")

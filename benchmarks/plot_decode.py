@@ -19,16 +19,18 @@ FAMILIES = list(dict.fromkeys(family for _, family in KERNEL_FAMILIES)) + ["othe
 FAMILIES.insert(0, FAMILIES.pop(FAMILIES.index("NVFP4 GEMM")))
 
 
-def load_rows(paths: list[str]) -> dict[str, list[dict]]:
-    """Profiled rows by model size, each file's rows in its order."""
+def load_rows(paths: list[str]) -> tuple[dict[str, list[dict]], str]:
+    """Profiled rows by model size (each file's rows in its order) and the GPUs they ran on."""
     by_size: dict[str, list[dict]] = {}
+    devices = set()
     for path in paths:
         data = json.loads(Path(path).read_text())
+        devices.add(data.get("device", ""))
         rows = [r for r in data["rows"] if "kernels_us_per_step" in r]
         if not rows:
             raise SystemExit(f"{path}: no profiled rows (run benchmarks.rollout with --engine native --profile)")
         by_size.setdefault(data["args"]["size"], []).extend(rows)
-    return by_size
+    return by_size, " / ".join(sorted(d for d in devices if d))
 
 
 def plot(by_size: dict[str, list[dict]], png: str, device: str = "") -> None:
@@ -79,8 +81,8 @@ def main(argv=None) -> None:
     parser.add_argument("json", nargs="+", help="benchmarks.rollout --engine native --profile outputs")
     parser.add_argument("--out", default="runs/decode_step.png")
     args = parser.parse_args(argv)
-    devices = {json.loads(Path(p).read_text()).get("device", "") for p in args.json}
-    plot(load_rows(args.json), args.out, device=" / ".join(sorted(devices)))
+    by_size, devices = load_rows(args.json)
+    plot(by_size, args.out, device=devices)
     print(args.out)
 
 

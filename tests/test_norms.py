@@ -46,31 +46,13 @@ def test_find_norms_qwen2_llama_qwen3():
     assert layer == [f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")]
     assert final == ["model.norm"]
 
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=50,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    tiny = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    llama = LlamaForCausalLM(LlamaConfig(**tiny, num_hidden_layers=3))
     layer, final = _norm_paths(llama)
     assert len(layer) == 6 and final == ["model.norm"]
 
     # Qwen3's per-head q_norm/k_norm are RMSNorms too, but of head size: not the scales QeRL perturbs.
-    qwen3 = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=50,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-        )
-    )
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(**tiny, num_hidden_layers=2, head_dim=16))
     layer, final = _norm_paths(qwen3)
     assert all(p.endswith(("input_layernorm", "post_attention_layernorm")) for p in layer) and len(layer) == 4
 

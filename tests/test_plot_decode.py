@@ -24,8 +24,8 @@ def _row(precision, batch, waves=1):
 def test_plot_from_two_runs(tmp_path):
     first = _rollout_json(tmp_path / "a.json", "7b", [_row("nvfp4", 8), _row("bf16", 64)])
     second = _rollout_json(tmp_path / "b.json", "32b", [_row("bf16", 64, waves=5)])
-    by_size = plot_decode.load_rows([first, second])
-    assert [len(by_size[s]) for s in ("7b", "32b")] == [2, 1]
+    by_size, devices = plot_decode.load_rows([first, second])
+    assert [len(by_size[s]) for s in ("7b", "32b")] == [2, 1] and devices == "NVIDIA H100 80GB HBM3"
     png = tmp_path / "out" / "decode.png"
     plot_decode.main([first, second, "--out", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
