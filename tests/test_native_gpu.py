@@ -84,3 +84,19 @@ def test_aqn_noise_reaches_the_graph_and_leaves_no_trace():
         print(f"sigma {sigma:g}: max |shift| of the graph's log-probs {shift:.2e}")
         assert shift > 0
     assert torch.equal(first_logprobs(0.0), clean)  # greedy + clean norms restored: bit for bit
+
+
+def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):
+    """Each decode kernel waits for its predecessor before touching memory (qerl/pdl.py): the graph's samples and
+    log-probs with PDL are those without it, bit for bit."""
+    model, tokenizer = _policy("nvfp4")
+    prompts = _prompts(len(tokenizer))
+    decoder = Decoder(model)
+    decoder.refresh()
+    engine = NativeEngine(decoder, Sampler(GenerationConfig(do_sample=True, temperature=1.0)), [-1], 0)
+    runs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("QERL_PDL", flag)
+        torch.manual_seed(0)
+        runs.append(engine.generate(prompts, 48))
+    assert runs[0] == runs[1]

@@ -21,9 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
+from qerl.pdl import pdl_enabled
+
 try:  # Triton is Linux-only; the torch reference keeps everything working without it.
     import triton
     import triton.language as tl
+
+    from qerl.pdl import let_next_kernel_launch, wait_for_previous_kernel
 except ImportError:  # pragma: no cover - depends on the platform
     triton = None
 
@@ -73,11 +77,13 @@ def _split_kernel(
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_ob, stride_oh,
     split_len, qk_scale,
     HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Keys [split * split_len, min((split + 1) * split_len, seq_len)) of one sequence and KV head, for the
     GROUP query heads sharing it: the output itself when SPLITS == 1, else the split's normalized output and
     log2-sum-exp (scores in log2 units: qk_scale = scale * log2(e), so exp2 replaces exp)."""
+    wait_for_previous_kernel(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,6 +118,7 @@ def _split_kernel(
         acc = _dot(p, v, acc * alpha[:, None], INTERPRET)
         m = m_new
 
+    let_next_kernel_launch(PDL)
     o = acc / denom[:, None]
     if SPLITS == 1:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + rd[None, :]
@@ -125,9 +132,11 @@ def _split_kernel(
 @_jit
 def _merge_kernel(
     lens_ptr, part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, split_len,
-    HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[b, head] = the splits' outputs weighted by exp2(lse), over the splits that hold keys of sequence b."""
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_launch(PDL)  # one wave of programs
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     n_splits = tl.cdiv(tl.load(lens_ptr + b), split_len)
@@ -215,6 +224,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
     max_len, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     splits, split_len = _splits(b, hkv, max_len, q.device, num_splits, config)
+    pdl = pdl_enabled(q.device)
     if splits > 1:
         size = b * hq * splits * d
         if workspace is None:
@@ -229,12 +239,14 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), split_len, scale * _LOG2E,
         HQ=hq, GROUP=group, D=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_S=config.block_s, NUM_STAGES=config.num_stages, INTERPRET=INTERPRET, num_warps=config.num_warps,
+        BLOCK_S=config.block_s, NUM_STAGES=config.num_stages, PDL=pdl, INTERPRET=INTERPRET,
+        num_warps=config.num_warps, launch_pdl=pdl,
     )
     if splits > 1:
         _merge_kernel[(b, hq)](
             seq_lens, part, lse, out, out.stride(0), out.stride(1), split_len,
-            HQ=hq, D=d, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits), num_warps=4,
+            HQ=hq, D=d, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits), PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
         )
     return out
 

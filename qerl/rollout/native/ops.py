@@ -13,9 +13,13 @@ import os
 
 import torch
 
+from qerl.pdl import pdl_enabled
+
 try:  # Triton is Linux-only; the torch twins keep the engine working without it.
     import triton
     import triton.language as tl
+
+    from qerl.pdl import let_next_kernel_launch, wait_for_previous_kernel
 except ImportError:  # pragma: no cover - depends on the platform
     triton = None
 
@@ -41,7 +45,10 @@ def rmsnorm_torch(x, weight, eps, residual=None):
 if triton is not None:
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
+        let_next_kernel_launch(PDL)  # one wave of programs
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -64,8 +71,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     m, n = x.shape
     out = torch.empty_like(x)
     res = residual if residual is not None else x
+    pdl = pdl_enabled(x.device)
     _rmsnorm_kernel[(m,)](x, res, weight, out, n, eps, HAS_RES=residual is not None,
-                          BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4)
+                          BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=8 if n >= 4096 else 4, launch_pdl=pdl)
     return out
 
 
@@ -94,7 +102,9 @@ if triton is not None:
     @triton.jit
     def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, bidx_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                            stride_cb, stride_cs, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                           BLOCK_H: tl.constexpr):
+                           BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
+        let_next_kernel_launch(PDL)  # one wave of programs
         tok = tl.program_id(0)
         b = tl.load(bidx_ptr + tok).to(tl.int64)
         p = tl.load(pos_ptr + tok).to(tl.int64)
@@ -132,9 +142,11 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_id
     m = qkv.shape[0]
     d = k_cache.shape[-1]
     q = torch.empty((m, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    pdl = pdl_enabled(qkv.device)
     _rope_cache_kernel[(m,)](qkv, cos, sin, batch_idx, positions, q, k_cache, v_cache, k_cache.stride(0),
                              k_cache.stride(1), HQ=num_heads, HKV=num_kv_heads, D=d,
-                             BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), num_warps=4)
+                             BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), PDL=pdl, num_warps=4,
+                             launch_pdl=pdl)
     return q
 
 
@@ -149,7 +161,9 @@ def silu_mul_torch(gate_up):
 if triton is not None:
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous_kernel(PDL)
+        let_next_kernel_launch(PDL)  # one wave of programs
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -166,5 +180,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = n2 // 2
     out = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(m, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+    pdl = pdl_enabled(gate_up.device)
+    _silu_mul_kernel[(m, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

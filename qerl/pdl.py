@@ -1,0 +1,56 @@
+"""Programmatic dependent launch (PDL, Hopper and newer) for the Triton kernels of a decode step.
+
+A kernel launched with `launch_pdl=True` may be scheduled while the kernel before it in the stream is still
+running; it blocks in `griddepcontrol.wait` until that kernel has finished and its writes are visible. In a
+CUDA-graph decode step of a few hundred short kernels this hides the launch gap between neighbours, which is
+otherwise paid once per kernel (measured: docs/benchmarks.md, "PDL").
+
+The contract every kernel launched with `launch_pdl=pdl_enabled(device)` keeps:
+  * `wait_for_previous_kernel(PDL)` before it reads or writes any tensor another kernel touches. Every such
+    kernel waits, so the chain stays ordered: a kernel that skipped the wait could finish before its
+    predecessor, and the next kernel, which waits only on its immediate predecessor, would read too early.
+  * `let_next_kernel_launch(PDL)` where the rest of its work no longer needs free SM slots (a hint: the next
+    kernel's programs then get scheduled and wait at their own `wait_for_previous_kernel`).
+Kernels of other libraries (cuBLAS) between ours launch without PDL and wait for their predecessor as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # Triton is Linux-only; without it nothing here is launched.
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the platform
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Launch with PDL: a CUDA device of compute capability 9.0+, not the interpreter, QERL_PDL not "0"."""
+    if triton is None or INTERPRET or device.type != "cuda" or os.environ.get("QERL_PDL", "1") == "0":
+        return False
+    return _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+if triton is not None:
+
+    @triton.jit
+    def wait_for_previous_kernel(PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+
+    @triton.jit
+    def let_next_kernel_launch(PDL: tl.constexpr):
+        if PDL:
+            gdc_launch_dependents()
