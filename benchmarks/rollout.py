@@ -152,7 +152,9 @@ def decode_bytes(decoder, batch: int, prompt_len: int, new_tokens: int) -> float
     return weights + batch * (prompt_len + new_tokens / 2) * kv_per_token
 
 
-KERNEL_FAMILIES = (  # substring of the kernel name -> family, first match wins
+# Substring of the kernel name -> family, first match wins. The NVFP4 GEMM includes the LoRA adapter it computes in
+# the same launch; the cuBLAS family is, on an NVFP4 base, the LM head alone.
+KERNEL_FAMILIES = (
     ("_gemm_tc_kernel", "NVFP4 GEMM"), ("_split_kernel", "attention"), ("_merge_kernel", "attention"),
     ("_rmsnorm", "add+RMSNorm"), ("_rope_cache", "rotary+KV write"), ("_silu_mul", "SiLU gate"),
     ("gemm", "cuBLAS GEMM (BF16 base, LoRA, LM head)"), ("gemv", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),

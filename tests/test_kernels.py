@@ -131,26 +131,33 @@ def _interpreter_checks():
         e = _rel_err(y, _reference(x, q, b))
         assert e < 1e-2, (m, split, dtype, e)
         # Calls with kept split-K counters give the same answer and leave the counters zeroed for the next one.
-        counters = torch.zeros(-(-n // 16), dtype=torch.int32)
+        counters = torch.zeros(2 - (-n // 16), dtype=torch.int32)  # two LoRA counters, then one per 16-row N tile
         for _ in range(2):
             y2 = tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, config=cfg, counters=counters)
             assert torch.equal(y2, y) and not counters.any()
 
-    # LoRA up-projection in the epilogue (the native rollout engine's path), with and without split-K, and the
-    # large-M fallback that adds it after the GEMM.
-    for m, split in ((3, 1), (6, 2), (kernels.FUSED_MAX_M + 1, 1)):
-        x = torch.randn(m, k, dtype=torch.bfloat16)
-        b = torch.randn(n, dtype=torch.bfloat16)
-        lora_s, lora_b = torch.randn(m, 16, dtype=torch.bfloat16), torch.randn(n, 16, dtype=torch.bfloat16) * 0.1
-        expected = _reference(x, q, b) + lora_s.double() @ lora_b.double().t()
+    # A LoRA adapter in the same launch (the native rollout engine's path): its shrink programs and the N tiles'
+    # epilogues, with and without split-K, fp16 and bf16, twice on kept counters (the kernel re-arms them), and the
+    # large-M fallback that adds it after the GEMM. The shrink is rounded to x's dtype once, as a separate GEMM would.
+    for m, split, dtype in ((3, 1, torch.bfloat16), (6, 3, torch.bfloat16), (5, 2, torch.float16),
+                            (kernels.FUSED_MAX_M + 1, 1, torch.bfloat16)):
+        x = torch.randn(m, k, dtype=dtype)
+        b = torch.randn(n, dtype=dtype)
+        lora_a, lora_b = torch.randn(32, k, dtype=dtype) * 0.1, torch.randn(n, 32, dtype=dtype) * 0.1
+        shrink = (x.double() @ lora_a.double().t()).to(dtype).double()
+        expected = _reference(x, q, b) + shrink @ lora_b.double().t()
         if m <= kernels.FUSED_MAX_M:
-            y = tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, config=tk.GemmConfig(16, 16, 64, split, 4, 2),
-                        lora=(lora_s, lora_b))
-            assert _rel_err(y, expected) < 1e-2, (m, split)
-        y = kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, b, None, lora_s, lora_b)
+            counters = kernels.splitk_counters(n)
+            for _ in range(2):
+                y = torch.full((m, n), float("nan"), dtype=dtype)
+                tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, counters=counters,
+                        config=tk.GemmConfig(16, 16, 64, split, 4, 2), lora=(lora_a, lora_b))
+                assert not y.isnan().any() and not counters.any(), (m, split)
+                assert _rel_err(y, expected) < 1e-2, (m, split, dtype)
+        y = kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, b, None, lora_a, lora_b)
         assert _rel_err(y, expected) < 1e-2, m
     with pytest.raises(ValueError, match="power of two"):
-        tk.gemm(x[:2], q.packed, q.scale, q.global_scale, lora=(lora_s[:2, :12], lora_b[:, :12]))
+        tk.gemm(x[:2], q.packed, q.scale, q.global_scale, lora=(lora_a[:12], lora_b[:, :12]))
 
     # Public API under the interpreter: small M takes the fused kernel, large M dequant + matmul; grads.
     q = _weight(24, 64)
@@ -208,6 +215,35 @@ def test_gpu_gemm_matches_float64(seed, m, use_asm):
             assert not y.isnan().any()
             assert _rel_err(y, ref) < 1e-2, cfg
             assert not counters.any()
+
+
+@gpu
+@pytest.mark.parametrize("rank", [16, 32, 64])
+@pytest.mark.parametrize("m", [1, 8, 16, 64])
+def test_gpu_gemm_lora_in_the_same_launch(seed, m, rank):
+    """The rollout engine's projection: a LoRA's shrink programs and the N tiles' epilogues in one launch, on the
+    default (split-K) config and forced splits, the TMA and plain-load paths, twice on kept counters."""
+    from qerl.nvfp4 import triton_kernels as tk
+
+    for n, k in ((1037, 3584), (4608, 3632)):
+        q = _weight(n, k, "cuda")
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        lora_a = torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05
+        lora_b = torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05
+        shrink = (x.double() @ lora_a.double().t()).to(torch.bfloat16).double()
+        ref = _reference(x, q) + shrink @ lora_b.double().t()
+        counters = kernels.splitk_counters(n, "cuda")
+        base = tk.default_config(m, n, k, x.device)
+        splits = {base.split_k, 1, 5}
+        for cfg in (tk.GemmConfig(base.block_m, base.block_n, base.block_k, s, base.num_warps, base.num_stages)
+                    for s in splits):
+            for _ in range(2):
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                tk.gemm(x, q.packed, q.scale, q.global_scale, out=y, config=cfg, counters=counters,
+                        lora=(lora_a, lora_b))
+                torch.cuda.synchronize()
+                assert not y.isnan().any() and not counters.any(), cfg
+                assert _rel_err(y, ref) < 1e-2, cfg
 
 
 @gpu

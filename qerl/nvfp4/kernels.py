@@ -112,9 +112,10 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Te
 
 def splitk_counters(out_features: int, device=None) -> torch.Tensor:
     """Scratch to keep beside a weight of `out_features` rows and pass to every `nvfp4_linear` call on it: the fused
-    kernel's split-K arrival counters, one per 64 rows (its smallest N tile), left zeroed by every call. Allocate
-    it before any CUDA-graph capture; it saves a memset launch per call."""
-    return torch.zeros(-(-out_features // 64), dtype=torch.int32, device=device)
+    kernel's arrival counters (two for a LoRA computed in the same launch, then split-K's, one per 64 rows: its
+    smallest N tile), left zeroed by every call. Allocate it before any CUDA-graph capture; it saves a memset
+    launch per call."""
+    return torch.zeros(2 - (-out_features // 64), dtype=torch.int32, device=device)
 
 
 def nvfp4_linear(x, packed, scale, global_scale, bias=None, splitk_counters=None):
@@ -132,15 +133,16 @@ def nvfp4_linear(x, packed, scale, global_scale, bias=None, splitk_counters=None
 
 
 @torch.no_grad()
-def nvfp4_linear_lora(x, packed, scale, global_scale, bias, splitk_counters, lora_s, lora_b):
-    """x @ W^T (+ bias) + lora_s @ lora_b^T for a 2-D x, without autograd (rollouts): a LoRA's up-projection of its
-    shrunk input lora_s = x @ A^T. Few rows take the fused kernel with the LoRA added in its epilogue (lora_s
-    [M, R], lora_b [N, R], R a power of two >= 16); other rows add it after the GEMM."""
+def nvfp4_linear_lora(x, packed, scale, global_scale, bias, splitk_counters, lora_a, lora_b):
+    """x @ W^T (+ bias) + (x @ lora_a^T) @ lora_b^T for a 2-D x, without autograd (rollouts): a LoRA adapter (A [R, K],
+    B [N, R], x's dtype, R a power of two >= 16) on the frozen NVFP4 weight. Few rows take the fused kernel, which
+    computes the adapter in the same launch; other rows add it after the GEMM."""
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     if _triton_ok(x) and x.dtype in _tk.GEMM_DTYPES and x.shape[0] <= FUSED_MAX_M:
-        return _tk.gemm(x, packed, scale, global_scale, bias, counters=splitk_counters, lora=(lora_s, lora_b))
-    return _linear_impl(x, packed, scale, global_scale, bias, splitk_counters).addmm_(lora_s, lora_b.t())
+        return _tk.gemm(x, packed, scale, global_scale, bias, counters=splitk_counters, lora=(lora_a, lora_b))
+    y = _linear_impl(x, packed, scale, global_scale, bias, splitk_counters)
+    return y.addmm_(x @ lora_a.t(), lora_b.t())
 
 
 def _needs_op(x, bias) -> bool:

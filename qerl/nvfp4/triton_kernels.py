@@ -8,7 +8,10 @@ Two kernels, both reading compressed-tensors' standard layout as it sits in the 
     MMA's M side, the few rows of x its N side); split-K fills the machine on narrow N and the last CTA of
     each N tile reduces the partials and re-arms its counter (one launch). One kernel, `_gemm_tc_kernel`, for 1-64 rows:
     the packed tiles, their scales and x stream through a TMA shared-memory ring; the weight is decoded in
-    the wgmma operand layout (low and high nibbles as two dots against the even and odd K of x).
+    the wgmma operand layout (low and high nibbles as two dots against the even and odd K of x). Given a LoRA
+    adapter (the rollout engine's projections), the same launch computes it too: programs first in the grid
+    do the shrink x @ A^T, the N tiles' epilogues add the up-projection.
+  Both launch with programmatic dependent launch where the GPU has it (qerl/pdl.py).
 
 The GEMM multiplies code values by the FP8 scale in BF16 (exact: a 2-bit times a 4-bit significand) and
 divides by the global scale once on the FP32 accumulator: this skips one rounding of the weight to BF16
@@ -28,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from qerl.pdl import let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -165,21 +170,78 @@ def _perm_k(t, BLOCK_N: tl.constexpr, KH: tl.constexpr):
     return tl.reshape(tl.permute(tl.reshape(t, (BLOCK_N, KH // 16, 4, 2, 2)), (0, 1, 3, 2, 4)), (BLOCK_N, KH))
 
 
-@triton.jit
-def _lora_up(acc, ls_ptr, lb_ptr, rn, rm, n_ok, m_ok, LORA_R: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc[BLOCK_N, BLOCK_M] + (s @ B^T)^T for the LoRA's shrunk input s [M, R] and up-projection B [N, R]."""
-    rr = tl.arange(0, LORA_R)
-    lb = tl.load(lb_ptr + rn.to(tl.int64)[:, None] * LORA_R + rr[None, :], mask=n_ok[:, None], other=0.0)
-    ls = tl.load(ls_ptr + rm[None, :] * LORA_R + rr[:, None], mask=m_ok[None, :], other=0.0)
-    if INTERPRET:  # the interpreter multiplies bf16 as raw integers
-        return tl.dot(lb.to(tl.float32), ls.to(tl.float32), acc)
-    return tl.dot(lb, ls, acc)
+# The LoRA programs: each takes 16 ranks (a q/k/v group's 48, padded to 64, at once would take the kernel from 116
+# to 168 registers per thread, i.e. 3 instead of 4 programs per SM for the weight stream) over one of at most
+# LORA_SPLITS K ranges, in K tiles of 64 (128: 130 registers). Short enough to finish before the N tiles reach their
+# epilogues (one program per weight split walking its K range alone made the 7B step 0.6 ms slower, measured), few
+# enough that each epilogue sums the partials with all loads in flight.
+_LORA_RANKS = tl.constexpr(16)
+_LORA_TILE_K = tl.constexpr(64)
+LORA_SPLITS = 8
 
 
 @triton.jit
-def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, ls_ptr, lb_ptr, rn, rm, M, N, stride_ym,
-                    pid_n, pid_k, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                    SPLIT_K: tl.constexpr, LORA_R: tl.constexpr, INTERPRET: tl.constexpr):
+def _lora_shrink(x_ptr, la_ptr, lws_ptr, llock_ptr, M, K, stride_xm, prog, lora_len, BLOCK_M: tl.constexpr,
+                 LORA_R: tl.constexpr, LORA_SPLITS: tl.constexpr, LORA_ITERS: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """LoRA program `prog`: 16 ranks of the shrink over one K range, s^T = A[ranks, K range] @ x[:, K range]^T, to
+    the FP32 partials [LORA_SPLITS, M, R]; then one arrival on llock[0], which the N tiles' epilogues wait for."""
+    ranks = prog % (LORA_R // _LORA_RANKS)
+    part = prog // (LORA_R // _LORA_RANKS)
+    rr = ranks * _LORA_RANKS + tl.arange(0, _LORA_RANKS)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    acc = tl.zeros((_LORA_RANKS, BLOCK_M), dtype=tl.float32)
+    for i in range(0, LORA_ITERS if INTERPRET else tl.cdiv(lora_len, _LORA_TILE_K)):
+        rk = part * lora_len + i * _LORA_TILE_K + tl.arange(0, _LORA_TILE_K)
+        k_ok = (rk < K) & (rk < (part + 1) * lora_len)
+        a = tl.load(la_ptr + rr[:, None] * K + rk[None, :], mask=k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if INTERPRET:  # the interpreter multiplies bf16 as raw integers
+            acc = tl.dot(a.to(tl.float32), tl.trans(x.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(a, tl.trans(x), acc)
+    tl.store(lws_ptr + part * M * LORA_R + rm[None, :] * LORA_R + rr[:, None], acc, mask=m_ok[None, :])
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    tl.atomic_add(llock_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _lora_up(acc, lws_ptr, llock_ptr, lb_ptr, rn, rm, n_ok, m_ok, M, N, BLOCK_N: tl.constexpr,
+             BLOCK_M: tl.constexpr, LORA_R: tl.constexpr, LORA_SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc[BLOCK_N, BLOCK_M] + (s @ B^T)^T, s = x @ A^T summed from the LoRA programs' partials (rounded to x's dtype
+    once, as a separate shrink GEMM would round it) and B [N, R] the up-projection. Waits for every LoRA program;
+    the last N tile to read the partials re-arms both LoRA counters for the next call."""
+    programs = LORA_SPLITS * (LORA_R // _LORA_RANKS)
+    # Poll with plain loads (hundreds of programs spinning on one atomic would slow the ones they wait for); the
+    # LoRA programs come first in the grid, so they are running or done.
+    while tl.load(llock_ptr, volatile=True) < programs:
+        pass
+    tl.atomic_add(llock_ptr, 0, sem="acquire", scope="gpu")  # their partials are visible from here on
+    for r0 in tl.static_range(0, LORA_R, _LORA_RANKS):
+        rr = r0 + tl.arange(0, _LORA_RANKS)
+        s = tl.zeros((_LORA_RANKS, BLOCK_M), dtype=tl.float32)
+        for part in tl.static_range(LORA_SPLITS):  # unrolled: all loads in flight at once
+            s += tl.load(lws_ptr + part * M * LORA_R + rm[None, :] * LORA_R + rr[:, None], mask=m_ok[None, :],
+                         other=0.0, cache_modifier=".cg")
+        lb = tl.load(lb_ptr + rn.to(tl.int64)[:, None] * LORA_R + rr[None, :], mask=n_ok[:, None], other=0.0)
+        if INTERPRET:
+            s = _f32_to_bf16_rne(s).to(tl.float32) if lb.dtype == tl.bfloat16 else s.to(lb.dtype).to(tl.float32)
+            acc = tl.dot(lb.to(tl.float32), s, acc)
+        else:
+            acc = tl.dot(lb, s.to(lb.dtype), acc)
+    done = tl.atomic_add(llock_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if done == tl.cdiv(N, BLOCK_N) - 1:  # every N tile has read the partials
+        tl.store(llock_ptr, 0)
+        tl.store(llock_ptr + 1, 0)
+    return acc
+
+
+@triton.jit
+def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, lws_ptr, llock_ptr, lb_ptr, rn, rm, M, N,
+                    stride_ym, pid_n, pid_k, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                    SPLIT_K: tl.constexpr, LORA_R: tl.constexpr, LORA_SPLITS: tl.constexpr,
+                    INTERPRET: tl.constexpr):
     """y = acc * scale / global_scale (+ bias) (+ LoRA's s @ B^T); with split-K the last CTA of the N tile sums the
     partials."""
     n_ok = rn < N
@@ -191,7 +253,8 @@ def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, ls_ptr, 
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if LORA_R > 0:
-            acc = _lora_up(acc, ls_ptr, lb_ptr, rn, rm, n_ok, m_ok, LORA_R, INTERPRET)
+            acc = _lora_up(acc, lws_ptr, llock_ptr, lb_ptr, rn, rm, n_ok, m_ok, M, N, BLOCK_N, BLOCK_M, LORA_R,
+                           LORA_SPLITS, INTERPRET)
         tl.store(y_ptr + y_off, _to_out(acc, y_ptr.dtype.element_ty, INTERPRET), mask=y_mask)
     else:
         w_off = rm[None, :] * N + rn[:, None]
@@ -206,18 +269,20 @@ def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, ls_ptr, 
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             if LORA_R > 0:
-                total = _lora_up(total, ls_ptr, lb_ptr, rn, rm, n_ok, m_ok, LORA_R, INTERPRET)
+                total = _lora_up(total, lws_ptr, llock_ptr, lb_ptr, rn, rm, n_ok, m_ok, M, N, BLOCK_N, BLOCK_M,
+                                 LORA_R, LORA_SPLITS, INTERPRET)
             tl.store(y_ptr + y_off, _to_out(total, y_ptr.dtype.element_ty, INTERPRET), mask=y_mask)
             tl.store(lock_ptr + pid_n, 0)  # re-armed for the next call: every other CTA of this tile has arrived
 
 
 @triton.jit
 def _gemm_tc_kernel(
-    x_ptr, p_ptr, s_ptr, x_desc, p_desc, s_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, ls_ptr, lb_ptr,
-    M, N, K, stride_xm, stride_ym, tiles_per_split,
+    x_ptr, p_ptr, s_ptr, x_desc, p_desc, s_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, la_ptr, lb_ptr, lws_ptr,
+    llock_ptr, M, N, K, stride_xm, stride_ym, tiles_per_split, lora_len,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, STAGES: tl.constexpr, TMA_P: tl.constexpr,
-    TMA_S: tl.constexpr, USE_ASM: tl.constexpr, LORA_R: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA_S: tl.constexpr, USE_ASM: tl.constexpr, LORA_R: tl.constexpr, LORA_SPLITS: tl.constexpr,
+    LORA_ITERS: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """y[M, N] = x @ W^T as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T on the tensor cores, the weight streamed.
 
@@ -230,9 +295,23 @@ def _gemm_tc_kernel(
     USE_ASM: scales converted 4 per call, then the E2M1 decode (byte permute + multiply), in inline PTX (else
     the portable shift/convert decode, fp32 dot). Without TMA (K % 256 != 0, the interpreter) the same tiles take
     plain loads.
+    LORA_R > 0: a LoRA adapter (A [R, K], B [N, R]) rides along in the same launch. The grid's first programs
+    compute the shrink s = x @ A^T (16 ranks over one of LORA_SPLITS K ranges each) and the N tiles add s @ B^T in
+    their epilogue (the rollout engine's projections: no separate shrink GEMM, no extra launch).
+    One-dimensional grid: [LoRA programs,] then (N tile, K split) with the N tile fastest.
     """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    wait_for_previous_kernel(PDL)
+    pid = tl.program_id(0)
+    if LORA_R > 0:
+        lora_programs = LORA_SPLITS * (LORA_R // _LORA_RANKS)
+        if pid < lora_programs:
+            _lora_shrink(x_ptr, la_ptr, lws_ptr, llock_ptr, M, K, stride_xm, pid, lora_len, BLOCK_M, LORA_R,
+                         LORA_SPLITS, LORA_ITERS, INTERPRET)
+            return
+        pid -= lora_programs
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_n = pid % n_tiles
+    pid_k = pid // n_tiles
     KH: tl.constexpr = BLOCK_K // 2
     KG: tl.constexpr = BLOCK_K // 16
     K2 = K // 2
@@ -291,8 +370,10 @@ def _gemm_tc_kernel(
         else:
             acc = tl.dot(lo, xe, acc)
             acc = tl.dot(hi, xo, acc)
-    _split_epilogue(acc, _DECODE_UNDO if USE_ASM else 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, ls_ptr, lb_ptr,
-                    rn, rm, M, N, stride_ym, pid_n, pid_k, HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K, LORA_R, INTERPRET)
+    let_next_kernel_launch(PDL)  # the weight stream is done; only the epilogue is left
+    _split_epilogue(acc, _DECODE_UNDO if USE_ASM else 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, lws_ptr,
+                    llock_ptr, lb_ptr, rn, rm, M, N, stride_ym, pid_n, pid_k, HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K,
+                    LORA_R, LORA_SPLITS, INTERPRET)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -397,13 +478,14 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig | None = None, use_asm=None,
          counters: torch.Tensor | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """y = x @ W^T (+ bias) (+ s @ B^T) for a 2-D bf16/fp16 x with few rows.
+    """y = x @ W^T (+ bias) (+ (x @ A^T) @ B^T) for a 2-D bf16/fp16 x with few rows.
 
-    `counters` (int32 zeros, one per N tile, kept with the weight): the split-K arrival counters. The kernel leaves
-    them zeroed, so they are allocated once, before any CUDA-graph capture; without them each split-K call
-    allocates and zeroes its own (one memset launch more). Two calls sharing counters must not run concurrently.
-    `lora` = (s [M, R], B [N, R]), contiguous, x's dtype, R a power of two >= 16: a LoRA's up-projection of its
-    shrunk input s = x @ A^T, added in the epilogue (saves the rollout engine a GEMM launch and a pass over y).
+    `counters` (int32 zeros, kept with the weight: kernels.splitk_counters): two for the LoRA programs, then the
+    split-K arrival counters, one per N tile. The kernel leaves them zeroed, so they are allocated once, before any
+    CUDA-graph capture; without them each call that needs them allocates and zeroes its own (one memset launch
+    more). Two calls sharing counters must not run concurrently.
+    `lora` = (A [R, K], B [N, R]), contiguous, x's dtype, R a power of two >= 16: a LoRA adapter computed in the
+    same launch (saves the rollout engine the shrink GEMM's launch and the separate pass over y).
     """
     m, k = x.shape
     n = packed.shape[0]
@@ -417,13 +499,13 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
         return out
     lora_r = 0
     if lora is not None:
-        lora_s, lora_b = lora
-        lora_r = lora_s.shape[1]
-        if lora_r < 16 or lora_r & (lora_r - 1) or lora_s.shape[0] != m or lora_b.shape != (n, lora_r):
-            raise ValueError(f"lora: s {tuple(lora_s.shape)} and B {tuple(lora_b.shape)} do not fit x {m}x{k}, W "
+        lora_a, lora_b = lora
+        lora_r = lora_a.shape[0]
+        if lora_r < 16 or lora_r & (lora_r - 1) or lora_a.shape != (lora_r, k) or lora_b.shape != (n, lora_r):
+            raise ValueError(f"lora: A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit x {m}x{k}, W "
                              f"{n}x{k} with a rank that is a power of two >= 16")
-        if not (lora_s.is_contiguous() and lora_b.is_contiguous()):
-            raise ValueError("lora: s and B must be contiguous")
+        if not (lora_a.is_contiguous() and lora_b.is_contiguous()) or {lora_a.dtype, lora_b.dtype} != {x.dtype}:
+            raise ValueError(f"lora: A and B must be contiguous and in x's dtype {x.dtype}")
     cfg = config or default_config(m, n, k, x.device)
     if use_asm is None:
         use_asm = x.dtype == torch.bfloat16 and x.is_cuda and not INTERPRET
@@ -431,21 +513,26 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
     k_tiles = triton.cdiv(k, cfg.block_k)
     tiles = triton.cdiv(k_tiles, cfg.split_k)
     split = triton.cdiv(k_tiles, tiles)  # no split without K tiles: 14 tiles in 8 splits run as 7 splits of 2
-    if split > 1:
-        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        if counters is not None and counters.numel() >= n_tiles and counters.device == x.device:
-            locks = counters
-        else:
-            locks = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
-    else:
-        ws = locks = out  # unused
+    ws = locks = lora_locks = out  # unused unless split-K or LoRA need them
+    lora_splits = min(LORA_SPLITS, triton.cdiv(k, 256)) if lora_r else 1
+    tile_k = _LORA_TILE_K.value
+    lora_len = triton.cdiv(triton.cdiv(k, lora_splits), tile_k) * tile_k  # each LoRA program's K range
+    if split > 1 or lora_r:
+        # fp32 partials: [split, M, N] of y for split-K, then [LoRA splits, M, R] of the LoRA shrink
+        ws = torch.empty(split * m * n + lora_splits * m * lora_r, dtype=torch.float32, device=x.device)
+        if counters is None or counters.numel() < 2 + n_tiles or counters.device != x.device:
+            counters = torch.zeros(2 + n_tiles, dtype=torch.int32, device=x.device)
+        lora_locks, locks = counters[:2], counters[2:]
+    lora_ws = ws[split * m * n :] if lora_r else ws
     scale_u8 = scale.view(torch.uint8)
+    pdl = pdl_enabled(x.device)
     common = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   SPLIT_K=split, TILES_PER_SPLIT=tiles if INTERPRET else 0, USE_ASM=bool(use_asm), LORA_R=lora_r,
-                  INTERPRET=INTERPRET, num_warps=cfg.num_warps)
-    ls, lb = lora if lora is not None else (out, out)  # unused without LoRA
-    args = (global_scale, bias if bias is not None else out, out, ws, locks, ls, lb, m, n, k, x.stride(0),
-            out.stride(0), tiles)
+                  LORA_SPLITS=lora_splits, LORA_ITERS=lora_len // tile_k if INTERPRET else 0, PDL=pdl,
+                  INTERPRET=INTERPRET, num_warps=cfg.num_warps, launch_pdl=pdl)
+    la, lb = lora if lora is not None else (out, out)  # unused without LoRA
+    args = (global_scale, bias if bias is not None else out, out, ws, locks, la, lb, lora_ws, lora_locks, m, n, k,
+            x.stride(0), out.stride(0), tiles, lora_len)
     # Host-side TMA descriptors (passed by value, so CUDA graphs capture them); the scale tile's rows are
     # BLOCK_K/16 bytes, which TMA takes from 16 up; x is read as int32 (even, odd) pairs.
     tma_p = _tma_ok(packed)
@@ -453,6 +540,7 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
     p_desc = TensorDescriptor.from_tensor(packed, [cfg.block_n, cfg.block_k // 2]) if tma_p else packed
     s_desc = TensorDescriptor.from_tensor(scale_u8, [cfg.block_n, cfg.block_k // 16]) if tma_s else scale_u8
     x_desc = TensorDescriptor.from_tensor(x.view(torch.int32), [cfg.block_m, cfg.block_k // 2]) if tma_p else x
-    _gemm_tc_kernel[(n_tiles, split)](
+    grid = (lora_splits * lora_r // _LORA_RANKS.value + n_tiles * split,)
+    _gemm_tc_kernel[grid](
         x, packed, scale_u8, x_desc, p_desc, s_desc, *args, STAGES=cfg.num_stages, TMA_P=tma_p, TMA_S=tma_s, **common)
     return out

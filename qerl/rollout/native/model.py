@@ -11,9 +11,10 @@ What it shares with the policy and what it keeps of its own:
   * LoRA: unmerged. peft keeps the adapters in FP32 (its autocast), the GEMMs take BF16, so every round
     `refresh()` writes them in BF16 into fixed buffers: per group, the A matrices stacked [sum r, K] and the B
     matrices block-diagonal [N, sum r] with peft's scaling folded in (sum r zero-padded to a power of two >= 16),
-    so a group's LoRA is two GEMMs whatever its size, and on an NVFP4 base the second one runs in the base
-    GEMM's epilogue. ~1% of the base's bytes at rank 16; the buffers' addresses never change, so a captured
-    graph sees each round's adapter without being captured again.
+    so a group's LoRA is two GEMMs whatever its size, and on an NVFP4 base both run inside the base GEMM's
+    launch (its first programs do the shrink, its epilogue the up-projection). ~1% of the base's bytes at rank
+    16; the buffers' addresses never change, so a captured graph sees each round's adapter without being
+    captured again.
   * Norm scales: FP32 buffers (`norms`, an nn.Module tree the AQN hook perturbs in place), refreshed from the
     policy's norms every round, as the vLLM backend copies them into vLLM's norms.
 """
@@ -130,7 +131,7 @@ class Projection:
             args = (x, self.packed, self.scale, self.global_scale, self.bias, self.counters)
             if self.lora_a is None:
                 return kernels.nvfp4_linear(*args)
-            return kernels.nvfp4_linear_lora(*args, x @ self.lora_a.t(), self.lora_b)  # LoRA up in the epilogue
+            return kernels.nvfp4_linear_lora(*args, self.lora_a, self.lora_b)  # the adapter in the same launch
         y = F.linear(x, self.weight, self.bias)
         return y if self.lora_a is None else y.addmm_(x @ self.lora_a.t(), self.lora_b.t())
 
