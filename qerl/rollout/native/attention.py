@@ -36,7 +36,9 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape of the split kernel (benchmarks/attention.py times the alternatives).
+    """Launch shape of the split kernel (benchmarks/attention.py times the alternatives; docs/benchmarks.md has
+    the H100 figures: 8 warps at 8 programs per SM is faster at 7B batch 8, 12.7 vs 14.9 us, and no faster in the
+    decode step's graph; at batch 64 the runs so far do not rank the shapes).
 
     block_s: keys per tile (one [block_s, D] K and V tile per step). num_splits rule (see _splits): enough
     programs for programs_per_sm per SM when every sequence is S_max long (shorter ones leave their tail splits
