@@ -68,9 +68,10 @@ def plot(by_size: dict[str, list[dict]], png: str, device: str = "") -> None:
     for ax in axes[0]:
         for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
             unique.setdefault(name, handle)
-    fig.legend(unique.values(), unique.keys(), loc="lower center", ncol=4, fontsize=8)
+    ncol = min(4, 2 * len(by_size))  # a one-panel figure is too narrow for 4 columns of names
+    fig.legend(unique.values(), unique.keys(), loc="lower center", ncol=ncol, fontsize=8)
     fig.suptitle(f"Native engine decode step by kernel family{f', {device}' if device else ''}", fontsize=10)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.tight_layout(rect=(0, 0.04 + 0.04 * -(-len(unique) // ncol), 1, 1))
     Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
     plt.close(fig)
