@@ -103,7 +103,7 @@ class Projection:
         loras = [_active_lora(m) for m in modules]
         self.lora_a = self.lora_b = None
         if any(lora is not None for lora in loras):
-            # Padded with zeros to a power of two >= 16: what the NVFP4 GEMM's LoRA epilogue multiplies.
+            # Padded with zeros to a power of two >= 16: the ranks the NVFP4 GEMM's LoRA programs work on.
             rank = max(16, 1 << (sum(lora[0].shape[0] for lora in loras if lora is not None) - 1).bit_length())
             in_features = bases[0].in_features
             self.lora_a = torch.zeros((rank, in_features), dtype=dtype, device=device)
