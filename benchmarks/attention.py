@@ -148,11 +148,11 @@ def main(argv=None):
     copy_gbs, _ = measure_ceilings("cuda")
     fa3 = flash_attention_3()
     print(f"{torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s, vLLM FA3: {'yes' if fa3 else 'not installed'}")
+    chosen = [parse_config(c) for c in args.configs.split(",")] if args.configs else [attention.DEFAULT_CONFIG]
     rows = []
     for model, batch, length in itertools.product(args.models.split(","), map(int, args.batches.split(",")),
                                                   map(int, args.lengths.split(","))):
         sweep = args.sweep and length == SWEEP_LENGTH
-        chosen = [parse_config(c) for c in args.configs.split(",")] if args.configs else [attention.DEFAULT_CONFIG]
         configs = GRID if sweep else chosen
         rows += run_case(model, batch, length, ("bshd", "bhsd") if sweep else ("bshd",), configs, fa3, copy_gbs)
 

@@ -3,7 +3,7 @@
 A kernel launched with `launch_pdl=True` may be scheduled while the kernel before it in the stream is still
 running; it blocks in `griddepcontrol.wait` until that kernel has finished and its writes are visible. In a
 CUDA-graph decode step of a few hundred short kernels this hides the launch gap between neighbours, which is
-otherwise paid once per kernel (measured: docs/benchmarks.md, "PDL").
+otherwise paid once per kernel (measured: docs/benchmarks.md, section "S4": 0.13 ms of a 7B batch-8 step).
 
 The contract every kernel launched with `launch_pdl=pdl_enabled(device)` keeps:
   * `wait_for_previous_kernel(PDL)` before it reads or writes any tensor another kernel touches. Every such

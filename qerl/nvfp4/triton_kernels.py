@@ -70,6 +70,15 @@ def _to_out(x, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b on the tensor cores; the interpreter multiplies bf16 as raw integers, so there in fp32."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _dequant_kernel(
     p_ptr, s_ptr, gs_ptr, out_ptr, N, K2,
     BLOCK_N: tl.constexpr, BLOCK_K2: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -197,10 +206,7 @@ def _lora_shrink(x_ptr, la_ptr, lws_ptr, llock_ptr, M, K, stride_xm, prog, lora_
         k_ok = (rk < K) & (rk < (part + 1) * lora_len)
         a = tl.load(la_ptr + rr[:, None] * K + rk[None, :], mask=k_ok[None, :], other=0.0)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if INTERPRET:  # the interpreter multiplies bf16 as raw integers
-            acc = tl.dot(a.to(tl.float32), tl.trans(x.to(tl.float32)), acc)
-        else:
-            acc = tl.dot(a, tl.trans(x), acc)
+        acc = _dot(a, tl.trans(x), acc, INTERPRET)
     tl.store(lws_ptr + part * M * LORA_R + rm[None, :] * LORA_R + rr[:, None], acc, mask=m_ok[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     tl.atomic_add(llock_ptr, 1, sem="release", scope="gpu")
@@ -225,11 +231,7 @@ def _lora_up(acc, lws_ptr, llock_ptr, lb_ptr, rn, rm, n_ok, m_ok, M, N, BLOCK_N:
             s += tl.load(lws_ptr + part * M * LORA_R + rm[None, :] * LORA_R + rr[:, None], mask=m_ok[None, :],
                          other=0.0, cache_modifier=".cg")
         lb = tl.load(lb_ptr + rn.to(tl.int64)[:, None] * LORA_R + rr[None, :], mask=n_ok[:, None], other=0.0)
-        if INTERPRET:
-            s = _f32_to_bf16_rne(s).to(tl.float32) if lb.dtype == tl.bfloat16 else s.to(lb.dtype).to(tl.float32)
-            acc = tl.dot(lb.to(tl.float32), s, acc)
-        else:
-            acc = tl.dot(lb, s.to(lb.dtype), acc)
+        acc = _dot(lb, _to_out(s, lb.dtype, INTERPRET), acc, INTERPRET)
     done = tl.atomic_add(llock_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if done == tl.cdiv(N, BLOCK_N) - 1:  # every N tile has read the partials
         tl.store(llock_ptr, 0)
@@ -364,12 +366,8 @@ def _gemm_tc_kernel(
         xp = xp.to(tl.uint32, bitcast=True)
         xe = tl.trans(_perm_k((xp & 0xFFFF).to(tl.uint16).to(x_dtype, bitcast=True), BLOCK_M, KH))
         xo = tl.trans(_perm_k((xp >> 16).to(tl.uint16).to(x_dtype, bitcast=True), BLOCK_M, KH))
-        if INTERPRET:  # the interpreter multiplies bf16 as raw integers
-            acc = tl.dot(lo.to(tl.float32), xe.to(tl.float32), acc)
-            acc = tl.dot(hi.to(tl.float32), xo.to(tl.float32), acc)
-        else:
-            acc = tl.dot(lo, xe, acc)
-            acc = tl.dot(hi, xo, acc)
+        acc = _dot(lo, xe, acc, INTERPRET)
+        acc = _dot(hi, xo, acc, INTERPRET)
     let_next_kernel_launch(PDL)  # the weight stream is done; only the epilogue is left
     _split_epilogue(acc, _DECODE_UNDO if USE_ASM else 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, lws_ptr,
                     llock_ptr, lb_ptr, rn, rm, M, N, stride_ym, pid_n, pid_k, HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K,
@@ -514,9 +512,11 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
     tiles = triton.cdiv(k_tiles, cfg.split_k)
     split = triton.cdiv(k_tiles, tiles)  # no split without K tiles: 14 tiles in 8 splits run as 7 splits of 2
     ws = locks = lora_locks = out  # unused unless split-K or LoRA need them
-    lora_splits = min(LORA_SPLITS, triton.cdiv(k, 256)) if lora_r else 1
     tile_k = _LORA_TILE_K.value
-    lora_len = triton.cdiv(triton.cdiv(k, lora_splits), tile_k) * tile_k  # each LoRA program's K range
+    lora_splits = lora_len = 0
+    if lora_r:
+        lora_splits = min(LORA_SPLITS, triton.cdiv(k, 256))
+        lora_len = triton.cdiv(triton.cdiv(k, lora_splits), tile_k) * tile_k  # each LoRA program's K range
     if split > 1 or lora_r:
         # fp32 partials: [split, M, N] of y for split-K, then [LoRA splits, M, R] of the LoRA shrink
         ws = torch.empty(split * m * n + lora_splits * m * lora_r, dtype=torch.float32, device=x.device)
