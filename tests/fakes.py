@@ -20,3 +20,15 @@ def make_trainer(checkpoint, args, dtype=torch.bfloat16, reward=digit_share_rewa
     return QeRLTrainer(
         model, [reward], args=args, train_dataset=task.train, processing_class=policy.load_tokenizer(checkpoint)
     )
+
+
+def train_argv(checkpoint, output_dir, steps, *extra) -> list[str]:
+    """`python -m qerl.train` flags for a short run on the tiny model (CPU, FP32, a checkpoint every step)."""
+    return [
+        "--model-name", checkpoint, "--dataset", "arithmetic", "--num-examples", "64", "--dtype", "float32",
+        "--output-dir", output_dir, "--per-device-train-batch-size", "8", "--num-generations", "4",
+        "--max-completion-length", "6", "--max-steps", str(steps), "--save-steps", "1", "--report-to", "none",
+        "--use-cpu", "True", "--bf16", "False", "--gradient-checkpointing", "False", "--lora-rank", "4",
+        "--ln", "True", "--learning-rate", "5e-3", "--sigma-start", "0.1", "--sigma-end", "0.01", "--num-stages", "3",
+        "--random-state", "11", "--logging-steps", "1", *extra,
+    ]  # fmt: skip

@@ -5,7 +5,6 @@ A few trials run each CLI as a real process (the wiring: exit code, stderr); the
 point, `qerl.cli.run_cli(main)`, in this process, which is what the process runs after its imports.
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clis import QUANTIZER, REPO, child_env, quantize_nvfp4, snapshot
 from safetensors.torch import load_file, save_file
 
 from eval import gsm8k
@@ -22,32 +22,12 @@ from eval import math as eval_math
 from qerl import cli, train
 from qerl.tiny import save_tiny_checkpoints
 
-REPO = Path(__file__).resolve().parents[1]
-QUANTIZER = REPO / "llm-compressor" / "quantize_nvfp4.py"
-
-
-def _load_quantizer():
-    spec = importlib.util.spec_from_file_location("quantize_nvfp4", QUANTIZER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-quantize_nvfp4 = _load_quantizer()
 MAINS = {
     "quantize_nvfp4": quantize_nvfp4.main,
     "qerl.train": lambda argv: train.main(argv) and 0,
     "eval.gsm8k": gsm8k.main,
     "eval.math": eval_math.main,
 }
-
-
-def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file and folder under root (hidden ones too) with its size and modification time."""
-    return {
-        str(p.relative_to(root)): (p.stat().st_size if p.is_file() else -1, p.stat().st_mtime_ns)
-        for p in sorted(root.rglob("*"))
-    }
 
 
 def assert_one_line_error(code: int, stderr: str, prog: str, *culprit: str) -> str:
@@ -60,10 +40,8 @@ def assert_one_line_error(code: int, stderr: str, prog: str, *culprit: str) -> s
     return errors[0]
 
 
-def run_process(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
-    environment.update(PYTHONPATH=str(REPO), **env)
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=environment, capture_output=True, text=True)
+def run_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=child_env(), capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

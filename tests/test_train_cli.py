@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from fakes import digit_share_reward
+from fakes import digit_share_reward, train_argv
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
@@ -114,21 +114,8 @@ def test_training_scripts(script_path, tmp_path):
     assert (config.seed, config.max_completion_length, config.resume_from_checkpoint) == (2025, 2048, "true")
 
 
-
-
-def _argv(checkpoint, output_dir, steps, *extra):
-    return [
-        "--model-name", checkpoint, "--dataset", "arithmetic", "--num-examples", "64", "--dtype", "float32",
-        "--output-dir", output_dir, "--per-device-train-batch-size", "8", "--num-generations", "4",
-        "--max-completion-length", "6", "--max-steps", str(steps), "--save-steps", "1", "--report-to", "none",
-        "--use-cpu", "True", "--bf16", "False", "--gradient-checkpointing", "False", "--lora-rank", "4",
-        "--ln", "True", "--learning-rate", "5e-3", "--sigma-start", "0.1", "--sigma-end", "0.01", "--num-stages", "3",
-        "--random-state", "11", "--logging-steps", "1", *extra,
-    ]  # fmt: skip
-
-
 def _run(checkpoint, output_dir, steps, *extra):
-    return train.main(_argv(checkpoint, output_dir, steps, *extra))
+    return train.main(train_argv(checkpoint, output_dir, steps, *extra))
 
 
 class StopAfter(TrainerCallback):
@@ -147,7 +134,7 @@ def test_resume_continues_exactly(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(rewards, "exact_answer_reward", digit_share_reward)
     _, nvfp4_dir = checkpoints
     straight = _run(nvfp4_dir, str(tmp_path / "a"), 3)
-    interrupted = train.build_trainer(*train.parse_args(_argv(nvfp4_dir, str(tmp_path / "b"), 3)))
+    interrupted = train.build_trainer(*train.parse_args(train_argv(nvfp4_dir, str(tmp_path / "b"), 3)))
     interrupted.add_callback(StopAfter(2))
     interrupted.train()
     assert interrupted.state.global_step == 2
@@ -186,14 +173,14 @@ def test_rerun_and_resume_keep_runs_apart(checkpoints, tmp_path, monkeypatch, ca
     monkeypatch.setattr(rewards, "exact_answer_reward", digit_share_reward)
     _, nvfp4_dir = checkpoints
     out = tmp_path / "run"
-    interrupted = train.build_trainer(*train.parse_args(_argv(nvfp4_dir, str(out), 4)))
+    interrupted = train.build_trainer(*train.parse_args(train_argv(nvfp4_dir, str(out), 4)))
     interrupted.add_callback(StopAfter(3))
     interrupted.train()
     (out / "checkpoint-3" / "trainer_state.json").unlink()  # killed while saving step 3
     assert _metrics_steps(out / "metrics.jsonl") == [1, 2, 3]
 
     with pytest.raises(UsageError, match=r"holds an earlier run \(checkpoint-3, checkpoint-2"):
-        train.main(_argv(nvfp4_dir, str(out), 4))  # a plain rerun does not silently start over
+        train.main(train_argv(nvfp4_dir, str(out), 4))  # a plain rerun does not silently start over
     with caplog.at_level(logging.INFO):
         resumed = _run(nvfp4_dir, str(out), 4, "--resume-from-checkpoint", "true")
     messages = [r.getMessage() for r in caplog.records]
