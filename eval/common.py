@@ -185,10 +185,10 @@ def build_parser(benchmark: Benchmark, description: str) -> cli.ArgumentParser:
     parser.add_argument("--data", default=benchmark.default_data, help=f"{names}, or a local .jsonl/.json/.parquet")
     parser.add_argument("--split", default=benchmark.default_split, help="dataset split (default: the dataset's own)")
     parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default="reference", help="see above")
-    parser.add_argument("--max-new-tokens", type=cli.positive_int, help="override the protocol's 1024")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (with the batch size and device)")
-    parser.add_argument("--limit", type=cli.positive_int, help="evaluate the first N examples only")
-    parser.add_argument("--batch-size", type=cli.positive_int, default=32, help="prompts per generate call")
+    parser.add_argument("--max-new-tokens", type=cli.COUNT, help="override the protocol's 1024")
+    parser.add_argument("--seed", type=cli.SEED, default=0, help="sampling seed (with the batch size and device)")
+    parser.add_argument("--limit", type=cli.COUNT, help="evaluate the first N examples only")
+    parser.add_argument("--batch-size", type=cli.COUNT, default=32, help="prompts per generate call")
     parser.add_argument("--device", help="cuda if there is one, else cpu")
     parser.add_argument("--backend", choices=sorted(GENERATORS), default="auto",
                         help="generation engine; auto: vllm on a CUDA device where vLLM is installed")  # fmt: skip

@@ -51,7 +51,7 @@ def quantize_with_llmcompressor(model: str, output: str, device: str, dtype, ign
     return Path(output).resolve()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> cli.ArgumentParser:
     parser = cli.ArgumentParser(prog="quantize_nvfp4.py", description=__doc__)
     parser.add_argument("--model", required=True, help="BF16 model: local folder or hub id")
     parser.add_argument("--output", required=True, help="folder to write the NVFP4 checkpoint to")
@@ -59,13 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where the quantization math runs (cpu, cuda, cuda:1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype the weights are read in")
     parser.add_argument("--ignore", nargs="*", default=list(DEFAULT_IGNORE), help="Linears kept in BF16")
-    parser.add_argument("--max-shard-gb", type=cli.positive_float, default=DEFAULT_SHARD_BYTES / 1024**3,
+    parser.add_argument("--max-shard-gb", type=cli.POSITIVE, default=DEFAULT_SHARD_BYTES / 1024**3,
                         help="largest output shard, in GiB")  # fmt: skip
     parser.add_argument(
         "--overwrite", action="store_true",
         help="replace --output if it is an empty folder or a checkpoint this tool wrote (nothing else is replaced)",
     )  # fmt: skip
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     cli.check_model(args.model)
     cli.check_device(args.device)
 

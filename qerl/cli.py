@@ -13,6 +13,7 @@ import argparse
 import csv
 import difflib
 import json
+import math
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ import struct
 import sys
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 DEBUG_ENV = "QERL_DEBUG"
@@ -131,24 +133,61 @@ class ArgumentParser(ParserErrors, argparse.ArgumentParser):
         self.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting accepts, and why where it is not obvious. Also an argparse `type`."""
+
+    kind: type  # int or float
+    low: float
+    high: float | None = None
+    low_open: bool = False  # low itself is refused
+    high_open: bool = False
+    special: tuple = ()  # values accepted outside [low, high], such as max_steps' -1
+    why: str = ""
+
+    def describe(self) -> str:
+        what = "an integer" if self.kind is int else "a number"
+        low, high = (b if b is None else str(int(b)) if self.kind is int else f"{b:g}" for b in (self.low, self.high))
+        if high is None:
+            text = f"{what} {'>' if self.low_open else '>='} {low}"
+        else:
+            text = f"{what} in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        text += "".join(f", or {value}" for value in self.special)
+        return f"{text} ({self.why})" if self.why else text
+
+    def problem(self, value) -> str | None:
+        """Why `value` is refused ('must be ..., got ...'), or None."""
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if is_number and value in self.special:
+            return None
+        fits = (
+            is_number
+            and (self.kind is float or float(value).is_integer())
+            and math.isfinite(value)
+            and (value > self.low if self.low_open else value >= self.low)
+            and (self.high is None or (value < self.high if self.high_open else value <= self.high))
+        )
+        if fits:
+            return None
+        return f"must be {self.describe()}, got {f'{value:g}' if isinstance(value, float) else repr(value)}"
+
+    def __call__(self, text: str):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {text!r}") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
+COUNT = Range(int, 1)
+COUNT_OR_ZERO = Range(int, 0)
+POSITIVE = Range(float, 0, low_open=True)
+NON_NEGATIVE = Range(float, 0)
+FRACTION = Range(float, 0, 1)
+SEED = Range(int, 0, 2**32 - 1)  # numpy's seed range (transformers seeds numpy too)
 
 
 def check_device(text: str, flag: str = "--device") -> str:

@@ -5,11 +5,17 @@ A few trials run each CLI as a real process (the wiring: exit code, stderr); the
 point, `qerl.cli.run_cli(main)`, in this process, which is what the process runs after its imports.
 """
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import types
+import typing
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,10 +23,11 @@ import torch
 from clis import QUANTIZER, REPO, child_env, quantize_nvfp4, snapshot
 from safetensors.torch import load_file, save_file
 
-from eval import gsm8k
+from eval import common, gsm8k
 from eval import math as eval_math
 from qerl import cli, train
 from qerl.tiny import save_tiny_checkpoints
+from qerl.trainer import QeRLConfig
 
 MAINS = {
     "quantize_nvfp4": quantize_nvfp4.main,
@@ -77,6 +84,7 @@ def world(tmp_path_factory):
     (root / "run" / "checkpoint-2").mkdir(parents=True)
     (root / "run" / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
     (root / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1}) + "\n")
+    (root / "zero.yaml").write_text("dataset: arithmetic\nnum_generations: 0\n")
     return root
 
 
@@ -85,7 +93,7 @@ T = ["--model-name", "ck/nvfp4", "--output-dir", "fresh", "--use-cpu", "True", "
 E = ["--model", "ck/nvfp4", "--data", "good.jsonl", "--device", "cpu"]
 
 TRIALS = [
-    # prog, argv, fragments of the one line
+    # prog, argv, fragment(s) of the one line
     ("quantize_nvfp4", ["--model", "ck/bf16", "--output", "ck/bf16", "--overwrite"], "holds the input model"),
     ("quantize_nvfp4", ["--model", "parent/model", "--output", "parent", "--overwrite"], "holds the input model"),
     ("quantize_nvfp4", ["--model", "ck/bf16", "--output", ".", "--overwrite"], "holds the input model"),
@@ -101,7 +109,7 @@ TRIALS = [
     ("quantize_nvfp4", [*Q, "--device", "gpu0"], "--device 'gpu0': not a device name"),
     ("quantize_nvfp4", [*Q, "--device", "cuda:7"], "--device 'cuda:7'"),
     ("quantize_nvfp4", [*Q, "--overwite"], "unknown flag --overwite (did you mean --overwrite?)"),
-    ("quantize_nvfp4", [*Q, "--max-shard-gb", "-1"], "--max-shard-gb: expected a positive number"),
+    ("quantize_nvfp4", [*Q, "--max-shard-gb", "-1"], "--max-shard-gb: must be a number > 0, got -1"),
     ("qerl.train", ["--output-dir", "fresh", "--use-cpu", "True"], "--model-name is required"),
     ("qerl.train", [*T, "--model-name", "./nope"], "--model-name ./nope: no such folder"),
     ("qerl.train", [*T, "--dataset", "gsm9k"], "--dataset gsm9k: unknown dataset (did you mean gsm8k?)"),
@@ -109,10 +117,10 @@ TRIALS = [
     ("qerl.train", [*T, "--dataset", "broken.jsonl"], "broken.jsonl, line 2: not JSON"),
     ("qerl.train", [*T, "--dataset", "nocolumn.jsonl", "--dataset-format", "gsm8k"], "column(s) answer"),
     ("qerl.train", [*T, "--dataset", "nocolumn.jsonl"], "cannot tell the dataset format"),
-    ("qerl.train", [*T, "--learning-rate", "-1e-5"], "--learning-rate must not be negative"),
-    ("qerl.train", [*T, "--sigma-start", "-0.1"], "sigma_start=-0.1"),
-    ("qerl.train", [*T, "--aqn", "false", "--sigma-end", "-1"], "--sigma-end must not be negative"),
-    ("qerl.train", [*T, "--num-examples", "0"], "--num-examples must be a positive integer"),
+    ("qerl.train", [*T, "--learning-rate", "-1e-5"], "--learning-rate must be a number >= 0, got -1e-05"),
+    ("qerl.train", [*T, "--sigma-start", "-0.1"], "--sigma-start must be a number > 0"),
+    ("qerl.train", [*T, "--aqn", "false", "--sigma-end", "-1"], "--sigma-end must be a number > 0"),
+    ("qerl.train", [*T, "--num-examples", "0"], "--num-examples must be an integer >= 1, got 0"),
     ("qerl.train", [*T, "--sigma-strat", "0.1"], "unknown flag --sigma-strat (did you mean --sigma-start?)"),
     ("qerl.train", [*T, "--config", "typo.yaml"], "typo.yaml: unknown key 'sigma_strat' (did you mean sigma_start?)"),
     ("qerl.train", [*T, "--config", "nope.yaml"], "--config nope.yaml: no such file"),
@@ -120,15 +128,26 @@ TRIALS = [
     ("qerl.train", [*T, "--config", "extends_missing.yaml"], "extends_missing.yaml: base nope.yaml: no such file"),
     ("qerl.train", [*T, "--config", "loop.yaml"], "base loop.yaml extends itself"),
     ("qerl.train", [*T, "--max-steps", "abc"], "invalid int value: 'abc'"),
+    ("qerl.train", [*T, "--max-steps", "0"], "--max-steps must be an integer >= 1, or -1"),
+    ("qerl.train", [*T, "--temperature", "0"], "--temperature must be a number > 0, got 0"),
+    ("qerl.train", [*T, "--top-p", "1.5"], "--top-p must be a number in (0, 1], got 1.5"),
+    ("qerl.train", [*T, "--per-device-train-batch-size", "0"], "--per-device-train-batch-size must be an integer >= 1"),
+    ("qerl.train", [*T, "--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps must be an integer >= 1"),
+    ("qerl.train", [*T, "--num-generations", "1"], "--num-generations must be an integer >= 2 (GRPO compares"),
+    ("qerl.train", [*T, "--config", "zero.yaml"], "zero.yaml: num_generations must be an integer >= 2"),
+    ("qerl.train", [*T, "--lora-rank", "0"], "--lora-rank must be an integer >= 1, got 0"),
+    ("qerl.train", [*T, "--num-stages", "2"], "--num-stages must be an integer >= 3 (AQN"),
     ("qerl.train", [*T, "--num-generations", "3"], "num_generations to a divisor of 8"),
     ("qerl.train", [*T, "--precision", "bf16"], "is an NVFP4 checkpoint"),
     ("qerl.train", [*T, "--model-name", "truncated"], "truncated or corrupt"),
     ("qerl.train", [*T, "--output-dir", "run"], "holds an earlier run (checkpoint-2)"),
     ("qerl.train", [*T, "--resume-from-checkpoint", "fresh/checkpoint-9"], "no such checkpoint folder"),
-    ("eval.gsm8k", [*E, "--limit", "0"], "--limit: expected a positive integer, got 0"),
-    ("eval.gsm8k", [*E, "--limit", "-3"], "--limit: expected a positive integer, got -3"),
+    ("eval.gsm8k", [*E, "--limit", "0"], "--limit: must be an integer >= 1, got 0"),
+    ("eval.gsm8k", [*E, "--limit", "-3"], "--limit: must be an integer >= 1, got -3"),
     ("eval.gsm8k", [*E, "--adapter", "no_adapter"], "no_adapter: no adapter_config.json"),
     ("eval.gsm8k", [*E, "--adapter", "nope"], "--adapter nope: no such folder"),
+    ("eval.gsm8k", [*E, "--seed", "-1"], "--seed: must be an integer in [0, 4294967295], got -1"),
+    ("eval.gsm8k", [*E, "--batch-size", "0"], "--batch-size: must be an integer >= 1, got 0"),
     ("eval.gsm8k", [*E, "--data", "gsm9k"], "--data gsm9k: unknown dataset (did you mean gsm8k?)"),
     ("eval.gsm8k", [*E, "--data", "missing.jsonl"], "--data missing.jsonl: no such file"),
     ("eval.gsm8k", [*E, "--data", "broken.jsonl"], "broken.jsonl, line 2: not JSON"),
@@ -146,31 +165,91 @@ TRIALS = [
 ]
 
 
-@pytest.mark.parametrize("prog, argv, culprit", TRIALS, ids=[f"{t[0]}:{' '.join(t[1][-2:])}" for t in TRIALS])
-def test_bad_input_is_one_line_and_changes_nothing(world, monkeypatch, capsys, prog, argv, culprit):
+@pytest.mark.parametrize("trial", TRIALS, ids=[f"{t[0]}:{' '.join(t[1][-2:])}" for t in TRIALS])
+def test_bad_input_is_one_line_and_changes_nothing(world, monkeypatch, capsys, trial):
+    prog, argv, *culprit = trial
     monkeypatch.chdir(world)
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
     before = snapshot(world)
     code = cli.run_cli(MAINS[prog], prog, argv)
-    assert_one_line_error(code, capsys.readouterr().err, prog, culprit)
+    assert_one_line_error(code, capsys.readouterr().err, prog, *culprit)
     assert snapshot(world) == before
 
 
 def test_each_cli_as_a_process(world):
-    """The same trials through real processes: exit code 2, one line, no traceback, nothing touched."""
+    """Trials through real processes, each class of bad input at least once: exit code 2, one line naming the
+    culprit, no traceback, nothing touched. The processes run side by side (most of their time is imports)."""
     before = snapshot(world)
     trials = [
         ([str(QUANTIZER), "--model", "parent/model", "--output", "parent", "--overwrite"], "quantize_nvfp4", "parent"),
         ([str(QUANTIZER), "--model", "truncated", "--output", "out"], "quantize_nvfp4", "truncated/model.safetensors"),
         (["-m", "qerl.train", *T, "--sigma-strat", "1"], "qerl.train", "did you mean --sigma-start?"),
         (["-m", "qerl.train", *T, "--output-dir", "run"], "qerl.train", "--resume-from-checkpoint true"),
+        (["-m", "qerl.train", *T, "--num-generations", "0"], "qerl.train", "--num-generations must be an integer >= 2"),
         (["-m", "eval.gsm8k", *E, "--adapter", "no_adapter"], "eval.gsm8k", "adapter_config.json"),
         (["-m", "eval.math", *E[:2], "--limit", "0"], "eval.math", "--limit"),
-    ]
-    for args, prog, culprit in trials:
-        result = run_process(args, world)
-        assert_one_line_error(result.returncode, result.stderr, prog, culprit)
+    ]  # fmt: skip
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        results = list(pool.map(lambda trial: run_process(trial[0], world), trials))
+    for (_, prog, *culprit), result in zip(trials, results, strict=True):
+        assert_one_line_error(result.returncode, result.stderr, prog, *culprit)
     assert snapshot(world) == before
+
+def numeric_fields(cls) -> list[str]:
+    """The dataclass fields that hold a number (int or float, alone or in a union such as `int | None`)."""
+    hints = typing.get_type_hints(cls)
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if {int, float} & set(typing.get_args(hints[f.name]) if isinstance(hints[f.name], types.UnionType)
+                              else (hints[f.name],))
+    ]  # fmt: skip
+
+
+NUMERIC_FLAGS = {  # the numeric flags of eval and the quantizer: parser -> argv that is valid but for the flag
+    "eval.gsm8k": (common.build_parser(gsm8k.BENCHMARK, ""), ["--model", "m"]),
+    "quantize_nvfp4": (quantize_nvfp4.build_parser(), ["--model", "m", "--output", "o"]),
+}
+
+
+def test_every_numeric_setting_has_a_range():
+    """A numeric field of the training configs (ours, TRL's, transformers') or a numeric flag of eval and the quantizer
+    without a range fails here: the table is the one place where the checks come from."""
+    fields = numeric_fields(train.QeRLScriptArguments) + numeric_fields(QeRLConfig)
+    assert len(fields) > 70 and sorted(fields) == sorted(train.RANGES)  # stale entries too (a field TRL dropped)
+    for parser, _ in NUMERIC_FLAGS.values():
+        for action in parser._actions:
+            assert action.type not in (int, float), f"{action.option_strings}: give it a cli.Range type"
+
+
+@pytest.mark.parametrize("name", sorted(train.RANGES))
+def test_zero_and_minus_one_in_every_training_setting(tmp_path, name):
+    """0 and -1 in each numeric field: refused in one line naming the flag where its range says so, and otherwise
+    accepted all the way through TRL's and transformers' own config checks."""
+    rule, flag = train.RANGES[name], f"--{name.replace('_', '-')}"
+    for value in (0, -1):
+        argv = ["--model-name", "m", "--output-dir", str(tmp_path), "--use-cpu", "True", flag, str(value)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ignored reference flags say so
+            if rule is not None and rule.problem(value):
+                with pytest.raises(cli.UsageError) as refused:
+                    train.parse_args(argv)
+                assert cli.one_line(refused.value) == f"{flag} must be {rule.describe()}, got {value}"
+            else:
+                train.parse_args(argv)
+
+
+@pytest.mark.parametrize("prog, flag", [(prog, a.option_strings[0]) for prog, (parser, _) in NUMERIC_FLAGS.items()
+                                        for a in parser._actions if isinstance(a.type, cli.Range)])  # fmt: skip
+def test_zero_and_minus_one_in_every_numeric_flag(prog, flag):
+    parser, argv = NUMERIC_FLAGS[prog]
+    rule = next(a.type for a in parser._actions if flag in a.option_strings)
+    for value in (0, -1):
+        if rule.problem(value):
+            with pytest.raises(cli.UsageError, match=re.escape(f"argument {flag}: must be {rule.describe()}")):
+                parser.parse_args([*argv, flag, str(value)])
+        else:
+            assert getattr(parser.parse_args([*argv, flag, str(value)]), flag[2:].replace("-", "_")) == value
 
 
 def test_debug_shows_the_traceback_and_program_errors_keep_theirs(world, monkeypatch, capsys):
