@@ -247,13 +247,54 @@ def check_safetensors(path: str | os.PathLike) -> None:
         raise UsageError(f"{bad} (its header describes {8 + header_len + end} bytes, the file has {size})")
 
 
+FETCH_COMMAND = "python -m qerl.models fetch smollm2-135m-instruct --output DIR"
+
+
+def _gguf_error(flag: str, name: str, gguf: Path) -> UsageError:
+    return UsageError(
+        f"{flag} {name}: {gguf.name} is a GGUF file (llama.cpp's format), which is not read here; pass a safetensors "
+        f"model folder instead, such as the one `{FETCH_COMMAND}` makes of SmolLM2-135M-Instruct's GGUF"
+    )
+
+
+def check_causal_lm(config_path: Path, flag: str, name: str) -> None:
+    """config.json names an architecture that transformers builds as a causal LM (what the loaders, the quantizer
+    and generation need)."""
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as err:
+        raise UsageError(f"{config_path}: not JSON ({err})") from None
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = config if isinstance(config, dict) else {}
+    model_type = config.get("model_type")
+    architecture = "/".join(config.get("architectures") or []) or "a model"
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise UsageError(
+            f"{flag} {name}: {architecture} of model_type {model_type!r}, unknown to transformers {__version__}"
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UsageError(
+            f"{flag} {name}: {architecture} (model_type {model_type!r}) is not a causal language model; these tools "
+            "load decoder-only causal LMs (Llama, Qwen2, Mistral, ...)"
+        )
+
+
 def check_model(name: str, flag: str = "--model") -> str:
-    """A local model folder (its safetensors files intact) or a hub id. A name that can only be a path and is
-    missing is said so at once, without asking the hub."""
+    """A local model folder (a causal LM, its safetensors files intact) or a hub id. A name that can only be a path
+    and is missing is said so at once, without asking the hub; a GGUF file is named as such."""
     path = Path(name).expanduser()
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        raise _gguf_error(flag, name, path) if path.exists() else UsageError(f"{flag} {name}: no such file")
     if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs and not any(path.glob("*.safetensors")):
+            raise _gguf_error(flag, name, ggufs[0])
         if not (path / "config.json").is_file():
             raise UsageError(f"{flag} {name}: no config.json in this folder, so it is not a model checkpoint")
+        check_causal_lm(path / "config.json", flag, name)
         for weights in sorted(path.glob("*.safetensors")):
             check_safetensors(weights)
         return str(path)

@@ -85,6 +85,14 @@ def world(tmp_path_factory):
     (root / "run" / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
     (root / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1}) + "\n")
     (root / "zero.yaml").write_text("dataset: arithmetic\nnum_generations: 0\n")
+    # Foreign inputs: GGUF weights, architectures that are no causal LM, adapters of another base or rank.
+    (root / "model.gguf").write_bytes(b"GGUF" + bytes(60))
+    (root / "gguf_folder").mkdir()
+    (root / "gguf_folder" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF" + bytes(60))
+    for name, config in (("t5", {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}),
+                         ("alien", {"model_type": "alien_lm", "architectures": ["AlienForCausalLM"]})):  # fmt: skip
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
     return root
 
 
@@ -110,6 +118,8 @@ TRIALS = [
     ("quantize_nvfp4", [*Q, "--device", "cuda:7"], "--device 'cuda:7'"),
     ("quantize_nvfp4", [*Q, "--overwite"], "unknown flag --overwite (did you mean --overwrite?)"),
     ("quantize_nvfp4", [*Q, "--max-shard-gb", "-1"], "--max-shard-gb: must be a number > 0, got -1"),
+    ("quantize_nvfp4", ["--model", "model.gguf", "--output", "out"], "model.gguf is a GGUF file", cli.FETCH_COMMAND),
+    ("quantize_nvfp4", ["--model", "t5", "--output", "out"], "T5ForConditionalGeneration (model_type 't5') is not a"),
     ("qerl.train", ["--output-dir", "fresh", "--use-cpu", "True"], "--model-name is required"),
     ("qerl.train", [*T, "--model-name", "./nope"], "--model-name ./nope: no such folder"),
     ("qerl.train", [*T, "--dataset", "gsm9k"], "--dataset gsm9k: unknown dataset (did you mean gsm8k?)"),
@@ -137,6 +147,8 @@ TRIALS = [
     ("qerl.train", [*T, "--config", "zero.yaml"], "zero.yaml: num_generations must be an integer >= 2"),
     ("qerl.train", [*T, "--lora-rank", "0"], "--lora-rank must be an integer >= 1, got 0"),
     ("qerl.train", [*T, "--num-stages", "2"], "--num-stages must be an integer >= 3 (AQN"),
+    ("qerl.train", [*T, "--model-name", "model.gguf"], "model.gguf is a GGUF file", cli.FETCH_COMMAND),
+    ("qerl.train", [*T, "--model-name", "alien"], "AlienForCausalLM of model_type 'alien_lm', unknown to transformers"),
     ("qerl.train", [*T, "--num-generations", "3"], "num_generations to a divisor of 8"),
     ("qerl.train", [*T, "--precision", "bf16"], "is an NVFP4 checkpoint"),
     ("qerl.train", [*T, "--model-name", "truncated"], "truncated or corrupt"),
@@ -146,6 +158,7 @@ TRIALS = [
     ("eval.gsm8k", [*E, "--limit", "-3"], "--limit: must be an integer >= 1, got -3"),
     ("eval.gsm8k", [*E, "--adapter", "no_adapter"], "no_adapter: no adapter_config.json"),
     ("eval.gsm8k", [*E, "--adapter", "nope"], "--adapter nope: no such folder"),
+    ("eval.gsm8k", [*E, "--model", "gguf_folder"], "SmolLM2-135M-Instruct.Q4_1.gguf is a GGUF file"),
     ("eval.gsm8k", [*E, "--seed", "-1"], "--seed: must be an integer in [0, 4294967295], got -1"),
     ("eval.gsm8k", [*E, "--batch-size", "0"], "--batch-size: must be an integer >= 1, got 0"),
     ("eval.gsm8k", [*E, "--data", "gsm9k"], "--data gsm9k: unknown dataset (did you mean gsm8k?)"),
@@ -183,9 +196,11 @@ def test_each_cli_as_a_process(world):
     trials = [
         ([str(QUANTIZER), "--model", "parent/model", "--output", "parent", "--overwrite"], "quantize_nvfp4", "parent"),
         ([str(QUANTIZER), "--model", "truncated", "--output", "out"], "quantize_nvfp4", "truncated/model.safetensors"),
+        ([str(QUANTIZER), "--model", "t5", "--output", "out"], "quantize_nvfp4", "T5ForConditionalGeneration"),
         (["-m", "qerl.train", *T, "--sigma-strat", "1"], "qerl.train", "did you mean --sigma-start?"),
         (["-m", "qerl.train", *T, "--output-dir", "run"], "qerl.train", "--resume-from-checkpoint true"),
         (["-m", "qerl.train", *T, "--num-generations", "0"], "qerl.train", "--num-generations must be an integer >= 2"),
+        (["-m", "qerl.train", *T, "--model-name", "model.gguf"], "qerl.train", "GGUF", cli.FETCH_COMMAND),
         (["-m", "eval.gsm8k", *E, "--adapter", "no_adapter"], "eval.gsm8k", "adapter_config.json"),
         (["-m", "eval.math", *E[:2], "--limit", "0"], "eval.math", "--limit"),
     ]  # fmt: skip
