@@ -240,7 +240,7 @@ def run(benchmark: Benchmark, argv: list[str], description: str) -> dict:
     args = build_parser(benchmark, description).parse_args(argv)
     cli.check_model(args.model)
     if args.adapter:
-        cli.check_adapter(args.adapter)
+        cli.check_adapter(args.adapter, model=args.model)
     _check_data(benchmark, args.data)
     if args.out:
         _check_out(args.out)

@@ -225,9 +225,10 @@ def looks_like_path(name: str) -> bool:
     return "/" in name and os.path.isdir(name.split("/", 1)[0])
 
 
-def check_safetensors(path: str | os.PathLike) -> None:
+def check_safetensors(path: str | os.PathLike) -> dict:
     """A safetensors file whose header parses and whose size matches what the header describes (a truncated
-    download or copy fails here, by name, rather than deep inside a load)."""
+    download or copy fails here, by name, rather than deep inside a load); returns the header (tensor name ->
+    dtype, shape, offsets)."""
     path = Path(path)
     size = path.stat().st_size
     bad = f"{path}: truncated or corrupt safetensors file"
@@ -240,11 +241,13 @@ def check_safetensors(path: str | os.PathLike) -> None:
             raise UsageError(f"{bad} (header of {header_len} bytes in a file of {size})")
         try:
             header = json.loads(f.read(header_len))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            header.pop("__metadata__", None)
+            end = max((t["data_offsets"][1] for t in header.values()), default=0)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             raise UsageError(f"{bad} (unreadable header)") from None
     if 8 + header_len + end != size:
         raise UsageError(f"{bad} (its header describes {8 + header_len + end} bytes, the file has {size})")
+    return header
 
 
 FETCH_COMMAND = "python -m qerl.models fetch smollm2-135m-instruct --output DIR"
@@ -305,7 +308,11 @@ def check_model(name: str, flag: str = "--model") -> str:
     return name
 
 
-def check_adapter(path: str, flag: str = "--adapter") -> str:
+def check_adapter(
+    path: str, flag: str = "--adapter", model: str | None = None, model_flag: str = "--model", rank: int | None = None
+) -> str:
+    """A LoRA adapter folder, intact; given the base `model` (a local folder), one that fits it: an adapter trained
+    on another base (or, given `rank`, at another LoRA rank) is named by its first module that does not fit."""
     folder = Path(path)
     if not folder.is_dir():
         raise UsageError(f"{flag} {path}: no such folder" if not folder.exists() else f"{flag} {path}: not a folder")
@@ -316,9 +323,46 @@ def check_adapter(path: str, flag: str = "--adapter") -> str:
         json.loads(config.read_text())
     except ValueError as err:
         raise UsageError(f"{config}: not JSON ({err})") from None
-    for weights in sorted(folder.glob("*.safetensors")):
-        check_safetensors(weights)
+    headers = [check_safetensors(weights) for weights in sorted(folder.glob("*.safetensors"))]
+    if model is not None and Path(model).is_dir():
+        from qerl.nvfp4.checkpoint.format import logical_shapes
+
+        base = logical_shapes(Path(model))
+        for header in headers:
+            _check_adapter_fits(header, base, f"{flag} {path}", f"{model_flag} {model}", rank)
     return path
+
+
+_LORA = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])\.weight$")
+
+
+def _check_adapter_fits(header: dict, base: dict[str, tuple], adapter: str, model: str, rank: int | None) -> None:
+    """LoRA A [r, in] and B [out, r] of each module against the base's weight [out, in]; the other tensors (trained
+    norms) against the base's tensor of the same name."""
+    where = f"{adapter} does not fit {model}"
+    lora: dict[str, dict[str, list[int]]] = {}
+    for key, info in header.items():
+        match = _LORA.match(key)
+        if match:
+            lora.setdefault(match.group(1), {})[match.group(2)] = info["shape"]
+            continue
+        name = key.removeprefix("base_model.model.")
+        if name not in base:
+            raise UsageError(f"{where}: the adapter has {name}, which the model does not")
+        if tuple(info["shape"]) != base[name]:
+            raise UsageError(f"{where}: {name} is {list(base[name])} in the model, {info['shape']} in the adapter")
+    for module, ab in lora.items():
+        a, b = ab.get("A", [0, 0]), ab.get("B", [0, 0])
+        weight = base.get(f"{module}.weight")
+        if weight is None:
+            raise UsageError(f"{where}: the adapter has LoRA on {module}, which the model does not have")
+        if (b[0], a[1]) != weight:
+            raise UsageError(
+                f"{where}: {module} is {list(weight)} (out, in) in the model, {[b[0], a[1]]} in the adapter (LoRA B "
+                f"{b} x A {a}): trained on another base"
+            )
+        if rank is not None and a[0] != rank:
+            raise UsageError(f"{adapter}: its LoRA rank is {a[0]}, --lora-rank is {rank}; pass --lora-rank {a[0]}")
 
 
 def check_file(path: str, flag: str) -> str:

@@ -357,6 +357,7 @@ def prepare_output_dir(script_args: QeRLScriptArguments, config: QeRLConfig) -> 
     if resume is not None:
         if script_args.overwrite_output_dir:
             raise cli.UsageError("--overwrite-output-dir and --resume-from-checkpoint contradict each other: pick one")
+        cli.check_adapter(resume, "--resume-from-checkpoint", script_args.model_name, "--model-name", config.lora_rank)
         with open(os.path.join(resume, "trainer_state.json")) as f:
             step = json.load(f)["global_step"]
         total = config.max_steps if config.max_steps > 0 else "the epochs asked for"

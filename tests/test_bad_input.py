@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from eval import common, gsm8k
 from eval import math as eval_math
-from qerl import cli, train
-from qerl.tiny import save_tiny_checkpoints
+from qerl import cli, policy, train
+from qerl.tiny import build_tiny, save_tiny_checkpoints
 from qerl.trainer import QeRLConfig
 
 MAINS = {
@@ -93,7 +93,17 @@ def world(tmp_path_factory):
                          ("alien", {"model_type": "alien_lm", "architectures": ["AlienForCausalLM"]})):  # fmt: skip
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
+    save_lora(build_tiny(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1)[0], root / "other_base")
+    save_lora(build_tiny()[0], root / "run_r4" / "checkpoint-1")
+    (root / "run_r4" / "checkpoint-1" / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
     return root
+
+
+def save_lora(model, folder: Path, rank: int = 4) -> None:
+    """A LoRA adapter of `model` as peft saves it."""
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(model, LoraConfig(r=rank, target_modules=list(policy.LORA_TARGETS))).save_pretrained(folder)
 
 
 Q = ["--model", "ck/bf16", "--output", "out"]
@@ -149,6 +159,8 @@ TRIALS = [
     ("qerl.train", [*T, "--num-stages", "2"], "--num-stages must be an integer >= 3 (AQN"),
     ("qerl.train", [*T, "--model-name", "model.gguf"], "model.gguf is a GGUF file", cli.FETCH_COMMAND),
     ("qerl.train", [*T, "--model-name", "alien"], "AlienForCausalLM of model_type 'alien_lm', unknown to transformers"),
+    ("qerl.train", [*T, "--output-dir", "run_r4", "--resume-from-checkpoint", "true", "--lora-rank", "8"],
+     "checkpoint-1: its LoRA rank is 4, --lora-rank is 8; pass --lora-rank 4"),
     ("qerl.train", [*T, "--num-generations", "3"], "num_generations to a divisor of 8"),
     ("qerl.train", [*T, "--precision", "bf16"], "is an NVFP4 checkpoint"),
     ("qerl.train", [*T, "--model-name", "truncated"], "truncated or corrupt"),
@@ -158,6 +170,8 @@ TRIALS = [
     ("eval.gsm8k", [*E, "--limit", "-3"], "--limit: must be an integer >= 1, got -3"),
     ("eval.gsm8k", [*E, "--adapter", "no_adapter"], "no_adapter: no adapter_config.json"),
     ("eval.gsm8k", [*E, "--adapter", "nope"], "--adapter nope: no such folder"),
+    ("eval.gsm8k", [*E, "--adapter", "other_base"], "--adapter other_base does not fit --model ck/nvfp4: "
+     "model.layers.0.mlp.down_proj is [64, 128] (out, in) in the model, [32, 64] in the adapter"),
     ("eval.gsm8k", [*E, "--model", "gguf_folder"], "SmolLM2-135M-Instruct.Q4_1.gguf is a GGUF file"),
     ("eval.gsm8k", [*E, "--seed", "-1"], "--seed: must be an integer in [0, 4294967295], got -1"),
     ("eval.gsm8k", [*E, "--batch-size", "0"], "--batch-size: must be an integer >= 1, got 0"),
@@ -202,6 +216,7 @@ def test_each_cli_as_a_process(world):
         (["-m", "qerl.train", *T, "--num-generations", "0"], "qerl.train", "--num-generations must be an integer >= 2"),
         (["-m", "qerl.train", *T, "--model-name", "model.gguf"], "qerl.train", "GGUF", cli.FETCH_COMMAND),
         (["-m", "eval.gsm8k", *E, "--adapter", "no_adapter"], "eval.gsm8k", "adapter_config.json"),
+        (["-m", "eval.gsm8k", *E, "--adapter", "other_base"], "eval.gsm8k", "down_proj is [64, 128] (out, in)"),
         (["-m", "eval.math", *E[:2], "--limit", "0"], "eval.math", "--limit"),
     ]  # fmt: skip
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:

@@ -163,6 +163,20 @@ def tensor_index(model_dir: Path) -> dict[str, Path]:
     raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (found: {', '.join(found) or 'nothing'})")
 
 
+def logical_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape as the model holds it, from the safetensors headers alone (no tensor is read): a packed
+    NVFP4 Linear counts as its `weight`, [out_features, in_features]."""
+    shapes = {}
+    for shard in sorted(set(tensor_index(model_dir).values())):
+        for name, info in check_safetensors(shard).items():
+            module, _, kind = name.rpartition(".")
+            if kind == "weight_packed":  # two FP4 values per byte
+                shapes[f"{module}.weight"] = (info["shape"][0], 2 * info["shape"][1])
+            elif kind not in ("weight_scale", "weight_global_scale"):
+                shapes[name] = tuple(info["shape"])
+    return shapes
+
+
 def check_finite(name: str, tensor: torch.Tensor, shard: Path) -> None:
     if tensor.is_floating_point():
         values = tensor.float() if tensor.element_size() == 1 else tensor  # isfinite has no FP8 kernels
