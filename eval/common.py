@@ -16,6 +16,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -221,6 +222,19 @@ def _check_data(benchmark: Benchmark, data: str) -> None:
     cli.require_columns(data, columns, (gold,), f"eval.{benchmark.name}")
 
 
+def _warn_eos(model: str) -> None:
+    """A tokenizer whose EOS is not among the generation config's EOS ids is said, naming both."""
+    if not os.path.isfile(os.path.join(model, "generation_config.json")):
+        return
+    from transformers import GenerationConfig
+
+    from qerl.policy import eos_mismatch, load_tokenizer
+
+    mismatch = eos_mismatch(load_tokenizer(model), GenerationConfig.from_pretrained(model))
+    if mismatch:
+        warnings.warn(f"{model}: {mismatch} (is the tokenizer another model's, or a GGUF's metadata?)", stacklevel=2)
+
+
 def _read_rows(benchmark: Benchmark, data: str, split: str | None, limit: int | None) -> list[dict]:
     from datasets import load_dataset
 
@@ -254,6 +268,7 @@ def run(benchmark: Benchmark, argv: list[str], description: str) -> dict:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    _warn_eos(args.model)
 
     protocol, score = PROTOCOLS[args.protocol], benchmark.score
     if args.data in benchmark.builtin:

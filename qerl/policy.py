@@ -74,6 +74,18 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     return tokenizer
 
 
+def eos_mismatch(tokenizer, generation_config) -> str | None:
+    """When the tokenizer's EOS is not one of the generation config's EOS ids (a GGUF's tokenizer metadata, or
+    another model's tokenizer files), a warning naming both; else None."""
+    ids = getattr(generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if not ids or tokenizer.eos_token_id in ids:
+        return None
+    named = ", ".join(f"{tokenizer.convert_ids_to_tokens(i)!r} (id {i})" for i in ids)
+    return (f"the tokenizer's EOS {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) is not among the generation "
+            f"config's EOS ids: {named}")  # fmt: skip
+
+
 def lora_config(
     model: nn.Module,
     rank: int = 16,

@@ -11,6 +11,7 @@ What this relies on inside TRL is listed, and used, in one section of QeRLTraine
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -179,6 +180,21 @@ class JsonlMetrics(TrainerCallback):
             f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
 
+class KeepModelEos(TrainerCallback):
+    """Puts the model's EOS ids back as its configs had them when the trainer was built. transformers' Trainer.train
+    "aligns" them to the tokenizer's EOS before the first step (align_special_tokens, logged as "Updated tokens"),
+    which would make a wrong tokenizer EOS (a GGUF's metadata) the model's own."""
+
+    def __init__(self, model):
+        self.configs = (model.config, model.generation_config)
+        self.eos = [copy.copy(getattr(config, "eos_token_id", None)) for config in self.configs]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        for config, eos in zip(self.configs, self.eos, strict=True):
+            if config is not None:
+                config.eos_token_id = eos
+
+
 class QeRLTrainer(GRPOTrainer):
     """GRPOTrainer whose rollouts come from the AQN-perturbed policy through a rollout backend.
 
@@ -220,6 +236,12 @@ class QeRLTrainer(GRPOTrainer):
             policy.keep_fp32_masters(self.model)
 
         self._adapt_trl_internals()
+        mismatch = policy.eos_mismatch(self._tokenizer, self.model.generation_config)
+        if mismatch:
+            warnings.warn(f"{mismatch}. Rollouts end at any of them (TRL adds the tokenizer's EOS); the model's own "
+                          "EOS ids are kept (transformers' \"Updated tokens\" notice as training starts is undone "
+                          "before the first step).", stacklevel=2)  # fmt: skip
+        self.add_callback(KeepModelEos(self.model))
         self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup())
         self._norm_sites: dict[int, norms.NormSites] = {}
         self.last_noise = aqn.NoiseStats()
@@ -292,6 +314,8 @@ class QeRLTrainer(GRPOTrainer):
     # TRL's helpers: profiling_context, disable_gradient_checkpointing, unwrap_model_for_generation.
     # Copied: the sampling/* metric names and formulas (_log_rollout_mismatch), from TRL's correction block,
     #   so that the rollout/training mismatch is logged under TRL's names with the correction off too.
+    # transformers' Trainer (TRL's base class):
+    #   align_special_tokens, called in Trainer.train before the first on_train_begin: undone there (KeepModelEos).
     # Matched by text: GRPOConfig.__post_init__'s "... must be divisible by num_generations" (_batch_error_fix).
     # torch's private DistributedDataParallel._set_params_and_buffers_to_ignore_for_model (_adapt_trl_internals).
 

@@ -285,3 +285,33 @@ def test_bf16_checkpoint_and_its_nvfp4_twin_give_the_same_stop_tokens_and_defaul
     for d in defaults:
         d.pop("transformers_version", None)
     assert defaults[0] == defaults[1] and defaults[0]["top_k"] == 20
+
+
+def test_a_tokenizer_eos_the_generation_config_lacks_is_named_and_the_model_keeps_its_own(tmp_path):
+    """A GGUF's tokenizer metadata names the wrong EOS (SmolLM2's: <|im_start|>, where its turns end with <|im_end|>).
+    The trainer and eval warn naming both; rollouts stop at both (TRL's rule); the model's EOS ids stay its own from
+    the first rollout on (transformers' Trainer.train aligns them to the tokenizer's before the first step)."""
+    from eval import common
+    from qerl.tiny import build_tiny
+
+    model, tokenizer = build_tiny()
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|user|>")
+    model.config.eos_token_id = model.generation_config.eos_token_id = end_of_turn
+    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path), model, tokenizer)
+    named = rf"the tokenizer's EOS '<\|end\|>' \(id 2\) is not among the generation config's EOS ids: '<\|user\|>' " \
+            rf"\(id {end_of_turn}\)"  # fmt: skip
+    with pytest.warns(UserWarning, match=named):
+        common._warn_eos(nvfp4_dir)
+    with pytest.warns(UserWarning, match=named + r"\. Rollouts end at any of them"):
+        trainer = make_trainer(nvfp4_dir, _config(tmp_path, max_steps=1, per_device_train_batch_size=4))
+    assert trainer.eos_token_ids == [tokenizer.eos_token_id, end_of_turn]
+    seen, generate = [], trainer.rollout.generate
+
+    def probe(prompt_ids, perturb):
+        seen.append((trainer.model.config.eos_token_id, trainer.model.generation_config.eos_token_id))
+        return generate(prompt_ids, perturb)
+
+    trainer.rollout.generate = probe
+    trainer.train()
+    assert seen == [(end_of_turn, end_of_turn)]
+    assert (trainer.model.config.eos_token_id, trainer.model.generation_config.eos_token_id) == (end_of_turn,) * 2

@@ -141,3 +141,13 @@ def test_trl_helpers_we_import():
     assert _params(disable_gradient_checkpointing) == ["model", "gradient_checkpointing_kwargs"]
     assert {"padding_value", "padding_side", "pad_to_multiple_of"} <= set(_params(pad))
     assert _params(ensure_master_addr_port)[:2] == ["addr", "port"]
+
+
+def test_transformers_trainer_internals():
+    """transformers' Trainer, TRL's base: the EOS alignment that KeepModelEos undoes (before the first
+    on_train_begin)."""
+    from transformers import Trainer
+
+    train = _source(Trainer.train)
+    assert train.index("align_special_tokens(self.model, self.processing_class)") < train.index("inner_training_loop(")
+    assert "self.callback_handler.on_train_begin(" in _source(Trainer._inner_training_loop)
