@@ -4,6 +4,7 @@ A tiny Qwen2 in float32 with a LoRA adapter and trainable norms whose values are
 that a LoRA or norm the engine failed to apply would change the tokens."""
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -163,7 +164,7 @@ def test_unsupported_models_are_refused_by_name():
         Decoder(model)
 
 
-def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monkeypatch):
+def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monkeypatch, caplog):
     from qerl import rollout
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -184,8 +185,13 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
         pad_token_id=tokenizer.pad_token_id, open_policy=lambda: contextlib.nullcontext(model),
         device=torch.device("cuda"),
     )  # fmt: skip
-    assert rollout.create_backend("auto", setup).name == "transformers"
-    with pytest.raises(rollout.Unsupported, match="layer 0 attention"):
+    with caplog.at_level(logging.WARNING):
+        assert rollout.create_backend("auto", setup).name == "transformers"
+    reason = "the native engine cannot run Qwen2ForCausalLM: layer 0 attention is not supported"
+    assert any(m.startswith(f"rollout_backend auto: {reason}") and m.endswith("; using transformers")
+               for m in caplog.messages)  # fmt: skip
+    with pytest.raises(rollout.Unsupported, match=rf"^rollout_backend native: {reason}.*; rollout_backend auto would "
+                       "use transformers$"):  # fmt: skip
         rollout.create_backend("native", setup)
     setup.options["sharded"] = True
     with pytest.raises(rollout.Unsupported, match="DeepSpeed/FSDP"):

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from qerl.cli import UsageError
+
 logger = logging.getLogger(__name__)
 
 Perturb = Callable[[nn.Module], AbstractContextManager]
@@ -91,8 +93,9 @@ def vllm_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
-class Unsupported(ValueError):
-    """A backend cannot run this model or set-up (auto then falls back to the next choice)."""
+class Unsupported(UsageError):
+    """A backend cannot run this model or set-up (auto then falls back to the next choice; a backend asked for by
+    name stops the run in one line, see qerl.cli)."""
 
 
 def serving_backend(device: torch.device | None = None) -> str:
@@ -122,8 +125,8 @@ def create_backend(name: str, setup: RolloutSetup) -> RolloutBackend:
     try:
         return _build(choice, setup)
     except Unsupported as error:
-        if name != "auto":
-            raise
         fallback = serving_backend(setup.device)
+        if name != "auto":
+            raise Unsupported(f"rollout_backend {name}: {error}; rollout_backend auto would use {fallback}") from None
         logger.warning("rollout_backend auto: %s; using %s", error, fallback)
         return _build(fallback, setup)

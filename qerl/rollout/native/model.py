@@ -47,15 +47,15 @@ def _active_lora(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] 
     if not hasattr(module, "lora_A") or getattr(module, "disable_adapters", False):
         return None
     if getattr(module, "merged", False):
-        raise Unsupported("native rollout: merged LoRA adapters are not supported (the base would be changed)")
+        raise Unsupported("merged LoRA adapters are not supported (the base would be changed)")
     active = [name for name in module.active_adapters if name in module.lora_A]
     if len(active) > 1:
-        raise Unsupported(f"native rollout: {len(active)} active LoRA adapters; one is supported")
+        raise Unsupported(f"{len(active)} active LoRA adapters; one is supported")
     if not active:
         return None
     name = active[0]
     if getattr(module, "use_dora", {}).get(name, False):
-        raise Unsupported("native rollout: DoRA adapters are not supported")
+        raise Unsupported("DoRA adapters are not supported")
     return module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name])
 
 
@@ -81,16 +81,16 @@ class Projection:
         self.modules = modules
         self.nvfp4 = isinstance(bases[0], NVFP4Linear)
         if any(isinstance(b, NVFP4Linear) != self.nvfp4 for b in bases):
-            raise Unsupported("native rollout: a fused group mixes NVFP4 and BF16 layers")
+            raise Unsupported("a fused group mixes NVFP4 and BF16 layers")
         self.out_features = sum(b.out_features for b in bases)
         biases = [b.bias for b in bases]
         if any((t is None) != (biases[0] is None) for t in biases):
-            raise Unsupported("native rollout: a fused group mixes layers with and without bias")
+            raise Unsupported("a fused group mixes layers with and without bias")
         if self.nvfp4:
             scales = [b.weight_global_scale for b in bases]
             if any(not torch.equal(s, scales[0]) for s in scales):
                 # Fusion needs one global scale per group (our quantizer and llmcompressor share it).
-                raise Unsupported("native rollout: q/k/v (or gate/up) NVFP4 weights have different global scales")
+                raise Unsupported("q/k/v (or gate/up) NVFP4 weights have different global scales")
             self.packed = _share_storage([b.weight_packed for b in bases])
             self.scale = _share_storage([b.weight_scale for b in bases])
             self.global_scale = scales[0]
@@ -178,7 +178,7 @@ Attend = Callable[[int, torch.Tensor], torch.Tensor]
 def _causal_lm(policy: nn.Module) -> nn.Module:
     model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
-        raise Unsupported(f"native rollout: {type(model).__name__} is not a causal LM with model.layers; supported: "
+        raise Unsupported(f"not a causal LM with model.layers; supported: "
                          f"{SUPPORTED}")
     return model
 
@@ -191,11 +191,11 @@ def _norms_by_layer(policy: nn.Module, num_layers: int) -> tuple[list[dict[str, 
     for path, module in sites.layer_norms.items():
         match = re.search(r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)(\.|$)", path)
         if match is None:
-            raise Unsupported(f"native rollout: unexpected norm {path!r}; supported: {SUPPORTED}")
+            raise Unsupported(f"unexpected norm {path!r}; supported: {SUPPORTED}")
         layers[int(match.group(1))][match.group(2)] = module
     finals = list(sites.final_norms.values())
     if any(len(d) != 2 for d in layers) or len(finals) != 1:
-        raise Unsupported(f"native rollout: expected 2 norms per layer and one final norm; supported: {SUPPORTED}")
+        raise Unsupported(f"expected 2 norms per layer and one final norm; supported: {SUPPORTED}")
     return [{"input_layernorm": d["input_layernorm"], "post_attention_layernorm": d["post_attention_layernorm"]}
             for d in layers], finals[0]
 
@@ -208,7 +208,7 @@ class Decoder:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None)
                                                                                   or ()):
-            raise Unsupported("native rollout: sliding-window attention is not supported")
+            raise Unsupported("sliding-window attention is not supported")
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.dtype = self.embed.dtype
@@ -216,7 +216,7 @@ class Decoder:
         self.device = device
         head = _base_layer(model.lm_head)
         if not isinstance(head, nn.Linear) or isinstance(head, NVFP4Linear) or _active_lora(model.lm_head):
-            raise Unsupported("native rollout: the LM head must be a plain Linear (no LoRA, not quantized)")
+            raise Unsupported("the LM head must be a plain Linear (no LoRA, not quantized)")
         self.lm_head, self.lm_head_bias = head.weight, head.bias
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -231,9 +231,9 @@ class Decoder:
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             if hasattr(attn, "q_norm") or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-                raise Unsupported(f"native rollout: layer {i} attention is not supported; supported: {SUPPORTED}")
+                raise Unsupported(f"layer {i} attention is not supported; supported: {SUPPORTED}")
             if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-                raise Unsupported(f"native rollout: layer {i} MLP is not supported; supported: {SUPPORTED}")
+                raise Unsupported(f"layer {i} MLP is not supported; supported: {SUPPORTED}")
             holders = self.norms.layers[i]
             self.layers.append(Layer(
                 qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], device, self.dtype),
