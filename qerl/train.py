@@ -30,6 +30,7 @@ from trl import TrlParser
 
 from qerl import cli, data, policy, rewards
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
+from qerl.run_lock import RunLock
 from qerl.trainer import QeRLConfig, QeRLTrainer
 
 logger = logging.getLogger("qerl.train")
@@ -293,6 +294,8 @@ def _check_dataset(name: str, dataset_format: str) -> None:
 
 def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
     """Every check that needs no model or dataset loaded, so that a mistake costs seconds, not a 7B load."""
+    if os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
+        raise cli.UsageError(f"--output-dir {config.output_dir}: is a file")
     cli.check_model(script_args.model_name, "--model-name")
     if script_args.precision not in policy.PRECISIONS:
         raise cli.UsageError(f"--precision {script_args.precision!r}: use one of {', '.join(policy.PRECISIONS)}")
@@ -347,13 +350,14 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
 _ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
-def prepare_output_dir(script_args: QeRLScriptArguments, config: QeRLConfig) -> str | None:
-    """The checkpoint to resume from (None: a fresh start). A fresh start never lands on an earlier run's
-    checkpoints or adapter unless --overwrite-output-dir says to delete them."""
+def prepare_output_dir(script_args: QeRLScriptArguments, config: QeRLConfig, lock: RunLock | None) -> str | None:
+    """The checkpoint to resume from (None: a fresh start), with the folder's `lock` taken. A fresh start never
+    lands on an earlier run's checkpoints or adapter unless --overwrite-output-dir says to delete them."""
     output_dir = Path(config.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise cli.UsageError(f"--output-dir {output_dir}: is a file")
+    if lock is not None:
+        lock.check()  # a run in progress there comes first; nothing is written before the last refusal
     resume = resolve_resume(config.resume_from_checkpoint, config.output_dir)
+    earlier = []
     if resume is not None:
         if script_args.overwrite_output_dir:
             raise cli.UsageError("--overwrite-output-dir and --resume-from-checkpoint contradict each other: pick one")
@@ -362,19 +366,21 @@ def prepare_output_dir(script_args: QeRLScriptArguments, config: QeRLConfig) -> 
             step = json.load(f)["global_step"]
         total = config.max_steps if config.max_steps > 0 else "the epochs asked for"
         logger.info("resuming from %s, step %d of %s", os.path.basename(os.path.normpath(resume)), step, total)
-        return resume
-    earlier = _checkpoints(output_dir) + [output_dir / f for f in _ADAPTER_FILES if (output_dir / f).exists()]
-    if earlier and not script_args.overwrite_output_dir:
-        raise cli.UsageError(
-            f"--output-dir {output_dir} holds an earlier run ({', '.join(p.name for p in earlier[:3])}): pass "
-            "--resume-from-checkpoint true to continue it, or --overwrite-output-dir to start over (deleting them)"
-        )
+    else:
+        earlier = _checkpoints(output_dir) + [output_dir / f for f in _ADAPTER_FILES if (output_dir / f).exists()]
+        if earlier and not script_args.overwrite_output_dir:
+            raise cli.UsageError(
+                f"--output-dir {output_dir} holds an earlier run ({', '.join(p.name for p in earlier[:3])}): pass "
+                "--resume-from-checkpoint true to continue it, or --overwrite-output-dir to start over (deleting them)"
+            )
+    if lock is not None:
+        lock.acquire()
     if earlier and config.process_index == 0:
         for path in earlier:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         logger.info("--overwrite-output-dir: deleted %s of the earlier run in %s",
                     ", ".join(p.name for p in earlier), output_dir)  # fmt: skip
-    return None
+    return resume
 
 
 def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=None) -> QeRLTrainer:
@@ -410,10 +416,15 @@ def main(argv: list[str] | None = None) -> QeRLTrainer:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     script_args, config = parse_args(argv)
     validate(script_args, config)
-    resume = prepare_output_dir(script_args, config)
-    trainer = build_trainer(script_args, config)
-    trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(config.output_dir)  # the LoRA adapter (and trained norms), not the frozen base
+    lock = RunLock(config.output_dir) if config.process_index == 0 else None  # the other ranks share rank 0's
+    resume = prepare_output_dir(script_args, config, lock)
+    try:
+        trainer = build_trainer(script_args, config)
+        trainer.train(resume_from_checkpoint=resume)
+        trainer.save_model(config.output_dir)  # the LoRA adapter (and trained norms), not the frozen base
+    finally:
+        if lock is not None:
+            lock.release()
     return trainer
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import types
@@ -26,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from eval import common, gsm8k
 from eval import math as eval_math
 from qerl import cli, policy, train
+from qerl.run_lock import RunLock
 from qerl.tiny import build_tiny, build_tiny_tokenizer, save_tiny_checkpoints
 from qerl.trainer import QeRLConfig
 
@@ -206,6 +208,8 @@ def test_bad_input_is_one_line_and_changes_nothing(world, monkeypatch, capsys, t
 def test_each_cli_as_a_process(world):
     """Trials through real processes, each class of bad input at least once: exit code 2, one line naming the
     culprit, no traceback, nothing touched. The processes run side by side (most of their time is imports)."""
+    lock = RunLock(world / "busy")  # another run, in progress: this process
+    lock.acquire()
     before = snapshot(world)
     trials = [
         ([str(QUANTIZER), "--model", "parent/model", "--output", "parent", "--overwrite"], "quantize_nvfp4", "parent"),
@@ -215,19 +219,25 @@ def test_each_cli_as_a_process(world):
         (["-m", "qerl.train", *T, "--output-dir", "run"], "qerl.train", "--resume-from-checkpoint true"),
         (["-m", "qerl.train", *T, "--num-generations", "0"], "qerl.train", "--num-generations must be an integer >= 2"),
         (["-m", "qerl.train", *T, "--model-name", "model.gguf"], "qerl.train", "GGUF", cli.FETCH_COMMAND),
+        (["-m", "qerl.train", *T, "--output-dir", "busy"], "qerl.train",
+         f"--output-dir busy is in use by another run (process {os.getpid()} on {socket.gethostname()}"),
         (["-m", "eval.gsm8k", *E, "--adapter", "no_adapter"], "eval.gsm8k", "adapter_config.json"),
         (["-m", "eval.gsm8k", *E, "--adapter", "other_base"], "eval.gsm8k", "down_proj is [64, 128] (out, in)"),
         (["-m", "eval.math", *E[:2], "--limit", "0"], "eval.math", "--limit"),
     ]  # fmt: skip
-    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        results = list(pool.map(lambda trial: run_process(trial[0], world), trials))
-    for (_, prog, *culprit), result in zip(trials, results, strict=True):
-        assert_one_line_error(result.returncode, result.stderr, prog, *culprit)
-    assert snapshot(world) == before
+    try:
+        with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+            results = list(pool.map(lambda trial: run_process(trial[0], world), trials))
+        for (_, prog, *culprit), result in zip(trials, results, strict=True):
+            assert_one_line_error(result.returncode, result.stderr, prog, *culprit)
+        assert snapshot(world) == before
+    finally:
+        lock.release()
+
 
 def test_a_backend_that_cannot_run_the_model_is_named_with_the_one_auto_would_use(tmp_path, monkeypatch, capsys):
     """--rollout-backend native on a Qwen3 checkpoint (per-head q/k norms, which the native engine does not run): one
-    line naming the architecture, why, and the backend that auto uses instead. (The
+    line naming the architecture, why, and the backend that auto uses instead; no output folder is left. (The
     engine's check needs the loaded policy, so this one comes after the load.)"""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -244,6 +254,7 @@ def test_a_backend_that_cannot_run_the_model_is_named_with_the_one_auto_would_us
     assert_one_line_error(code, capsys.readouterr().err, "qerl.train", "rollout_backend native: the native engine "
                           "cannot run Qwen3ForCausalLM: layer 0 attention is not supported", "rollout_backend auto "
                           "would use transformers")  # fmt: skip
+    assert not (tmp_path / "out").exists()
 
 
 def numeric_fields(cls) -> list[str]:
