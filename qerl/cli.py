@@ -10,6 +10,7 @@ level, so a tool can validate before it pays for the heavy imports.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import difflib
 import json
@@ -36,14 +37,15 @@ def one_line(message: object) -> str:
 
 
 def run_cli(main: Callable[[list[str]], int | None], prog: str, argv: list[str] | None = None) -> int:
-    """Run `main(argv)` under the convention above; returns the exit code (sys.exit it)."""
+    """Run `main(argv)` under the convention above; returns the exit code (sys.exit it). SIGINT and SIGTERM
+    unwind the run (half-written outputs are removed on the way out) and end it in one line, exit code 128 + the
+    signal's number."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [arg for arg in argv if arg != "--debug"]
-    # A polite kill (SIGTERM) unwinds like Ctrl-C, so half-written outputs are removed on the way out.
-    previous = None
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        previous = {signum: signal.signal(signum, _interrupt) for signum in INTERRUPTS}
     try:
         return main(argv) or 0
     except UsageError as err:
@@ -51,13 +53,48 @@ def run_cli(main: Callable[[list[str]], int | None], prog: str, argv: list[str] 
             raise
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:
+        if debug:
+            raise
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"{prog}: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised like Ctrl-C so that every `finally` on the way out runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM wait until the block ends and then take effect: what the block writes (a checkpoint) is
+    written whole. Python runs signal handlers in the main thread only, so elsewhere this defers nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {signum: signal.signal(signum, lambda got, frame: caught.append(got)) for signum in INTERRUPTS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)  # now to the handler in force again
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -347,6 +347,13 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
     return value
 
 
+def _where_to_resume(output_dir: str) -> str:
+    newest = next((c.name for c in _checkpoints(Path(output_dir)) if _is_complete(c)), None)
+    if newest is None:
+        return "no checkpoint saved yet"
+    return f"{newest} is the newest complete checkpoint; --resume-from-checkpoint true continues from it"
+
+
 _ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
@@ -420,8 +427,13 @@ def main(argv: list[str] | None = None) -> QeRLTrainer:
     resume = prepare_output_dir(script_args, config, lock)
     try:
         trainer = build_trainer(script_args, config)
-        trainer.train(resume_from_checkpoint=resume)
-        trainer.save_model(config.output_dir)  # the LoRA adapter (and trained norms), not the frozen base
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except KeyboardInterrupt:
+            logger.warning("stopped at step %d: %s", trainer.state.global_step, _where_to_resume(config.output_dir))
+            raise
+        with cli.signals_deferred():  # the final adapter is written whole
+            trainer.save_model(config.output_dir)  # the LoRA adapter (and trained norms), not the frozen base
     finally:
         if lock is not None:
             lock.release()

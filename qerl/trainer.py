@@ -25,7 +25,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
-from qerl import aqn, norms, policy, rollout
+from qerl import aqn, cli, norms, policy, rollout
 from qerl.nvfp4.linear import NVFP4Linear
 
 logger = logging.getLogger(__name__)
@@ -315,6 +315,8 @@ class QeRLTrainer(GRPOTrainer):
     # Copied: the sampling/* metric names and formulas (_log_rollout_mismatch), from TRL's correction block,
     #   so that the rollout/training mismatch is logged under TRL's names with the correction off too.
     # transformers' Trainer (TRL's base class):
+    #   _save_checkpoint(model, trial): wrapped, so that SIGINT/SIGTERM wait until a checkpoint is whole (it writes
+    #       trainer_state.json last: qerl.train resumes only from a checkpoint that has it).
     #   align_special_tokens, called in Trainer.train before the first on_train_begin: undone there (KeepModelEos).
     # Matched by text: GRPOConfig.__post_init__'s "... must be divisible by num_generations" (_batch_error_fix).
     # torch's private DistributedDataParallel._set_params_and_buffers_to_ignore_for_model (_adapt_trl_internals).
@@ -339,6 +341,10 @@ class QeRLTrainer(GRPOTrainer):
         ]
         if packed:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, packed)
+
+    def _save_checkpoint(self, model, trial):
+        with cli.signals_deferred():
+            super()._save_checkpoint(model, trial)
 
     def _rollout_setup(self) -> rollout.RolloutSetup:
         args = self.args

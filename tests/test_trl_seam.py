@@ -144,10 +144,16 @@ def test_trl_helpers_we_import():
 
 
 def test_transformers_trainer_internals():
-    """transformers' Trainer, TRL's base: the EOS alignment that KeepModelEos undoes (before the first
-    on_train_begin)."""
+    """transformers' Trainer, TRL's base: the checkpoint save QeRLTrainer wraps (trainer_state.json, the mark of a
+    whole checkpoint, written last) and the EOS alignment that KeepModelEos undoes (before the first on_train_begin)."""
     from transformers import Trainer
 
+    assert _params(Trainer._save_checkpoint) == ["self", "model", "trial"]
+    assert _params(QeRLTrainer._save_checkpoint) == _params(Trainer._save_checkpoint)
+    save = _source(Trainer._save_checkpoint)
+    written = [save.index(call) for call in ("self.save_model(", "self._save_optimizer_and_scheduler(",
+                                              "self._save_rng_state(", "TRAINER_STATE_NAME")]  # fmt: skip
+    assert written == sorted(written)
     train = _source(Trainer.train)
     assert train.index("align_special_tokens(self.model, self.processing_class)") < train.index("inner_training_loop(")
     assert "self.callback_handler.on_train_begin(" in _source(Trainer._inner_training_loop)
