@@ -98,19 +98,26 @@ def reward_funcs_for(fmt: str) -> list[Callable]:
 # Formatting rows into prompts
 
 
+def think_answer_prompt(question: str) -> list[dict]:
+    """The reference's think/answer system prompt, then the question (GSM8K, Big-Math; the evals too)."""
+    return [{"role": "system", "content": THINK_ANSWER_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+
+
+def gsm8k_hash_prompt(question: str) -> list[dict]:
+    """The question with the "####" instruction of the reference's first commit appended, no system prompt."""
+    return [{"role": "user", "content": f"{question} {GSM8K_HASH_INSTRUCTION}"}]
+
+
 def _format_gsm8k(row):
-    prompt = [{"role": "system", "content": THINK_ANSWER_SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}]
-    return {"prompt": prompt, "answer": rewards.gsm8k_gold(row["answer"])}
+    return {"prompt": think_answer_prompt(row["question"]), "answer": rewards.gsm8k_gold(row["answer"])}
 
 
 def _format_gsm8k_hash(row):
-    prompt = [{"role": "user", "content": f"{row['question']} {GSM8K_HASH_INSTRUCTION}"}]
-    return {"prompt": prompt, "answer": rewards.gsm8k_gold(row["answer"])}
+    return {"prompt": gsm8k_hash_prompt(row["question"]), "answer": rewards.gsm8k_gold(row["answer"])}
 
 
 def _format_bigmath(row):
-    prompt = [{"role": "system", "content": THINK_ANSWER_SYSTEM_PROMPT}, {"role": "user", "content": row["prompt"]}]
-    return {"prompt": prompt, "answer": row["solution"]}
+    return {"prompt": think_answer_prompt(row["prompt"]), "answer": row["solution"]}
 
 
 def _format_dapomath(row):
