@@ -65,9 +65,9 @@ def run_logged(command: list[str], log: Path) -> None:
 
 def train_command(args, base: str, aqn: bool, lr: float, seed: int, steps: int, out: Path) -> list[str]:
     return [sys.executable, "-m", "qerl.train", "--config", str(RECIPE), "--model-name", base,
-            "--dataset", str(args.train_data), "--dataset-format", "gsm8k_hash", "--aqn", str(aqn).lower(),
+            "--dataset", str(args.train_data), "--dataset-format", args.format, "--aqn", str(aqn).lower(),
             "--learning-rate", str(lr), "--seed", str(seed), "--max-steps", str(steps), "--output-dir", str(out),
-            "--overwrite-output-dir", "true", *args.train_flags]  # fmt: skip
+            "--temperature", str(args.temperature), "--overwrite-output-dir", "true", *args.train_flags]  # fmt: skip
 
 
 def eval_command(args, base: str, adapter: Path | None, protocol: str, out: Path) -> list[str]:
@@ -131,6 +131,44 @@ def eval_summary(folder: Path, protocol: str) -> dict | None:
         return None
     with open(path) as f:
         return json.loads(f.readline())
+
+
+def probe(args) -> None:
+    """Choose the rollout temperature on training prompts: at each candidate, `--probe-prompts` GSM8K train prompts
+    x num_generations samples from the BF16 base, scored by the training rewards; DAPO learns only from prompt
+    groups whose rewards differ, so the temperature with the largest share of such groups wins."""
+    from eval.common import ModelSpec, Sampling, native_generate
+    from qerl import data, rewards
+
+    bases = checkpoints(args)
+    with open(args.train_data) as f:
+        rows = [json.loads(line) for line in f if line.strip()][-args.probe_prompts :]  # the file's end: any rows do
+    group = 8
+    prompts = [data.gsm8k_hash_prompt(r["question"]) for r in rows for _ in range(group)]
+    golds = [rewards.gsm8k_gold(r["answer"]) for r in rows for _ in range(group)]
+    funcs = data.reward_funcs_for(args.format)
+    results = {}
+    spec = ModelSpec(bases["bf16"], "bf16", None, "cuda" if _cuda() else "cpu", args.eval_kv_gib)
+    for temperature in args.temperatures:
+        texts = native_generate(spec, prompts, Sampling(True, temperature, 1.0, 256, args.sweep_seed), len(prompts))
+        per_func = {f.__name__: f(texts, answer=golds) for f in funcs}
+        totals = [sum(values) for values in zip(*per_func.values(), strict=True)]
+        groups = [totals[i : i + group] for i in range(0, len(totals), group)]
+        results[str(temperature)] = {
+            "mean_reward": statistics.fmean(totals),
+            "groups_with_signal": sum(max(g) > min(g) for g in groups) / len(groups),
+            **{name: statistics.fmean(v) for name, v in per_func.items()},
+        }
+    chosen = max(args.temperatures, key=lambda t: results[str(t)]["groups_with_signal"])
+    with open(args.out / "probe.json", "w") as f:
+        json.dump({"format": args.format, "prompts": len(rows), "per_prompt": group, "results": results,
+                   "chosen_temperature": chosen}, f, indent=2)  # fmt: skip
+    print(f"\nprobe: {len(rows)} train prompts x {group} samples of the BF16 base, rewards of {args.format}")
+    for temperature in args.temperatures:
+        r = results[str(temperature)]
+        extras = " ".join(f"{name} {r[name]:.3f}" for name in per_func)
+        print(f"  T {temperature:<4g} groups with signal {r['groups_with_signal']:.1%}, mean reward "
+              f"{r['mean_reward']:.3f} ({extras}){'   <- chosen' if temperature == chosen else ''}")  # fmt: skip
 
 
 def sweep(args) -> None:
@@ -262,7 +300,7 @@ def _floats(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("sweep", "train", "report"))
+    parser.add_argument("command", choices=("probe", "sweep", "train", "report"))
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="a fetchable model (python -m qerl.models list) or a BF16 checkpoint folder")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("ckpt"), help="where its BF16 and NVFP4 folders go")
@@ -271,6 +309,10 @@ def main(argv: list[str] | None = None) -> None:
     data = REPO.parent / "shared" / "data" / "gsm8k"
     parser.add_argument("--train-data", type=Path, default=data / "train.jsonl")
     parser.add_argument("--test-data", type=Path, default=data / "test.jsonl")
+    parser.add_argument("--format", default="gsm8k_lenient", help="training dataset format (its prompt and rewards)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (the probe's choice)")
+    parser.add_argument("--temperatures", type=_floats, default=[1.0, 0.7], help="probe: candidates")
+    parser.add_argument("--probe-prompts", type=int, default=64, help="probe: train prompts per candidate")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=3e-5, help="train: the learning rate (the sweep's choice)")
     parser.add_argument("--lrs", type=_floats, default=[1e-5, 3e-5, 1e-4], help="sweep: learning rates")
@@ -285,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the rest of the command line goes to every qerl.train run")  # fmt: skip
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    {"sweep": sweep, "train": train, "report": report}[args.command](args)
+    {"probe": probe, "sweep": sweep, "train": train, "report": report}[args.command](args)
 
 
 if __name__ == "__main__":
