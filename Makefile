@@ -31,7 +31,7 @@ bench-memory: $(STAMP)
 bench: bench-kernels bench-memory
 
 lint: $(STAMP)
-	$(PYTHON) -m ruff check qerl tests benchmarks eval llm-compressor
+	$(PYTHON) -m ruff check qerl tests benchmarks eval experiments llm-compressor
 
 clean:
 	rm -rf $(STAMP) runs .pytest_cache

@@ -1,13 +1,16 @@
 """What eval.gsm8k and eval.math share: flags, protocols, loading the policy, generation, the 95% interval and the
 per-sample JSONL.
 
-Protocols fix the prompt's system message and the sampling knobs; everything else about decoding (stop tokens,
-pad token) comes from the checkpoint's generation_config.json, for an NVFP4 base as for a BF16 one:
-  reference  the QeRL reference's eval: the think/answer system prompt, temperature 0.6, top-p 0.95, 1024 new
-             tokens (vLLM SamplingParams: no top-k, no repetition penalty), seeded
-  greedy     the same prompt, greedy decoding
-Generation is one function behind GENERATORS: transformers' generate on the policy, or vLLM on the checkpoint with
-the adapter pushed from memory (the training rollout backend's engine); auto picks vLLM on a CUDA machine with it.
+Protocols fix the sampling knobs; everything else about decoding (stop tokens, pad token) comes from the
+checkpoint's generation_config.json, for an NVFP4 base as for a BF16 one:
+  reference  the QeRL reference's eval: temperature 0.6, top-p 0.95, 1024 new tokens (vLLM SamplingParams: no
+             top-k, no repetition penalty), seeded
+  greedy     greedy decoding
+Prompt formats (`--format`) fix how a question is asked and how a completion is scored, as in training (the
+think/answer system prompt by default, which the reference's eval uses).
+Generation is one function behind GENERATORS: transformers' generate on the policy, the native engine on the policy
+(what training samples with), or vLLM on the checkpoint with the adapter pushed from memory; auto picks native on a
+CUDA device (vLLM or transformers where native cannot run the model), transformers on CPU.
 """
 
 from __future__ import annotations
@@ -22,12 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qerl import cli
-from qerl.data import THINK_ANSWER_SYSTEM_PROMPT
 
 
 @dataclass(frozen=True)
 class Protocol:
-    system_prompt: str | None
     do_sample: bool
     temperature: float | None
     top_p: float | None
@@ -35,8 +36,8 @@ class Protocol:
 
 
 PROTOCOLS = {
-    "reference": Protocol(THINK_ANSWER_SYSTEM_PROMPT, do_sample=True, temperature=0.6, top_p=0.95, max_new_tokens=1024),
-    "greedy": Protocol(THINK_ANSWER_SYSTEM_PROMPT, do_sample=False, temperature=None, top_p=None, max_new_tokens=1024),
+    "reference": Protocol(do_sample=True, temperature=0.6, top_p=0.95, max_new_tokens=1024),
+    "greedy": Protocol(do_sample=False, temperature=None, top_p=None, max_new_tokens=1024),
 }
 
 
@@ -55,37 +56,52 @@ class ModelSpec:
     load: str  # auto | nvfp4 | bf16
     adapter: str | None
     device: str
+    kv_cache_gib: float | None = None  # native backend: the KV cache's memory budget (default: 80% of what is free)
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a question is asked (chat messages, as the training dataset format asks it) and how a completion
+    scores: booleans, the first key the headline accuracy."""
+
+    messages: Callable[[str], list[dict]]
+    score: Callable[[str, str], dict[str, bool]]
 
 
 @dataclass
 class Benchmark:
-    """One evaluation: its datasets, how a row becomes a question and a gold answer, and how a completion scores.
-    `score` returns booleans; its first key is the headline accuracy. `builtin` tasks (no files) bring their own
-    rows (prompt, question, gold) and scorer: builtin[name](limit) -> (rows, score)."""
+    """One evaluation: its datasets, how a row becomes a question and a gold answer, and the prompt formats it can
+    be asked in (the first is the default). `builtin` tasks (no files) bring their own rows (prompt, question,
+    gold) and scorer: builtin[name](limit) -> (rows, score)."""
 
     name: str
     datasets: dict[str, tuple[str, str | None, str]]  # name -> (hub id, config, default split)
     columns: tuple[tuple[str, ...], str]  # (question column candidates, gold column)
     gold: Callable[[str], str | None]
-    score: Callable[[str, str], dict[str, bool]]
+    formats: dict[str, PromptFormat]
     default_data: str
     default_split: str | None = None
     builtin: dict[str, Callable] = field(default_factory=dict)
 
 
-def transformers_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling, batch_size: int) -> list[str]:
-    """Completions (text, special tokens dropped) of the chat prompts, with transformers' generate on the policy."""
-    import torch
+def _load_policy(spec: ModelSpec):
+    """(base + adapter in eval mode, tokenizer), as training loads them."""
     from peft import PeftModel
-    from tqdm.auto import tqdm
 
     from qerl.policy import load_base_model, load_tokenizer
 
     model = load_base_model(spec.model, precision=spec.load, device=spec.device)
     if spec.adapter:
         model = PeftModel.from_pretrained(model, spec.adapter)
-    model.eval()
-    tokenizer = load_tokenizer(spec.model)
+    return model.eval(), load_tokenizer(spec.model)
+
+
+def transformers_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling, batch_size: int) -> list[str]:
+    """Completions (text, special tokens dropped) of the chat prompts, with transformers' generate on the policy."""
+    import torch
+    from tqdm.auto import tqdm
+
+    model, tokenizer = _load_policy(spec)
     config = model.generation_config.to_dict()  # the checkpoint's: stop tokens, pad token
     config.update(do_sample=sampling.do_sample, max_new_tokens=sampling.max_new_tokens, top_k=None, min_p=None,
                   repetition_penalty=None, temperature=sampling.temperature, top_p=sampling.top_p)  # fmt: skip
@@ -104,6 +120,32 @@ def transformers_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: 
             out = model.generate(**batch, generation_config=generation_config)
             completions += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     return completions
+
+
+def native_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling, batch_size: int) -> list[str]:
+    """Completions from the native rollout engine on the policy itself (base + adapter, LoRA unmerged, its norms),
+    the engine training samples with: all prompts in one round, in as many waves as the KV cache needs
+    (`batch_size` does not apply). Raises rollout.Unsupported for a model the engine cannot run."""
+    import torch
+    from transformers import GenerationConfig
+
+    from qerl.rollout import truncate_at_eos
+    from qerl.rollout.native.engine import NativeEngine
+    from qerl.rollout.native.model import Decoder
+    from qerl.rollout.native.sampling import Sampler
+
+    model, tokenizer = _load_policy(spec)
+    config = GenerationConfig(do_sample=sampling.do_sample, temperature=sampling.temperature if sampling.do_sample
+                              else None, top_p=sampling.top_p, top_k=0)  # fmt: skip
+    eos = _generation_eos(spec.model, tokenizer)
+    budget = None if spec.kv_cache_gib is None else int(spec.kv_cache_gib * 2**30)
+    engine = NativeEngine(Decoder(model), Sampler(config), eos, tokenizer.pad_token_id, kv_cache_bytes=budget)
+    engine.decoder.refresh()  # the adapter's LoRA and trained norms into the engine's buffers
+    ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"] for p in prompts]
+    torch.manual_seed(sampling.seed)
+    completion_ids, logprobs = engine.generate(ids, sampling.max_new_tokens)
+    return tokenizer.batch_decode(truncate_at_eos(completion_ids, logprobs, eos).completion_ids,
+                                  skip_special_tokens=True)  # fmt: skip
 
 
 def vllm_generate(
@@ -152,15 +194,22 @@ def _generation_eos(model: str, tokenizer) -> list[int]:
 
 
 def _auto_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling, batch_size: int) -> list[str]:
-    """vLLM on a CUDA device of a machine that has it, else transformers."""
-    from qerl.rollout import serving_backend
+    """On a CUDA device the native engine (what training samples with), or vLLM / transformers where it cannot
+    run the model; on CPU transformers."""
+    from qerl.rollout import Unsupported, resolve_backend, serving_backend
 
-    backend = serving_backend(spec.device)
-    return GENERATORS[backend](spec, prompts, sampling, batch_size)
+    backend = resolve_backend("auto", spec.device)
+    try:
+        return GENERATORS[backend](spec, prompts, sampling, batch_size)
+    except Unsupported as error:
+        fallback = serving_backend(spec.device)
+        print(f"eval: {error}; using {fallback}")
+        return GENERATORS[fallback](spec, prompts, sampling, batch_size)
 
 
 GENERATORS: dict[str, Callable[[ModelSpec, list[list[dict]], Sampling, int], list[str]]] = {
     "auto": _auto_generate,
+    "native": native_generate,
     "transformers": transformers_generate,
     "vllm": vllm_generate,
 }
@@ -186,13 +235,19 @@ def build_parser(benchmark: Benchmark, description: str) -> cli.ArgumentParser:
     parser.add_argument("--data", default=benchmark.default_data, help=f"{names}, or a local .jsonl/.json/.parquet")
     parser.add_argument("--split", default=benchmark.default_split, help="dataset split (default: the dataset's own)")
     parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default="reference", help="see above")
+    parser.add_argument("--format", choices=list(benchmark.formats), default=next(iter(benchmark.formats)),
+                        help="how questions are asked and completions scored: the training dataset format")
     parser.add_argument("--max-new-tokens", type=cli.COUNT, help="override the protocol's 1024")
     parser.add_argument("--seed", type=cli.SEED, default=0, help="sampling seed (with the batch size and device)")
     parser.add_argument("--limit", type=cli.COUNT, help="evaluate the first N examples only")
     parser.add_argument("--batch-size", type=cli.COUNT, default=32, help="prompts per generate call")
     parser.add_argument("--device", help="cuda if there is one, else cpu")
     parser.add_argument("--backend", choices=sorted(GENERATORS), default="auto",
-                        help="generation engine; auto: vllm on a CUDA device where vLLM is installed")  # fmt: skip
+                        help="generation engine; auto: native on a CUDA device (vllm or transformers where it "
+                        "cannot run the model), transformers on CPU")  # fmt: skip
+    parser.add_argument("--kv-cache-gib", type=cli.POSITIVE,
+                        help="native backend: GPU memory for the KV cache (default: 80%% of what is free); more "
+                        "prompts than fit run in waves")  # fmt: skip
     parser.add_argument("--out", help="per-sample JSONL (first line: the summary); default runs/eval/NAME-TIME.jsonl")
     return parser
 
@@ -270,7 +325,8 @@ def run(benchmark: Benchmark, argv: list[str], description: str) -> dict:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     _warn_eos(args.model)
 
-    protocol, score = PROTOCOLS[args.protocol], benchmark.score
+    protocol, prompt_format = PROTOCOLS[args.protocol], benchmark.formats[args.format]
+    score = prompt_format.score
     if args.data in benchmark.builtin:
         rows, score = benchmark.builtin[args.data](args.limit)
     else:
@@ -278,13 +334,11 @@ def run(benchmark: Benchmark, argv: list[str], description: str) -> dict:
         rows = []
         for raw in _read_rows(benchmark, args.data, args.split, args.limit):
             question = next(raw[c] for c in questions if c in raw)
-            messages = [{"role": "user", "content": question}]
-            if protocol.system_prompt:
-                messages.insert(0, {"role": "system", "content": protocol.system_prompt})
-            rows.append({"prompt": messages, "question": question, "gold": benchmark.gold(str(raw[gold_column]))})
+            rows.append({"prompt": prompt_format.messages(question), "question": question,
+                         "gold": benchmark.gold(str(raw[gold_column]))})  # fmt: skip
     sampling = Sampling(protocol.do_sample, protocol.temperature, protocol.top_p,
                         args.max_new_tokens or protocol.max_new_tokens, args.seed)  # fmt: skip
-    spec = ModelSpec(args.model, args.load, args.adapter, args.device)
+    spec = ModelSpec(args.model, args.load, args.adapter, args.device, args.kv_cache_gib)
     completions = GENERATORS[args.backend](spec, [r["prompt"] for r in rows], sampling, args.batch_size)
 
     samples = []
@@ -293,8 +347,8 @@ def run(benchmark: Benchmark, argv: list[str], description: str) -> dict:
         samples.append({"index": index, "question": row["question"], "gold": row["gold"], "completion": completion,
                         **scores})  # fmt: skip
     n = len(samples)
-    summary = {"benchmark": benchmark.name, "data": args.data, "protocol": args.protocol, **asdict(sampling),
-               **asdict(spec), "examples": n}  # fmt: skip
+    summary = {"benchmark": benchmark.name, "data": args.data, "protocol": args.protocol, "format": args.format,
+               **asdict(sampling), **asdict(spec), "examples": n}  # fmt: skip
     for key in (k for k in samples[0] if isinstance(samples[0][k], bool)) if samples else ():
         correct = sum(s[key] for s in samples)
         low, high = wilson_interval(correct, n)

@@ -5,11 +5,13 @@
     python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 \
         --model runs/demo/checkpoints/nvfp4 --adapter runs/demo/adapter          (the demo's task and adapter)
 
-Protocols (eval/common.py): `reference` (default; the QeRL reference's eval: think/answer system prompt,
-temperature 0.6, top-p 0.95, 1024 new tokens, seeded) or `greedy`. A completion is correct when the training
-reward pays for it (qerl.rewards: the number inside <answer>...</answer> equals the gold one as a number);
-`flexible` also accepts the last number of a completion without an answer tag. Prints the accuracy with its 95%
-interval; writes every completion to --out. The reference's script compared the first character only.
+Protocols (eval/common.py): `reference` (default; the QeRL reference's eval: temperature 0.6, top-p 0.95, 1024 new
+tokens, seeded) or `greedy`. Formats, as the training datasets pose GSM8K: `think_answer` (default; the reference
+eval's think/answer system prompt): a completion is correct when the training reward pays for it (the number inside
+<answer>...</answer> equals the gold one as a number); `gsm8k_hash` (the question with the "####" instruction): the
+number after the last "####". `flexible` also accepts the last number of a completion without an answer tag (or
+"####"). Prints the accuracy with its 95% interval; writes every completion to --out. The reference's script
+compared the first character only.
 """
 
 from __future__ import annotations
@@ -23,14 +25,24 @@ from qerl import cli, data, rewards
 _LAST_NUMBER = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?")
 
 
+def _last_number_is(completion: str, gold: str) -> bool:
+    numbers = _LAST_NUMBER.findall(completion)
+    last = rewards.parse_number(numbers[-1].replace("$", "")) if numbers else None
+    return last is not None and last == rewards.parse_number(gold)
+
+
 def score(completion: str, gold: str) -> dict[str, bool]:
     """correct: the training reward's check; flexible: that, or (no answer tag) the last number equals gold."""
     strict = rewards.gsm8k_correctness_reward([completion], [gold])[0] > 0
-    tagged = rewards.extract_answer_tag(completion)
-    numbers = _LAST_NUMBER.findall(completion)
-    last = rewards.parse_number(numbers[-1].replace("$", "")) if numbers else None
-    flexible = strict or (tagged is None and last is not None and last == rewards.parse_number(gold))
-    return {"correct": strict, "flexible": flexible}
+    untagged = rewards.extract_answer_tag(completion) is None
+    return {"correct": strict, "flexible": strict or (untagged and _last_number_is(completion, gold))}
+
+
+def score_hash(completion: str, gold: str) -> dict[str, bool]:
+    """gsm8k_hash: correct when the gsm8k_hash reward pays ("#### N" equals gold); flexible: that, or (no "####")
+    the last number equals gold."""
+    strict = rewards.gsm8k_hash_reward([completion], [gold])[0] > 0
+    return {"correct": strict, "flexible": strict or ("####" not in completion and _last_number_is(completion, gold))}
 
 
 def _arithmetic(limit: int | None):
@@ -48,7 +60,10 @@ BENCHMARK = common.Benchmark(
     datasets={"gsm8k": ("openai/gsm8k", "main", "test")},
     columns=(("question",), "answer"),
     gold=rewards.gsm8k_gold,
-    score=score,
+    formats={
+        "think_answer": common.PromptFormat(data.think_answer_prompt, score),
+        "gsm8k_hash": common.PromptFormat(data.gsm8k_hash_prompt, score_hash),
+    },
     default_data="gsm8k",
     default_split="test",
     builtin={"arithmetic": _arithmetic},

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from eval import common
-from qerl import cli, rewards
+from qerl import cli, data, rewards
 
 
 def score(completion: str, gold: str) -> dict[str, bool]:
@@ -31,7 +31,7 @@ BENCHMARK = common.Benchmark(
     },
     columns=(("problem", "question"), "answer"),
     gold=str,
-    score=score,
+    formats={"think_answer": common.PromptFormat(data.think_answer_prompt, score)},
     default_data="math500",
 )
 

@@ -6,6 +6,8 @@ Named datasets use the QeRL reference's hub ids and prompt formats (NVlabs/QeRL 
                sending the bare question to rewards that pay only for the tags: a bug not reproduced here.
   gsm8k_hash   the same rows as the reference's first commit (1bf4803, paper time) posed them: its "####"
                instruction appended to the question, "#### N" scored (1.0) plus a <think> block (0.2)
+  gsm8k_lenient the gsm8k_hash prompt, scored for models too small to follow it: the final answer ("#### N", else
+               the last number) 1.0, "#### N" stated 0.2, a <think> block 0.2
   bigmath      open-r1/Big-Math-RL-Verified-Processed (level_3_4_5), the processed release of
                SynthLabsAI/Big-Math-RL-Verified; think/answer system prompt; prompts <= 1024 characters
   bigmath_hard the same, level_4_5
@@ -52,6 +54,7 @@ class HubSource:
 HUB_DATASETS = {
     "gsm8k": HubSource("openai/gsm8k", "main", "gsm8k"),
     "gsm8k_hash": HubSource("openai/gsm8k", "main", "gsm8k_hash"),
+    "gsm8k_lenient": HubSource("openai/gsm8k", "main", "gsm8k_lenient"),
     "bigmath": HubSource("open-r1/Big-Math-RL-Verified-Processed", "level_3_4_5", "bigmath"),
     "bigmath_hard": HubSource("open-r1/Big-Math-RL-Verified-Processed", "level_4_5", "bigmath"),
     "dapomath": HubSource("open-r1/DAPO-Math-17k-Processed", "en", "dapomath"),
@@ -63,6 +66,7 @@ KNOWN_DATASETS = (*HUB_DATASETS, *BUILTIN_DATASETS)
 FORMAT_COLUMNS = {
     "gsm8k": ("question", "answer"),
     "gsm8k_hash": ("question", "answer"),  # never auto-detected: gsm8k comes first
+    "gsm8k_lenient": ("question", "answer"),
     "dapomath": ("source_prompt", "solution"),
     "bigmath": ("prompt", "solution"),
     "arithmetic": ("prompt", "answer"),
@@ -85,6 +89,8 @@ def reward_funcs_for(fmt: str) -> list[Callable]:
         return [rewards.think_answer_format_reward, rewards.gsm8k_correctness_reward]
     if fmt == "gsm8k_hash":
         return [rewards.gsm8k_hash_reward, rewards.think_reward]
+    if fmt == "gsm8k_lenient":
+        return [rewards.gsm8k_final_answer_reward, rewards.hash_format_reward, rewards.think_reward]
     if fmt == "bigmath":
         return [rewards.think_answer_format_reward, rewards.math_verify_accuracy_reward]
     if fmt == "dapomath":
@@ -98,19 +104,26 @@ def reward_funcs_for(fmt: str) -> list[Callable]:
 # Formatting rows into prompts
 
 
+def think_answer_prompt(question: str) -> list[dict]:
+    """The reference's think/answer system prompt, then the question (GSM8K, Big-Math; the evals too)."""
+    return [{"role": "system", "content": THINK_ANSWER_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+
+
+def gsm8k_hash_prompt(question: str) -> list[dict]:
+    """The question with the "####" instruction of the reference's first commit appended, no system prompt."""
+    return [{"role": "user", "content": f"{question} {GSM8K_HASH_INSTRUCTION}"}]
+
+
 def _format_gsm8k(row):
-    prompt = [{"role": "system", "content": THINK_ANSWER_SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}]
-    return {"prompt": prompt, "answer": rewards.gsm8k_gold(row["answer"])}
+    return {"prompt": think_answer_prompt(row["question"]), "answer": rewards.gsm8k_gold(row["answer"])}
 
 
 def _format_gsm8k_hash(row):
-    prompt = [{"role": "user", "content": f"{row['question']} {GSM8K_HASH_INSTRUCTION}"}]
-    return {"prompt": prompt, "answer": rewards.gsm8k_gold(row["answer"])}
+    return {"prompt": gsm8k_hash_prompt(row["question"]), "answer": rewards.gsm8k_gold(row["answer"])}
 
 
 def _format_bigmath(row):
-    prompt = [{"role": "system", "content": THINK_ANSWER_SYSTEM_PROMPT}, {"role": "user", "content": row["prompt"]}]
-    return {"prompt": prompt, "answer": row["solution"]}
+    return {"prompt": think_answer_prompt(row["prompt"]), "answer": row["solution"]}
 
 
 def _format_dapomath(row):
@@ -127,6 +140,7 @@ def _format_arithmetic(row):
 _FORMATTERS = {
     "gsm8k": _format_gsm8k,
     "gsm8k_hash": _format_gsm8k_hash,
+    "gsm8k_lenient": _format_gsm8k_hash,  # the same prompt; only the rewards differ
     "bigmath": _format_bigmath,
     "dapomath": _format_dapomath,
     "arithmetic": _format_arithmetic,

@@ -13,7 +13,7 @@ def read_metrics(path: str) -> list[dict]:
     return sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])
 
 
-def _smooth(values: list[float], window: int) -> list[float]:
+def smooth(values: list[float], window: int) -> list[float]:
     out, total = [], 0.0
     for i, v in enumerate(values):
         total += v
@@ -47,7 +47,7 @@ def plot_metrics(metrics_path: str, png_path: str, title: str | None = None) -> 
             ax.step(xs, ys, where="post", color="tab:purple")
         else:
             ax.plot(xs, ys, alpha=0.3, color="tab:blue" if key == "reward" else "tab:green")
-            ax.plot(xs, _smooth(list(ys), window), color="tab:blue" if key == "reward" else "tab:green",
+            ax.plot(xs, smooth(list(ys), window), color="tab:blue" if key == "reward" else "tab:green",
                     label=f"moving mean ({window} steps)")  # fmt: skip
             ax.legend(loc="best", fontsize=8)
         ax.set_ylabel(label)

@@ -3,6 +3,8 @@
 The shapes follow the QeRL reference (NVlabs/QeRL utils/rewards.py):
   gsm8k       format 0.2 (<think>...</think> <answer>...</answer>) + correctness 2.0
   gsm8k_hash  the reference's first commit: "#### N" 1.0 + a <think> block 0.2
+  gsm8k_lenient  the gsm8k_hash prompt for small models: the final answer ("#### N", else the last number) 1.0
+              + "#### N" stated 0.2 + a <think> block 0.2
   bigmath     format 0.2 + math-verify accuracy 1.0 on the boxed answer (None when the gold does not parse)
   dapomath    DAPO's "Answer: ..." score, 1.0 / 0.0 after Minerva-style normalisation
 with one deliberate fix: a GSM8K answer is compared as a number ("x = 18", "18 km/h", "$1,800", "\\(18\\)", a
@@ -143,6 +145,33 @@ def gsm8k_hash_reward(completions, answer, **kwargs) -> list[float]:
         found = _HASH_ANSWER.findall(completion_text(completion))
         rewards.append(GSM8K_HASH_REWARD if found and answers_equal(found[-1], gold) else 0.0)
     return rewards
+
+
+_NUMBER = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?")
+_HASH_NUMBER = re.compile(r"####[ \t]*[-+]?\$?\d")
+
+
+def final_answer(text: str) -> str | None:
+    """What a GSM8K completion gives as its answer, leniently: the text after the last "####" if it has one, else
+    its last number (a small model's "The answer is: 18" or "... = 18 apples.")."""
+    found = _HASH_ANSWER.findall(text)
+    if found:
+        return found[-1]
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace("$", "") if numbers else None
+
+
+def gsm8k_final_answer_reward(completions, answer, **kwargs) -> list[float]:
+    """gsm8k_lenient: 1.0 when final_answer equals the gold answer (answers_equal), else 0.0."""
+    return [
+        GSM8K_HASH_REWARD if answers_equal(final_answer(completion_text(c)), gold) else 0.0
+        for c, gold in zip(completions, answer, strict=True)
+    ]
+
+
+def hash_format_reward(completions, **kwargs) -> list[float]:
+    """0.2 when the completion states a number after "####", the format the gsm8k_hash instruction asks for."""
+    return [FORMAT_REWARD if _HASH_NUMBER.search(completion_text(c)) else 0.0 for c in completions]
 
 
 def think_reward(completions, **kwargs) -> list[float]:

@@ -153,6 +153,7 @@ def test_eval_on_vllm_pushes_the_saved_adapter_and_samples_with_the_protocol(tra
     """eval's vLLM path: the saved adapter's LoRA and trained norms reach the engine as in training, prompts are
     the chat-templated ids, the protocol's sampling settings and the checkpoint's stop tokens go to vLLM."""
     from eval.common import PROTOCOLS, ModelSpec, Sampling, vllm_generate
+    from qerl.data import think_answer_prompt
 
     adapter = tmp_path / "adapter"
     trainer.save_model(str(adapter))
@@ -171,7 +172,7 @@ def test_eval_on_vllm_pushes_the_saved_adapter_and_samples_with_the_protocol(tra
             return [(tokenizer.encode("42") + [tokenizer.eos_token_id], []) for _ in prompt_ids]
 
     protocol = PROTOCOLS["reference"]
-    prompts = [[{"role": "system", "content": protocol.system_prompt}, {"role": "user", "content": "6*7?"}]]
+    prompts = [think_answer_prompt("6*7?")]
     sampling = Sampling(protocol.do_sample, protocol.temperature, protocol.top_p, 12, seed=5)
     spec = ModelSpec(model_path, "auto", str(adapter), "cuda")
     assert vllm_generate(spec, prompts, sampling, 1, engine_factory=Engine) == ["42"]

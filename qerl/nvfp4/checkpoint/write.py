@@ -90,8 +90,10 @@ class AtomicOutputDir:
     a folder with other contents. Hidden work folders of killed runs (their process is gone) are removed, saying so.
     """
 
-    def __init__(self, output: str | os.PathLike, overwrite: bool, source: str | os.PathLike | None = None):
+    def __init__(self, output: str | os.PathLike, overwrite: bool, source: str | os.PathLike | None = None,
+                 writer: str = "quantize_nvfp4.py / qerl.nvfp4.checkpoint"):
         self.final = Path(output).resolve()
+        self.writer = writer
         # The input as named and as resolved: a folder holding a link to the model holds the model too.
         for src in {Path(os.path.abspath(source)), Path(source).resolve()} if source is not None else ():
             if self.final == src or self.final in src.parents:
@@ -135,7 +137,7 @@ class AtomicOutputDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
-        (self.tmp / WRITTEN_MARKER).write_text("written by qerl (quantize_nvfp4.py / qerl.nvfp4.checkpoint)\n")
+        (self.tmp / WRITTEN_MARKER).write_text(f"written by qerl ({self.writer})\n")
         if self.final.exists():  # the old output goes only once the new one is in place
             old = self._sibling("old", os.getpid())
             os.rename(self.final, old)
