@@ -37,11 +37,7 @@ class NativeRollout(RolloutBackend):
         self.engine = None
         self._policy_id = None
         with setup.open_policy() as policy:  # a model the engine cannot run is refused now, not at the first round
-            try:
-                self._engine_for(policy)
-            except Unsupported as err:
-                base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-                raise Unsupported(f"the native engine cannot run {type(base).__name__}: {err}") from None
+            self._engine_for(policy)
 
     def _engine_for(self, policy):
         from qerl.rollout.native.engine import NativeEngine

@@ -204,6 +204,13 @@ class Decoder:
     """Forward of the policy's decoder on rows (sequence index, position, token) against a KV cache."""
 
     def __init__(self, policy: nn.Module):
+        try:
+            self._build(policy)
+        except Unsupported as err:  # named by architecture for whoever builds the engine (training, eval)
+            model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+            raise Unsupported(f"the native engine cannot run {type(model).__name__}: {err}") from None
+
+    def _build(self, policy: nn.Module):
         model = _causal_lm(policy)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None)
