@@ -154,7 +154,7 @@ def test_resume_continues_exactly(checkpoints, tmp_path, monkeypatch):
 
 def test_cli_bad_input(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    with pytest.raises(UsageError, match="known datasets are gsm8k, gsm8k_hash, bigmath"):
+    with pytest.raises(UsageError, match="known datasets are gsm8k, gsm8k_hash, gsm8k_lenient, bigmath"):
         _run(nvfp4_dir, str(tmp_path / "x"), 1, "--dataset", "gsm9k")
     with pytest.raises(UsageError, match="num_generations to a divisor of 8"):
         _run(nvfp4_dir, str(tmp_path / "x"), 1, "--num-generations", "3")
