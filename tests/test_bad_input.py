@@ -97,6 +97,10 @@ def world(tmp_path_factory):
         (root / name / "config.json").write_text(json.dumps(config))
     save_lora(build_tiny(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1)[0], root / "other_base")
     save_lora(build_tiny()[0], root / "run_r4" / "checkpoint-1")
+    shutil.copytree(root / "ck" / "nvfp4", root / "eos_elsewhere")  # its configs end turns at <|system|> (id 3)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((root / "eos_elsewhere" / name).read_text())
+        (root / "eos_elsewhere" / name).write_text(json.dumps({**config, "eos_token_id": 3}))
     (root / "run_r4" / "checkpoint-1" / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
     return root
 
@@ -205,9 +209,10 @@ def test_bad_input_is_one_line_and_changes_nothing(world, monkeypatch, capsys, t
     assert snapshot(world) == before
 
 
-def test_each_cli_as_a_process(world):
+def test_each_cli_as_a_process(world, tmp_path):
     """Trials through real processes, each class of bad input at least once: exit code 2, one line naming the
-    culprit, no traceback, nothing touched. The processes run side by side (most of their time is imports)."""
+    culprit, no traceback, nothing touched; and a tokenizer whose EOS the generation config lacks, which an eval
+    runs with, warning. The processes run side by side (most of their time is imports)."""
     lock = RunLock(world / "busy")  # another run, in progress: this process
     lock.acquire()
     before = snapshot(world)
@@ -225,14 +230,19 @@ def test_each_cli_as_a_process(world):
         (["-m", "eval.gsm8k", *E, "--adapter", "other_base"], "eval.gsm8k", "down_proj is [64, 128] (out, in)"),
         (["-m", "eval.math", *E[:2], "--limit", "0"], "eval.math", "--limit"),
     ]  # fmt: skip
+    warned = ["-m", "eval.gsm8k", "--model", "eos_elsewhere", "--data", "arithmetic", "--limit", "1", "--protocol",
+              "greedy", "--max-new-tokens", "1", "--device", "cpu", "--out", str(tmp_path / "eos.jsonl")]  # fmt: skip
     try:
         with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-            results = list(pool.map(lambda trial: run_process(trial[0], world), trials))
+            *results, eos = pool.map(lambda args: run_process(args, world), [t[0] for t in trials] + [warned])
         for (_, prog, *culprit), result in zip(trials, results, strict=True):
             assert_one_line_error(result.returncode, result.stderr, prog, *culprit)
         assert snapshot(world) == before
     finally:
         lock.release()
+    assert eos.returncode == 0, eos.stderr
+    assert "the tokenizer's EOS '<|end|>' (id 2) is not among the generation config's EOS ids: '<|system|>' (id 3)" \
+        in eos.stderr
 
 
 def test_a_backend_that_cannot_run_the_model_is_named_with_the_one_auto_would_use(tmp_path, monkeypatch, capsys):
