@@ -14,8 +14,9 @@ reports, per run:
   step split          rollout, of which `refresh` (the native engine taking the round's LoRA and norms: the gather of
                       FSDP2's shards or ZeRO-3's partitions happens there), log-prob and loss forwards, backward
                       (ZeRO: with DeepSpeed's optimizer step), other (rewards, optimizer, logging)
-  comm                GPU time of the NCCL kernels of the last step (all-reduce, all-gather, reduce-scatter; they
-                      can overlap compute), from torch.profiler (on CPU: the gloo collectives' time)
+  comm                GPU time of the NCCL kernels in the last step after its rollout (the forwards' all-gathers,
+                      the backward's all-reduce or reduce-scatter; they can overlap compute), from torch.profiler (on
+                      CPU: the gloo collectives' time); the rollout's own gathers are in `refresh`
   peak GiB            torch's peak allocation, the largest of the ranks (every rank's is in the JSON)
   adapters equal      a hash of every trainable tensor, whole (FSDP2 all-gathers, ZeRO-3 gathers), equal on all ranks
   prompts differ      in every generation round, each rank sampled another prompt
@@ -90,24 +91,31 @@ def _steps_callback(timer, profile_last: bool):
     from benchmarks.step import StepClock
 
     class Steps(StepClock):
-        """Per optimizer step: wall time, each phase's time inside it, and (last step) the collectives' time."""
+        """Per optimizer step: wall time and each phase's time inside it; in the last step, the collectives' time
+        from the end of its rollout on (the profiler stays out of the engine's CUDA-graph captures)."""
 
         def __init__(self):
             super().__init__()
             self.phases: list[dict[str, float]] = []
             self.comm = None
+            self._profile_next = False
             self._profiler = None
 
         def on_step_begin(self, args, state, control, **kwargs):
-            if profile_last and state.global_step == state.max_steps - 1:
-                import torch
-                from torch.profiler import ProfilerActivity, profile
-
-                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-                self._profiler = profile(activities=activities)
-                self._profiler.__enter__()
+            self._profile_next = profile_last and state.global_step == state.max_steps - 1
             self._before = dict(timer.total)
             super().on_step_begin(args, state, control, **kwargs)
+
+        def rollout_done(self):
+            if not self._profile_next:
+                return
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile_next = False
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._profiler = profile(activities=activities)
+            self._profiler.__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
             super().on_step_end(args, state, control, **kwargs)
@@ -129,22 +137,24 @@ def worker(args) -> None:
 
     trainer = train.build_trainer(*train.parse_args(_worker_flags(args)))
     backend = trainer.rollout
+    timer = PhaseTimer()
+    steps = _steps_callback(timer, profile_last=not args.no_profile and args.steps >= 3)
+    trainer.add_callback(steps)
     rounds: list[str] = []  # per generation round, a hash of the prompts this rank sampled
+    timer.wrap(backend, "generate", "rollout")
     generate = backend.generate
 
     def recording(prompt_ids, perturb):
         rounds.append(hashlib.sha256(repr(sorted({tuple(p) for p in prompt_ids})).encode()).hexdigest()[:16])
-        return generate(prompt_ids, perturb)
+        output = generate(prompt_ids, perturb)
+        steps.rollout_done()
+        return output
 
     backend.generate = recording
-    timer = PhaseTimer()
-    timer.wrap(backend, "generate", "rollout")
     if backend.name == "native":
         timer.wrap(backend.engine.decoder, "refresh", "refresh")
     timer.wrap(trainer, "_get_per_token_logps_and_entropies", "log-prob forwards")
     timer.wrap(trainer.accelerator, "backward", "backward")
-    steps = _steps_callback(timer, profile_last=not args.no_profile and args.steps >= 3)
-    trainer.add_callback(steps)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
