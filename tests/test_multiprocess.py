@@ -180,6 +180,12 @@ FSDP2_HARNESS = textwrap.dedent("""
                                         is_main_process=state.is_main_process, device=torch.device("cpu"))
     model = fsdp2_prepare_model(accelerator, model)
     result = {"sharded": [n for n, p in model.named_parameters() if sharding.is_sharded(p)]}
+    # A forward without gradients leaves accelerate's tail unit (final norm, LM head) whole: the trainer reshards
+    # before and after each rollout, so that AQN and the engine meet the shards every forward all-gathers.
+    with torch.no_grad():
+        model(input_ids=torch.tensor([prompts[1]]))
+    final = model.base_model.model.model.norm
+    result["tail"] = (sharding.is_sharded(final.weight), sharding.reshard(model) or sharding.is_sharded(final.weight))
 
     # AQN on the sharded norm scales: the same noise as one process draws, restored bit for bit.
     sites, reference_sites = norms.find_norms(model), norms.find_norms(reference)
@@ -237,3 +243,4 @@ def test_fsdp2_shards_aqn_and_native_engine(checkpoints, tmp_path):
         sharded, reference = r["samples"]
         assert sharded == reference and len(sharded) == 2
         assert r["released"] and r["tracks_training"]
+        assert r["tail"] == (False, True)
