@@ -3,6 +3,7 @@
     python -m benchmarks.multi_gpu                                         # random-init Qwen2.5-7B NVFP4 (built once)
     python -m benchmarks.multi_gpu --model /models/SmolLM2-135M-Instruct --configs ddp,zero2 --gpus 1,2
     python -m benchmarks.multi_gpu --dry-run                               # CPU, gloo, the tiny model: the wiring
+    python -m benchmarks.multi_gpu --size tiny --steps 3 --new-tokens 16   # GPU, the tiny model: does each config run
 
 For each accelerate config (configs/accelerate/<name>.yaml) and process count: one `accelerate launch` of this
 module's worker, which runs the real trainer (qerl.train.build_trainer on the recipe of the checkpoint's precision,
@@ -276,10 +277,10 @@ def launch(args, config: str, gpus: int, nodes: int = 1) -> dict:
 
 
 def build_model(args) -> str:
-    """A checkpoint folder for --dry-run (the tiny NVFP4 model) or the random-init --size NVFP4 model, written once
-    under --workdir by a child process (the driver keeps no GPU memory)."""
+    """The tests' tiny NVFP4 model (--dry-run, --size tiny) or the random-init Qwen2.5 --size NVFP4 model, written
+    once under --workdir by a child process (the driver keeps no GPU memory)."""
     workdir = Path(args.workdir)
-    if args.dry_run:
+    if args.dry_run or args.size == "tiny":
         tiny = str(workdir / "tiny")
         code = f"from qerl.tiny import save_tiny_checkpoints; print(save_tiny_checkpoints({tiny!r})[1])"
     else:
@@ -319,7 +320,9 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint folder (NVFP4 or BF16); default: random-init --size")
-    parser.add_argument("--size", default="7b", help="Qwen2.5 shapes of the random-init NVFP4 model (3b, 7b, 14b, 32b)")
+    parser.add_argument("--size", default="7b",
+                        help="Qwen2.5 shapes of the random-init NVFP4 model (3b, 7b, 14b, 32b), or tiny (the tests' "
+                        "model: a quick check that every config runs)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="accelerate configs (configs/accelerate/*.yaml)")
     parser.add_argument("--gpus", default="1,2", help="process counts to run each config with")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (first and last not timed)")
