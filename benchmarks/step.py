@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from benchmarks.rollout import QWEN25, build, max_new_tokens, padded_tokenizer
 from qerl import train
@@ -52,6 +53,12 @@ def checkpoint(size: str, precision: str, workdir: Path) -> str:
     return str(folder)
 
 
+def synchronize() -> None:
+    """Wait for the GPU (timings end when its work does); nothing to wait for on a CPU run."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class PhaseTimer:
     """Adds up the wall time of wrapped calls per phase (CUDA-synchronized), and splits it per optimizer step."""
 
@@ -70,17 +77,36 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, phase: str):
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
-            torch.cuda.synchronize()
+            synchronize()
             self.total[phase] += time.perf_counter() - start
             self.peak_gpu_gib = max(self.peak_gpu_gib, gpu_used_gib())
 
 
+class StepClock(TrainerCallback):
+    """The wall time of each optimizer step (CUDA-synchronized)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.start = 0.0
+
+    def on_step_begin(self, *args, **kwargs):
+        synchronize()
+        self.start = time.perf_counter()
+
+    def on_step_end(self, *args, **kwargs):
+        synchronize()
+        self.times.append(time.perf_counter() - self.start)
+
+
 def gpu_used_gib() -> float:
+    """This process's GPU's memory in use at the driver (0 without a GPU)."""
+    if not torch.cuda.is_available():
+        return 0.0
     free, total = torch.cuda.mem_get_info()
     return (total - free) / 2**30
 
@@ -157,20 +183,9 @@ def main(argv=None) -> None:
         timer.wrap(backend.engine, "generate", "sampling")
     timer.wrap(trainer, "_get_per_token_logps_and_entropies", "log-prob forwards")
     timer.wrap(trainer.accelerator, "backward", "backward")
-    step_times = []
-
-    from transformers import TrainerCallback
-
-    class StepClock(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            torch.cuda.synchronize()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - self.start)
-
-    trainer.add_callback(StepClock())
+    clock = StepClock()
+    step_times = clock.times
+    trainer.add_callback(clock)
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     phases = {k: v / len(step_times) for k, v in timer.total.items()}

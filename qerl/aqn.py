@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from qerl.norms import FP32Compute, NormSites, computes_in_fp32, find_norms
+from qerl.sharding import is_sharded, local_part
 
 # ----------------------------------------------------------------------------------------------------------
 # Schedule
@@ -87,6 +88,10 @@ def noisy_norms(
     graphs do, see the noise); a BF16 scale under the fp32 rule gets a perturbed FP32 Parameter for the duration,
     and the original Parameter object back on exit. Either way the clean scales come back bit for bit:
     subtracting the noise would not undo the rounding.
+    A scale that FSDP2 shards (a DTensor) is perturbed in place on the shard this rank holds, with that shard's
+    part of the same whole-tensor draw, so that FSDP's all-gather hands every rank the noisy scale one process
+    would have; it cannot be swapped for an FP32 copy (FSDP gathers its own parameter), so a BF16 shard takes the
+    bf16 rule, and the statistics count this rank's shard.
     With the fp32 rule and `fp32_compute`, the perturbed norms also run in FP32 (FP32Compute) so that the noise
     survives until their output is rounded once; engines whose norms take an FP32 scale themselves (or whose
     forward runs in CUDA graphs, where hooks do not run) pass False. Yields NoiseStats.
@@ -106,11 +111,15 @@ def noisy_norms(
             for module in norms.values():
                 weight = module.weight
                 noise = torch.randn(weight.shape, generator=generator, dtype=torch.float32) * sigma
-                noise = noise.to(device=weight.device, dtype=dtype)
-                clean = weight.detach().to(dtype)
+                sharded = is_sharded(weight)
+                if sharded:  # in place on this rank's shard, in its dtype when FP32 cannot hold the rule's
+                    noise, weight = local_part(noise, weight), weight.to_local()
+                rule = weight.dtype if sharded and weight.dtype != torch.float32 else dtype
+                noise = noise.to(device=weight.device, dtype=rule)
+                clean = weight.detach().to(rule)
                 noisy = clean + noise
                 changed += int((noisy != clean).sum())
-                if weight.dtype in (dtype, torch.float32):  # FP32 holds every BF16 value
+                if weight.dtype in (rule, torch.float32):  # FP32 holds every BF16 value
                     saved = weight.detach().clone()
                     undo.append(lambda weight=weight, saved=saved: weight.copy_(saved))
                     weight.copy_(noisy)
@@ -118,7 +127,7 @@ def noisy_norms(
                     undo.append(lambda module=module, weight=weight: module._parameters.__setitem__("weight", weight))
                     module._parameters["weight"] = nn.Parameter(noisy, requires_grad=False)
                 stats.num_elements += weight.numel()
-                if dtype_rule == "fp32" and fp32_compute and not computes_in_fp32(module):
+                if dtype_rule == "fp32" and fp32_compute and not sharded and not computes_in_fp32(module):
                     undo.append(FP32Compute(module).remove)
         stats.num_norms = len(norms)
         stats.changed_fraction = changed / max(stats.num_elements, 1)

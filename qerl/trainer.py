@@ -23,9 +23,8 @@ from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_context
-from trl.models.utils import disable_gradient_checkpointing
 
-from qerl import aqn, cli, norms, policy, rollout
+from qerl import aqn, cli, norms, policy, rollout, sharding
 from qerl.nvfp4.linear import NVFP4Linear
 
 logger = logging.getLogger(__name__)
@@ -137,6 +136,25 @@ class QeRLConfig(GRPOConfig):
             if fix is None:
                 raise
             raise ValueError(f"{err} {fix}") from err
+        self._check_distributed()
+
+    def _check_distributed(self):
+        """Refuse, before any model loads, the multi-GPU set-ups QeRL cannot run. `accelerate launch` hands its
+        config to the processes as environment variables; TrainingArguments reads the DeepSpeed ones into
+        deepspeed_plugin, not the FSDP ones."""
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true") and os.environ.get(
+            "FSDP_VERSION", "1"
+        ) != "2":
+            raise ValueError(
+                "FSDP version 1 is not supported: AQN and the rollout engines read and perturb parameters outside "
+                "the forward, which FSDP1 keeps flattened; use fsdp_version: 2 (configs/accelerate/fsdp.yaml)"
+            )
+        plugin = self.deepspeed_plugin
+        if plugin is not None and plugin.zero_stage == 3 and not self.ds3_gather_for_generation:
+            raise ValueError(
+                "ds3_gather_for_generation false is not supported: QeRL's rollouts and AQN work on the policy's whole "
+                "parameters, which ZeRO-3 holds only while TRL gathers them for generation"
+            )
 
 
 class JsonlMetrics(TrainerCallback):
@@ -230,8 +248,8 @@ class QeRLTrainer(GRPOTrainer):
                 args.trainable_norms,
             )
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, peft_config=peft_config, **kwargs)
-        # ZeRO keeps FP32 masters of its own (and gathers parameters of one dtype); FSDP flattens parameters of
-        # one dtype per unit: there the sharding's mixed precision decides.
+        # ZeRO keeps FP32 masters of its own (and gathers parameters of one dtype); accelerate's FSDP2 upcasts the
+        # trainable parameters to FP32 masters itself and all-gathers them in its mixed precision's dtype.
         if args.deepspeed_plugin is None and not self.is_fsdp_enabled:
             policy.keep_fp32_masters(self.model)
 
@@ -308,10 +326,9 @@ class QeRLTrainer(GRPOTrainer):
     #       that correction (the old_per_token_logps forward, the ratio, its loss factor, the sampling/* metrics),
     #       in _generate_single_turn (overridden) and on the tools / rollout_func paths (refused in __init__).
     #   _metrics[mode][name]: the lists TRL averages and logs; aqn/* and sampling/* values go there.
-    #   _dist.summon_full_params(model, recurse=False): TRL's switch that gives FSDP's generate() full parameters.
     #   _tokenizer, eos_token_ids, pad_to_multiple_of, generation_config: the rollout's settings, as TRL made them.
     #   _tag_names, _name: the model card's tags and trainer name.
-    # TRL's helpers: profiling_context, disable_gradient_checkpointing, unwrap_model_for_generation.
+    # TRL's helpers: profiling_context, unwrap_model_for_generation.
     # Copied: the sampling/* metric names and formulas (_log_rollout_mismatch), from TRL's correction block,
     #   so that the rollout/training mismatch is logged under TRL's names with the correction off too.
     # transformers' Trainer (TRL's base class):
@@ -366,29 +383,37 @@ class QeRLTrainer(GRPOTrainer):
                 # The fp32 noise rule needs FP32 scales in the engine's norms, or small noise rounds away.
                 "fp32_norms": args.aqn_dtype == "fp32",
                 "kv_cache_gib": args.rollout_kv_cache_gib,
-                # ZeRO-3 / FSDP shard the parameters: an engine that reads the policy's own tensors cannot.
-                "sharded": args.deepspeed_plugin is not None or self.is_fsdp_enabled,
+                # FSDP2 / ZeRO-3 shard the parameters: an engine that reads the policy's own tensors gathers them.
+                "sharding": self._sharding(),
             },
         )
 
+    def _sharding(self) -> str | None:
+        """How the run shards the policy's parameters: "fsdp2", "zero3", or None (one process, DDP, ZeRO-1/2: whole
+        on every rank). FSDP1 and ZeRO-3 without the gather for generation are refused by QeRLConfig."""
+        if self.is_fsdp_enabled:
+            return "fsdp2"
+        plugin = self.args.deepspeed_plugin
+        return "zero3" if plugin is not None and plugin.zero_stage == 3 else None
+
     @contextlib.contextmanager
     def _open_policy(self):
-        """The policy as one plain module: unwrapped from DDP, ZeRO-3 parameters gathered, FSDP summoned."""
+        """The policy as one module to sample from: unwrapped from DDP, ZeRO-3 parameters gathered (TRL's
+        unwrap), FSDP2 units resharded on the way in and out (sharding.reshard), so that AQN and the engines read
+        and perturb the shards every forward all-gathers."""
         from trl.models import unwrap_model_for_generation
 
-        # FSDP needs its full parameters for generate(); TRL keeps that switch on a private helper.
-        dist = getattr(self, "_dist", None)
-        summon = dist.summon_full_params(self.model_wrapped, recurse=False) if dist else contextlib.nullcontext()
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as model,
-            summon,
-        ):
-            yield model
+        with unwrap_model_for_generation(
+            self.model_wrapped,
+            self.accelerator,
+            gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+        ) as model:
+            sharding.reshard(model)
+            try:
+                yield model
+            finally:
+                sharding.reshard(model)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if images is not None or multimodal_fields:
@@ -416,19 +441,18 @@ class QeRLTrainer(GRPOTrainer):
     @torch.no_grad()
     def _noisy_logps(self, output) -> torch.Tensor:
         """Log-probs of the sampled tokens in the training forward under the very noise the round sampled with
-        (same seed, same norms in the same order): against the clean ones they give AQN's own movement."""
+        (same seed, same norms in the same order): against the clean ones they give AQN's own movement. The
+        forward runs on the policy as the rollout opens it (ZeRO-3: gathered, where the norms are whole)."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         a = self.args
         generator = torch.Generator().manual_seed(self._noise_seed)
         with (
-            disable_gradient_checkpointing(self.model, a.gradient_checkpointing_kwargs),
-            aqn.noisy_norms(
-                self.model, self.last_noise.sigma, generator, a.aqn_final_norm, self._sites(self.model), a.aqn_dtype
-            ),
+            self._open_policy() as model,
+            aqn.noisy_norms(model, self.last_noise.sigma, generator, a.aqn_final_norm, self._sites(model), a.aqn_dtype),
         ):
             logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, output["completion_ids"].size(1), a.per_device_train_batch_size
+                model, input_ids, attention_mask, output["completion_ids"].size(1), a.per_device_train_batch_size
             )
         return logps
 

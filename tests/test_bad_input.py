@@ -209,6 +209,27 @@ def test_bad_input_is_one_line_and_changes_nothing(world, monkeypatch, capsys, t
     assert snapshot(world) == before
 
 
+@pytest.mark.parametrize("env, argv, culprit", [
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, [], "FSDP version 1 is not supported"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+     ["--ds3-gather-for-generation", "false"], "ds3_gather_for_generation false is not supported"),
+], ids=["fsdp1", "zero3-without-gather"])  # fmt: skip
+def test_unsupported_launch_configs_are_one_line(world, monkeypatch, capsys, env, argv, culprit):
+    """What `accelerate launch` hands the processes (its config as environment variables), refused before loading."""
+    if "ACCELERATE_USE_DEEPSPEED" in env:
+        pytest.importorskip("deepspeed")
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    monkeypatch.chdir(world)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        code = cli.run_cli(MAINS["qerl.train"], "qerl.train", [*T, *argv])
+    finally:
+        unset_hf_deepspeed_config()  # TrainingArguments registers the ZeRO-3 config process-wide
+    assert_one_line_error(code, capsys.readouterr().err, "qerl.train", culprit)
+
+
 def test_each_cli_as_a_process(world, tmp_path):
     """Trials through real processes, each class of bad input at least once: exit code 2, one line naming the
     culprit, no traceback, nothing touched; and a tokenizer whose EOS the generation config lacks, which an eval

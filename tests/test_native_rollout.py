@@ -171,9 +171,6 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     monkeypatch.setattr(rollout, "vllm_available", lambda: False)
     assert rollout.resolve_backend("auto", torch.device("cuda")) == "native"
     assert rollout.resolve_backend("auto", torch.device("cpu")) == "transformers"
-    assert rollout.resolve_backend("auto", torch.device("cuda"), sharded=True) == "transformers"
-    monkeypatch.setattr(rollout, "vllm_available", lambda: True)
-    assert rollout.resolve_backend("auto", torch.device("cuda"), sharded=True) == "vllm"
 
     # A model native refuses (here: Qwen3-style per-head norms): auto goes on to the next engine, a named
     # backend fails with the reason.
@@ -193,6 +190,9 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     with pytest.raises(rollout.Unsupported, match=rf"^rollout_backend native: {reason}.*; rollout_backend auto would "
                        "use transformers$"):  # fmt: skip
         rollout.create_backend("native", setup)
-    setup.options["sharded"] = True
-    with pytest.raises(rollout.Unsupported, match="DeepSpeed/FSDP"):
+    # Under FSDP2 / ZeRO-3 a BF16 base's weights are what is sharded: native refuses, auto takes the next engine.
+    setup.open_policy = lambda: contextlib.nullcontext(build_tiny(num_layers=1)[0])
+    setup.options["sharding"] = "fsdp2"
+    with pytest.raises(rollout.Unsupported, match="BF16 base's weights are sharded"):
         rollout.create_backend("native", setup)
+    assert rollout.create_backend("auto", setup).name == "transformers"

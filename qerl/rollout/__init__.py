@@ -11,8 +11,8 @@ metrics consume) and the noise statistics that `perturb` yielded.
     vllm          a colocated vLLM engine on the same checkpoint: Marlin NVFP4, LoRA pushed from memory
     native        our engine on the policy's own weights: fused steps, per-sequence KV, CUDA-graph decode
     auto          on a CUDA device: native (faster than vllm on NVFP4 at batch 8 and 64, no second copy of the
-                  weights: docs/benchmarks.md), or vllm / transformers where native cannot run the model or where
-                  DeepSpeed/FSDP own the parameters; on CPU: transformers
+                  weights: docs/benchmarks.md), or vllm / transformers where native cannot run the model (which
+                  includes a BF16 base whose weights FSDP2 or ZeRO-3 shard); on CPU: transformers
 """
 
 from __future__ import annotations
@@ -105,13 +105,13 @@ def serving_backend(device: torch.device | None = None) -> str:
     return "vllm" if on_gpu and vllm_available() else "transformers"
 
 
-def resolve_backend(name: str, device: torch.device | None = None, sharded: bool = False) -> str:
+def resolve_backend(name: str, device: torch.device | None = None) -> str:
     """The backend `name` stands for first (see the module docstring for auto)."""
     if name not in CHOICES:
         raise ValueError(f"unknown rollout_backend {name!r}; available: {', '.join(CHOICES)}")
     if name == "auto":
         on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
-        return "native" if on_gpu and not sharded else serving_backend(device)
+        return "native" if on_gpu else serving_backend(device)
     return name
 
 
@@ -121,7 +121,7 @@ def _build(name: str, setup: RolloutSetup) -> RolloutBackend:
 
 
 def create_backend(name: str, setup: RolloutSetup) -> RolloutBackend:
-    choice = resolve_backend(name, setup.device, bool(setup.options.get("sharded")))
+    choice = resolve_backend(name, setup.device)
     try:
         return _build(choice, setup)
     except Unsupported as error:

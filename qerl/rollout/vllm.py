@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
+from qerl.sharding import whole
 
 LORA_ID = 1  # one adapter, re-registered under the same id every round
 _PEFT_PREFIX = "base_model.model."
@@ -40,11 +41,11 @@ _PEFT_PREFIX = "base_model.model."
 
 
 def adapter_tensors(policy: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The policy's adapter, split as `split_adapter_state` does. The tensors are the policy's own (no copy); vLLM
-    copies them."""
+    """The policy's adapter, split as `split_adapter_state` does. The tensors are the policy's own (no copy; FSDP2's
+    shards gathered whole); vLLM copies them."""
     from peft import get_peft_model_state_dict
 
-    return split_adapter_state({name: t.detach() for name, t in get_peft_model_state_dict(policy).items()})
+    return split_adapter_state({name: whole(t.detach()) for name, t in get_peft_model_state_dict(policy).items()})
 
 
 def split_adapter_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

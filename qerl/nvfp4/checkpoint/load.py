@@ -30,11 +30,18 @@ _PACKED_SUFFIX = ".weight_packed"
 
 
 def meta_model(config, dtype: torch.dtype) -> nn.Module:
-    """The architecture with its parameters on the meta device; real (small) buffers such as rotary tables."""
+    """The architecture with its parameters on the meta device; real (small) buffers such as rotary tables.
+
+    Built as transformers builds its own quantized models: on the meta device and outside DeepSpeed's zero.Init,
+    which transformers otherwise enters whenever a ZeRO-3 config is registered (accelerate registers one even with
+    zero3_init_flag false) and which cannot take meta tensors. ZeRO-3 partitions the loaded model's parameters
+    when the trainer prepares it; the packed weights are buffers, which it leaves whole.
+    """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import set_quantized_state
 
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), set_quantized_state():
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 

@@ -8,21 +8,22 @@ weight, the whole decode step in one CUDA graph.
     sampling.py   temperature / top-k / top-p / min-p and the sampled token's log-prob, on the GPU
     engine.py     KV cache sized from the round's lengths (waves when it does not fit), prefill, graph, EOS
 
-Every round: refresh the decoder's LoRA buffers and norm scales from the policy -> AQN noise on those scales ->
-prefill + decode -> clean scales back. Runs on CPU too (eager, PyTorch twins of the kernels), which is how the
-tests check it against the policy's own forward.
+Every round: refresh the decoder's LoRA buffers and norm scales from the policy (gathered whole where FSDP2 or
+ZeRO-3 shard it) -> AQN noise on those scales -> prefill + decode -> clean scales back. Runs on CPU too (eager,
+PyTorch twins of the kernels), which is how the tests check it against the policy's own forward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, Unsupported, truncate_at_eos
+from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
 
 
 class NativeRollout(RolloutBackend):
     """Options (RolloutSetup.options): kv_cache_gib (KV budget per round; default 80% of the free memory),
-    prefill_tokens (rows per prefill chunk), cuda_graphs (default: on CUDA)."""
+    prefill_tokens (rows per prefill chunk), cuda_graphs (default: on CUDA), sharding (FSDP2 / ZeRO-3: the
+    policy's parameters are gathered whole every round, see model.py)."""
 
     name = "native"
 
@@ -30,8 +31,6 @@ class NativeRollout(RolloutBackend):
         from qerl.rollout.native.sampling import Sampler
 
         super().__init__(setup)
-        if setup.options.get("sharded"):
-            raise Unsupported("the native rollout engine reads the policy's own tensors, which DeepSpeed/FSDP shard")
         self.generation_config = setup.generation_config  # max_new_tokens is read every round
         self.sampler = Sampler(setup.generation_config)
         self.engine = None
@@ -46,8 +45,9 @@ class NativeRollout(RolloutBackend):
         if self.engine is None or self._policy_id != id(policy):  # built once: the module tree never changes
             options = self.setup.options
             gib = options.get("kv_cache_gib")
+            decoder = Decoder(policy, gather_each_round=options.get("sharding") is not None)
             self.engine = NativeEngine(
-                Decoder(policy), self.sampler, self.setup.eos_token_ids, self.setup.pad_token_id,
+                decoder, self.sampler, self.setup.eos_token_ids, self.setup.pad_token_id,
                 kv_cache_bytes=None if gib is None else int(gib * 2**30),
                 prefill_tokens=options.get("prefill_tokens") or 8192, cuda_graphs=options.get("cuda_graphs"),
             )  # fmt: skip
@@ -59,8 +59,11 @@ class NativeRollout(RolloutBackend):
         with setup.open_policy() as policy, torch.no_grad():
             engine = self._engine_for(policy)
             engine.decoder.refresh()
-            with perturb(engine.decoder.norms) as noise:
-                ids, logprobs = engine.generate(prompt_ids, int(self.generation_config.max_new_tokens))
+            try:
+                with perturb(engine.decoder.norms) as noise:
+                    ids, logprobs = engine.generate(prompt_ids, int(self.generation_config.max_new_tokens))
+            finally:
+                engine.decoder.release()
         output = truncate_at_eos(ids, logprobs, setup.eos_token_ids)
         output.noise = noise
         return output

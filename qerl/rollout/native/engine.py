@@ -44,7 +44,7 @@ class NativeEngine:
 
     def _kv_bytes_per_sequence(self, capacity: int) -> int:
         d = self.decoder
-        return 2 * len(d.layers) * capacity * d.num_kv_heads * d.head_dim * d.embed.element_size()
+        return 2 * len(d.layers) * capacity * d.num_kv_heads * d.head_dim * d.dtype.itemsize
 
     def wave_size(self, num_prompts: int, capacity: int) -> int:
         """Sequences per wave: all, or as many as the KV budget holds (balanced across waves)."""

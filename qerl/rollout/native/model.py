@@ -17,6 +17,11 @@ What it shares with the policy and what it keeps of its own:
     captured again.
   * Norm scales: FP32 buffers (`norms`, an nn.Module tree the AQN hook perturbs in place), refreshed from the
     policy's norms every round, as the vLLM backend copies them into vLLM's norms.
+  * A sharded policy (FSDP2, or ZeRO-3 inside TRL's gather; `gather_each_round`): the packed NVFP4 weights are
+    buffers, which both leave whole on every rank, so the engine runs on them as on one GPU. Every parameter it
+    reads (LoRA, norms, embedding, LM head, biases) is read from the policy's modules at each `refresh()`, FSDP2's
+    DTensors all-gathered whole (qerl.sharding.whole), and the round's whole copies are dropped at `release()`,
+    so that training keeps FSDP's memory saving. A BF16 base is refused there: its weights are what is sharded.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from qerl.nvfp4 import kernels
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout import Unsupported
 from qerl.rollout.native import ops
+from qerl.sharding import whole
 
 SUPPORTED = "Llama/Qwen2/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, RMSNorms)"
 
@@ -42,8 +48,9 @@ def _base_layer(module: nn.Module) -> nn.Module:
     return getattr(module, "base_layer", module)
 
 
-def _active_lora(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(A [r, K], B [N, r], scaling) of a peft LoRA Linear's active adapter, or None."""
+def _active_lora(module: nn.Module) -> tuple[nn.Module, nn.Module, float] | None:
+    """(A, B, scaling) of a peft LoRA Linear's active adapter, or None: A and B are the Linears whose weights are
+    [r, K] and [N, r] (modules, whose parameters a sharding engine may replace; read their weight when needed)."""
     if not hasattr(module, "lora_A") or getattr(module, "disable_adapters", False):
         return None
     if getattr(module, "merged", False):
@@ -56,7 +63,7 @@ def _active_lora(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] 
     name = active[0]
     if getattr(module, "use_dora", {}).get(name, False):
         raise Unsupported("DoRA adapters are not supported")
-    return module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name])
+    return module.lora_A[name], module.lora_B[name], float(module.scaling[name])
 
 
 def _share_storage(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -76,9 +83,11 @@ class Projection:
     """One GEMM over a group of sibling Linears (q/k/v, gate/up, or one alone) of the frozen base, plus their
     LoRA adapters as two small GEMMs."""
 
-    def __init__(self, modules: list[nn.Module], device: torch.device, dtype: torch.dtype):
+    def __init__(self, modules: list[nn.Module], device: torch.device, dtype: torch.dtype,
+                 gather_each_round: bool = False):
         bases = [_base_layer(m) for m in modules]
         self.modules = modules
+        self.dtype = dtype
         self.nvfp4 = isinstance(bases[0], NVFP4Linear)
         if any(isinstance(b, NVFP4Linear) != self.nvfp4 for b in bases):
             raise Unsupported("a fused group mixes NVFP4 and BF16 layers")
@@ -95,16 +104,20 @@ class Projection:
             self.scale = _share_storage([b.weight_scale for b in bases])
             self.global_scale = scales[0]
             self.counters = kernels.splitk_counters(self.out_features, device)
+        elif gather_each_round:
+            raise Unsupported("the BF16 base's weights are sharded (FSDP2 / ZeRO-3); the engine runs "
+                              "on whole weights, which only an NVFP4 base keeps on every rank (as buffers)")
         else:
             self.weight = _share_storage([b.weight for b in bases])
         self.bias = None
-        if biases[0] is not None:
+        self._bias_owners = bases if biases[0] is not None and gather_each_round else None  # read every round
+        if biases[0] is not None and not gather_each_round:
             self.bias = _share_storage(biases).to(dtype)  # a copy only if the bias is not in the activations' dtype
         loras = [_active_lora(m) for m in modules]
         self.lora_a = self.lora_b = None
         if any(lora is not None for lora in loras):
             # Padded with zeros to a power of two >= 16: the ranks the NVFP4 GEMM's LoRA programs work on.
-            rank = max(16, 1 << (sum(lora[0].shape[0] for lora in loras if lora is not None) - 1).bit_length())
+            rank = max(16, 1 << (sum(lora[0].out_features for lora in loras if lora is not None) - 1).bit_length())
             in_features = bases[0].in_features
             self.lora_a = torch.zeros((rank, in_features), dtype=dtype, device=device)
             self.lora_b = torch.zeros((self.out_features, rank), dtype=dtype, device=device)
@@ -112,19 +125,27 @@ class Projection:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Write the adapters' current values (BF16, scaling folded into B) into the fixed buffers."""
+        """Write the adapters' current values (BF16, scaling folded into B) into the fixed buffers; gather the
+        biases of a sharded policy."""
+        if self._bias_owners is not None:
+            self.bias = torch.cat([whole(b.bias) for b in self._bias_owners]).to(self.dtype)
         if self.lora_a is None:
             return
         r0 = n0 = 0
         for module, lora in zip(self.modules, self._loras, strict=True):
             n = _base_layer(module).out_features
             if lora is not None:
-                a, b, scaling = lora
+                a, b, scaling = whole(lora[0].weight), whole(lora[1].weight), lora[2]
                 r = a.shape[0]
                 self.lora_a[r0 : r0 + r].copy_(a)
                 self.lora_b[n0 : n0 + n, r0 : r0 + r].copy_(b).mul_(scaling)
                 r0 += r
             n0 += n
+
+    def release(self) -> None:
+        """Drop the biases a sharded policy's round gathered."""
+        if self._bias_owners is not None:
+            self.bias = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.nvfp4:
@@ -157,7 +178,7 @@ class NormScales(nn.Module):
     @torch.no_grad()
     def refresh(self) -> None:
         for holder, norm in self.pairs:
-            holder.weight.copy_(norm.weight)
+            holder.weight.copy_(whole(norm.weight))
 
 
 @dataclass
@@ -203,28 +224,30 @@ def _norms_by_layer(policy: nn.Module, num_layers: int) -> tuple[list[dict[str, 
 class Decoder:
     """Forward of the policy's decoder on rows (sequence index, position, token) against a KV cache."""
 
-    def __init__(self, policy: nn.Module):
+    def __init__(self, policy: nn.Module, gather_each_round: bool = False):
         try:
-            self._build(policy)
+            self._build(policy, gather_each_round)
         except Unsupported as err:  # named by architecture for whoever builds the engine (training, eval)
             model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
             raise Unsupported(f"the native engine cannot run {type(model).__name__}: {err}") from None
 
-    def _build(self, policy: nn.Module):
+    def _build(self, policy: nn.Module, gather_each_round: bool):
         model = _causal_lm(policy)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None)
                                                                                   or ()):
             raise Unsupported("sliding-window attention is not supported")
         inner = model.model
-        self.embed = inner.embed_tokens.weight
-        self.dtype = self.embed.dtype
-        device = self.embed.device
+        self.gather_each_round = gather_each_round
+        self._embedding, self._head = inner.embed_tokens, _base_layer(model.lm_head)
+        self.dtype = self._embedding.weight.dtype
+        device = self._embedding.weight.device
         self.device = device
-        head = _base_layer(model.lm_head)
-        if not isinstance(head, nn.Linear) or isinstance(head, NVFP4Linear) or _active_lora(model.lm_head):
+        if not isinstance(self._head, nn.Linear) or isinstance(self._head, NVFP4Linear) or _active_lora(model.lm_head):
             raise Unsupported("the LM head must be a plain Linear (no LoRA, not quantized)")
-        self.lm_head, self.lm_head_bias = head.weight, head.bias
+        self.embed = self.lm_head = self.lm_head_bias = None
+        if not gather_each_round:
+            self._bind_embeddings()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.hidden = config.hidden_size
@@ -243,10 +266,10 @@ class Decoder:
                 raise Unsupported(f"layer {i} MLP is not supported; supported: {SUPPORTED}")
             holders = self.norms.layers[i]
             self.layers.append(Layer(
-                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], device, self.dtype),
-                o=Projection([attn.o_proj], device, self.dtype),
-                gate_up=Projection([mlp.gate_proj, mlp.up_proj], device, self.dtype),
-                down=Projection([mlp.down_proj], device, self.dtype),
+                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], device, self.dtype, gather_each_round),
+                o=Projection([attn.o_proj], device, self.dtype, gather_each_round),
+                gate_up=Projection([mlp.gate_proj, mlp.up_proj], device, self.dtype, gather_each_round),
+                down=Projection([mlp.down_proj], device, self.dtype, gather_each_round),
                 input_norm=holders["input_layernorm"].weight,
                 post_norm=holders["post_attention_layernorm"].weight,
             ))  # fmt: skip
@@ -256,11 +279,27 @@ class Decoder:
         for layer in self.layers:
             yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
 
+    def _bind_embeddings(self) -> None:
+        embed = self._embedding.weight
+        self.embed = whole(embed)
+        self.lm_head = self.embed if self._head.weight is embed else whole(self._head.weight)  # tied: one gather
+        self.lm_head_bias = None if self._head.bias is None else whole(self._head.bias)
+
     def refresh(self) -> None:
-        """The policy's current adapter and norms, before a round."""
+        """The policy's current adapter and norms, before a round (a sharded policy's parameters gathered whole:
+        a collective, which every rank runs in the same order)."""
+        if self.gather_each_round:
+            self._bind_embeddings()
         for projection in self.projections():
             projection.refresh()
         self.norms.refresh()
+
+    def release(self) -> None:
+        """After a round: drop the whole copies that `refresh` gathered from a sharded policy (nothing otherwise)."""
+        if self.gather_each_round:
+            self.embed = self.lm_head = self.lm_head_bias = None
+            for projection in self.projections():
+                projection.release()
 
     @torch.no_grad()
     def ensure_positions(self, length: int) -> None:
