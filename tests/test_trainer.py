@@ -121,9 +121,11 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
         assert torch.isfinite(sampling[mask]).all() and (sampling[mask] <= 0).all()
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert all("sampling/sampling_logp_difference/mean" in h for h in history)
-    # Step 0 samples from the clean policy: rollout and training log-probs agree; noisy steps do not, down to
-    # sigma 1e-4 (measured from the loss's own forward: no extra pass).
-    assert history[0]["sampling/sampling_logp_difference/max"] < 1e-5
+    # Step 0 samples from the clean policy: rollout and training log-probs agree up to the BF16 numerics of
+    # generate()'s KV-cache path, which rounds like the full forward on some CPUs (< 1e-5) and not on others (1.9e-3
+    # on an AMD EPYC without AVX512-BF16); noisy steps differ, down to sigma 1e-4 (measured from the loss's own
+    # forward: no extra pass).
+    assert history[0]["sampling/sampling_logp_difference/max"] < 5e-3
     assert all(h["sampling/sampling_logp_difference/mean"] > 1e-5 for h in history[1:])
     # AQN's own movement of the policy, in the training forward under the round's noise: there at every level.
     assert "aqn/logprob_shift" not in history[0]
