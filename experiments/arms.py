@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,7 @@ RECIPE = REPO / "configs" / "smollm2_gsm8k_hash.yaml"
 # arm -> (base checkpoint precision, AQN on)
 ARMS = {"bf16_lora": ("bf16", False), "nvfp4_lora": ("nvfp4", False), "nvfp4_lora_aqn": ("nvfp4", True)}
 PROTOCOLS = ("greedy", "reference")
+ACCURACIES = ("accuracy", "accuracy_flexible")  # eval.gsm8k's gsm8k_hash format: strict "#### N", and lenient
 _print_lock = threading.Lock()
 
 
@@ -204,7 +206,20 @@ def _mean_spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def _value(row: dict, key: str) -> float:
+    """A logged number; NaN where the step logged none (TRL logs no entropy when every token is masked)."""
+    value = row.get(key)
+    return float("nan") if value is None else float(value)
+
+
+def first_nonfinite_step(rows: list[dict]) -> int | None:
+    """The first step whose gradient norm was not finite: the adapter is NaN from there on."""
+    return next((r["step"] for r in rows if not math.isfinite(_value(r, "grad_norm"))), None)
+
+
 def plot(args, runs: dict[str, list[list[dict]]], png: Path) -> None:
+    """Reward and entropy per step, per arm: mean over seeds (line), min-max (band), a moving average; an x marks
+    the step where a run's gradient first went non-finite."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,50 +230,57 @@ def plot(args, runs: dict[str, list[list[dict]]], png: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(11, 4))
     for ax, (key, label) in zip(axes, panels, strict=True):
         for arm, seeds in runs.items():
-            if not seeds:
-                continue
             steps = min(len(rows) for rows in seeds)
-            curves = [plotting.smooth([r[key] for r in rows[:steps]], window) for rows in seeds]
-            mean = [statistics.fmean(c[i] for c in curves) for i in range(steps)]
-            low = [min(c[i] for c in curves) for i in range(steps)]
-            high = [max(c[i] for c in curves) for i in range(steps)]
+            curves = [plotting.smooth([_value(r, key) for r in rows[:steps]], window) for rows in seeds]
+            columns = [[c[i] for c in curves] for i in range(steps)]
             x = [r["step"] for r in seeds[0][:steps]]
-            (line,) = ax.plot(x, mean, label=f"{arm} ({len(seeds)} seeds)")
-            ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+            (line,) = ax.plot(x, [statistics.fmean(c) for c in columns], label=f"{arm} ({len(seeds)} seeds)")
+            ax.fill_between(x, [min(c) for c in columns], [max(c) for c in columns], color=line.get_color(),
+                            alpha=0.2, linewidth=0)  # fmt: skip
+            for rows in seeds:
+                bad = first_nonfinite_step(rows)
+                if bad is not None and key == "reward":
+                    ax.plot([bad], [0], marker="x", color=line.get_color(), markersize=9, linestyle="none")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{Path(args.model).name}, GSM8K (gsm8k_hash), DAPO: mean over seeds (line), min-max (band), "
-                 f"moving average of {window} steps", fontsize=9)  # fmt: skip
+    fig.suptitle(f"{Path(args.model).name}, GSM8K ({args.format}), DAPO: mean over seeds (line), min-max (band), "
+                 f"moving average of {window} steps; x: first non-finite gradient", fontsize=9)  # fmt: skip
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     plt.close(fig)
 
 
+def _tenth(rows: list[dict], key: str, last: bool = False) -> float:
+    k = max(1, len(rows) // 10)
+    values = [_value(r, key) for r in (rows[-k:] if last else rows[:k])]
+    return statistics.fmean(values)
+
+
 def report(args) -> dict:
+    """report.json, the PNG and a table: per arm the training reward (first and last tenth of steps, mean and sd
+    over seeds), the steps where gradients went non-finite, and GSM8K test accuracy (strict: "#### N" right;
+    flexible: the lenient training criterion) per protocol; the bases without training for reference."""
     names = sorted(p.name for p in args.out.iterdir() if p.is_dir()) if args.out.is_dir() else []
     curves: dict[str, list[list[dict]]] = {}
     table = {}
     for arm in ARMS:
         folders = [args.out / n for n in names if n.startswith(f"{arm}-seed")]
         curves[arm] = [rows for rows in (metrics(f) for f in folders) if rows]
-        table[arm] = {"runs": [f.name for f in folders]}
+        row = table[arm] = {"runs": [f.name for f in folders]}
         if curves[arm]:
-            first = [statistics.fmean(r["reward"] for r in rows[: max(1, len(rows) // 10)]) for rows in curves[arm]]
-            last = [statistics.fmean(r["reward"] for r in rows[-max(1, len(rows) // 10) :]) for rows in curves[arm]]
-            table[arm]["reward_first_tenth"] = _mean_spread(first)
-            table[arm]["reward_last_tenth"] = _mean_spread(last)
-            table[arm]["entropy_first_tenth"] = _mean_spread(
-                [statistics.fmean(r["entropy"] for r in rows[: max(1, len(rows) // 10)]) for rows in curves[arm]])
+            row["reward_first_tenth"] = _mean_spread([_tenth(rows, "reward") for rows in curves[arm]])
+            row["reward_last_tenth"] = _mean_spread([_tenth(rows, "reward", last=True) for rows in curves[arm]])
+            row["entropy_first_tenth"] = _mean_spread([_tenth(rows, "entropy") for rows in curves[arm]])
+            row["first_nonfinite_grad_step"] = [first_nonfinite_step(rows) for rows in curves[arm]]
         for protocol in PROTOCOLS:
             summaries = [s for s in (eval_summary(f, protocol) for f in folders) if s]
             if summaries:
-                table[arm][protocol] = {
-                    "accuracy": _mean_spread([s["accuracy"] for s in summaries]),
-                    "per_seed": [(s["accuracy"], *s["accuracy_ci95"]) for s in summaries],
-                }
+                row[protocol] = {key: _mean_spread([s[key] for s in summaries]) for key in ACCURACIES}
+                row[protocol]["per_seed"] = [{key: (s[key], *s[f"{key}_ci95"]) for key in ACCURACIES}
+                                             for s in summaries]  # fmt: skip
     for precision in ("bf16", "nvfp4"):
         folder = args.out / f"base-{precision}"
         table[f"base-{precision}"] = {p: eval_summary(folder, p) for p in PROTOCOLS}
@@ -267,29 +289,21 @@ def report(args) -> dict:
     if any(curves.values()):
         plot(args, {arm: seeds for arm, seeds in curves.items() if seeds}, args.png)
 
-    print(f"\n{'arm':<16} {'reward first->last tenth (mean ± sd over seeds)':<48} " +
-          " ".join(f"{p + ' accuracy':<28}" for p in PROTOCOLS))  # fmt: skip
+    header = " ".join(f"{p + ' strict / flexible':<30}" for p in PROTOCOLS)
+    print(f"\n{'arm':<16} {'reward first -> last tenth':<28} {'non-finite grad at':<20} {header}")
     for arm in ARMS:
         row = table[arm]
         if "reward_first_tenth" not in row:
             continue
         (f_mean, f_sd), (l_mean, l_sd) = row["reward_first_tenth"], row["reward_last_tenth"]
-        text = f"{f_mean:.3f} ± {f_sd:.3f} -> {l_mean:.3f} ± {l_sd:.3f}"
-        accs = []
-        for p in PROTOCOLS:
-            if p in row:
-                mean, sd = row[p]["accuracy"]
-                accs.append(f"{mean:.1%} ± {sd:.1%} (n={len(row[p]['per_seed'])})")
-            else:
-                accs.append("-")
-        print(f"{arm:<16} {text:<48} " + " ".join(f"{a:<28}" for a in accs))
+        cells = [" / ".join(f"{row[p][key][0]:.2%}" for key in ACCURACIES) if p in row else "-" for p in PROTOCOLS]
+        bad = ",".join("-" if b is None else str(b) for b in row["first_nonfinite_grad_step"])
+        print(f"{arm:<16} {f'{f_mean:.3f}±{f_sd:.3f} -> {l_mean:.3f}±{l_sd:.3f}':<28} {bad:<20} "
+              + " ".join(f"{c:<30}" for c in cells))  # fmt: skip
     for precision in ("bf16", "nvfp4"):
-        cells = []
-        for p in PROTOCOLS:
-            s = table[f"base-{precision}"][p]
-            low, high = s["accuracy_ci95"] if s else (0, 0)
-            cells.append(f"{s['accuracy']:.1%} [{low:.1%}, {high:.1%}]" if s else "-")
-        print(f"{'base ' + precision:<16} {'(no training)':<48} " + " ".join(f"{c:<28}" for c in cells))
+        summaries = table[f"base-{precision}"]
+        cells = [" / ".join(f"{s[key]:.2%}" for key in ACCURACIES) if s else "-" for s in summaries.values()]
+        print(f"{'base ' + precision:<16} {'(no training)':<28} {'':<20} " + " ".join(f"{c:<30}" for c in cells))
     print(f"report: {args.out / 'report.json'}; plot: {args.png}")
     return table
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from qerl import rewards
+from qerl import data, rewards
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TEST = os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
@@ -81,6 +81,23 @@ def test_gsm8k_hash_format():
     assert rewards.gsm8k_hash_reward([_msg("#### 5\nno, wait: #### 18")], ["18"]) == [1.0]  # the last one counts
     assert rewards.gsm8k_hash_reward([_msg("the answer is 18")], ["18"]) == [0.0]
     assert rewards.think_reward([_msg("<think>a\nb</think>#### 1"), _msg("<think></think>"), "x"]) == [0.2, 0, 0]
+
+
+@pytest.mark.parametrize("text, final, hash_format", [
+    ("The answer is: 18", 1.0, 0.0),  # what SmolLM2-135M-Instruct writes
+    ("3 + 15 = 18 apples.", 1.0, 0.0),  # the last number
+    ("#### 18", 1.0, 0.2),
+    ("#### 5\nso in total 18", 0.0, 0.2),  # "####" given: it is the answer, not the later number
+    ("18, or maybe 19", 0.0, 0.0),
+    ("#### eighteen", 0.0, 0.0),  # "####" without a number: no format reward either
+    ("no number at all", 0.0, 0.0),
+    ("$1,800 is the cost... The answer is: $18", 1.0, 0.0),
+])  # fmt: skip
+def test_gsm8k_lenient_rewards(text, final, hash_format):
+    assert rewards.gsm8k_final_answer_reward([_msg(text)], ["18"]) == [final]
+    assert rewards.hash_format_reward([_msg(text)]) == [hash_format]
+    assert [f.__name__ for f in data.reward_funcs_for("gsm8k_lenient")] == [
+        "gsm8k_final_answer_reward", "hash_format_reward", "think_reward"]
 
 
 def test_gsm8k_needs_the_answer_tag_and_format():
