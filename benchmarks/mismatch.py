@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from experiments.arms import RECIPE, REPO, run_logged
 from qerl import plotting
 from qerl.models.fetch import bf16_and_nvfp4
 
-REPO = Path(__file__).resolve().parents[1]
 METRICS = {
     "logp_diff_mean": ("sampling/sampling_logp_difference/mean", statistics.fmean),
     "logp_diff_max": ("sampling/sampling_logp_difference/max", max),
@@ -36,16 +35,15 @@ METRICS = {
 
 def run(args, backend: str, precision: str, model: str) -> dict:
     out = args.out / f"{backend}-{precision}"
-    command = [sys.executable, "-m", "qerl.train", "--config", str(REPO / "configs" / "smollm2_gsm8k_hash.yaml"),
-               "--model-name", model, "--dataset", str(args.data), "--dataset-format", "gsm8k_hash", "--aqn", "false",
+    command = [sys.executable, "-m", "qerl.train", "--config", str(RECIPE), "--model-name", model,
+               "--dataset", str(args.data), "--dataset-format", "gsm8k_hash", "--aqn", "false",
                "--rollout-backend", backend, "--max-steps", str(args.steps), "--seed", str(args.seed),
                "--output-dir", str(out), "--overwrite-output-dir", "true", *args.train_flags]  # fmt: skip
     start = time.time()
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "log.txt", "w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
-    if code != 0:
-        return {"error": f"exit code {code}; log: {out / 'log.txt'}"}
+    try:
+        run_logged(command, out / "log.txt")
+    except RuntimeError as err:
+        return {"error": str(err)}
     rows = plotting.read_metrics(str(out / "metrics.jsonl"))
     result = {name: fold([r[key] for r in rows if key in r]) for name, (key, fold) in METRICS.items()}
     return {**result, "steps": len(rows), "seconds": time.time() - start}

@@ -172,9 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Sampled prompts: rows after the teacher-forced ones, in the training prompt format.
     rows = read_gsm8k(args.data, args.prompts, offset=args.solutions)
-    chat = lambda row: tokenizer.apply_chat_template(data.gsm8k_hash_prompt(row["question"]),  # noqa: E731
-                                                     add_generation_prompt=True)["input_ids"]  # fmt: skip
-    prompt_ids = [chat(row) for row in rows]
+    prompts = [data.gsm8k_hash_prompt(row["question"]) for row in rows]
+    prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True)["input_ids"] for p in prompts]
     answers = [rewards.gsm8k_gold(row["answer"]) for row in rows]
     runs = [("bf16", 0.0), ("nvfp4", 0.0)] + ([("nvfp4", args.aqn_sigma)] if args.aqn_sigma > 0 else [])
     policies = {}

@@ -1,7 +1,8 @@
 """The paper's comparison in miniature on a real model: BF16 + LoRA vs NVFP4 + LoRA vs NVFP4 + LoRA + AQN.
 
-    python -m experiments.arms sweep --lrs 1e-5,3e-5,1e-4 --steps 40            (one arm, one seed per rate)
-    python -m experiments.arms train --lr 3e-5 --steps 150 --seeds 0,1,2         (every arm x every seed)
+    python -m experiments.arms probe --temperatures 1.0,0.7                       (the rollout temperature)
+    python -m experiments.arms sweep --temperature 0.7 --lrs 1e-5,3e-5,1e-4,3e-4 --steps 30   (one arm, one seed)
+    python -m experiments.arms train --temperature 0.7 --lr 3e-4 --steps 80 --seeds 0,1,2     (arms x seeds)
     python -m experiments.arms report                                             (table, JSON and PNG)
 
 Each run is `python -m qerl.train` with the recipe configs/smollm2_gsm8k_hash.yaml on the GSM8K train file, then
@@ -10,7 +11,7 @@ the reference protocol), each run in its own process, `--parallel` at a time on 
 of it idle). `train` also evaluates the two bases without an adapter. Runs whose outputs exist are skipped, so
 an interrupted experiment continues where it stopped.
 
-The learning rate is chosen on training reward (the sweep's last-half mean reward), never on the test set.
+The temperature and the learning rate are chosen on training prompts and training reward, never on the test set.
 """
 
 from __future__ import annotations

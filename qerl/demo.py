@@ -193,9 +193,11 @@ def main(argv: list[str] | None = None) -> dict:
                         "a GPU), or vllm (on a GPU; the toy with --hidden-size 128 or more)")  # fmt: skip
     args = parser.parse_args(argv)
     real = args.model is not None
-    args.rl_steps = args.rl_steps or (30 if real else 600)
-    args.learning_rate = args.learning_rate or (1e-4 if real else 1.5e-3)
-    args.rollout_backend = args.rollout_backend or ("auto" if real else "transformers")
+    # Defaults that depend on the model: only where the flag was not given.
+    for name, real_default, toy_default in (("rl_steps", 30, 600), ("learning_rate", 1e-4, 1.5e-3),
+                                            ("rollout_backend", "auto", "transformers")):  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, real_default if real else toy_default)
 
     start = time.time()
     cuda = torch.cuda.is_available()

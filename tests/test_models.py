@@ -174,6 +174,13 @@ def test_fetch_refusals_are_one_line_and_leave_nothing(tiny_registry, tmp_path, 
     assert code == 2 and err.count("\n") == 1 and "holds something else, not tiny-llama" in err
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
 
+    fetched = tmp_path / "fetched"
+    assert _fetch_cli(["fetch", "tiny-llama", "--output", str(fetched), "--cache-dir", str(cache)], capsys)[0] == 0
+    record = json.loads((fetched / "qerl-fetch.json").read_text())
+    (fetched / "qerl-fetch.json").write_text(json.dumps({**record, "sha256": "f" * 64}))  # another release's
+    code, _, err = _fetch_cli(["fetch", "tiny-llama", "--output", str(fetched), "--cache-dir", str(cache)], capsys)
+    assert code == 2 and f"from a GGUF with SHA-256 {'f' * 64}, not {entry.sha256}" in err
+
     code, _, err = _fetch_cli(["fetch", "tiny-lama", "--cache-dir", str(cache)], capsys)
     assert code == 2 and "unknown model 'tiny-lama' (did you mean tiny-llama?)" in err
 

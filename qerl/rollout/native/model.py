@@ -199,8 +199,7 @@ Attend = Callable[[int, torch.Tensor], torch.Tensor]
 def _causal_lm(policy: nn.Module) -> nn.Module:
     model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
-        raise Unsupported(f"not a causal LM with model.layers; supported: "
-                         f"{SUPPORTED}")
+        raise Unsupported(f"not a causal LM with model.layers; supported: {SUPPORTED}")
     return model
 
 
