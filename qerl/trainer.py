@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import is_peft_model
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_context
@@ -29,6 +30,12 @@ from qerl.nvfp4.linear import NVFP4Linear
 
 logger = logging.getLogger(__name__)
 AQN_DTYPES = list(aqn.DTYPE_RULES)  # QeRLConfig's field `aqn` shadows the module inside the class body
+# Attention kernels the training forward and backward may use: all but cuDNN's. Its backward (torch's first choice
+# for SDPA on H100/H200; seen with torch 2.11 + cuDNN 9.19) returns NaN dQ when a mask is passed, the padded length
+# is 64 mod 128 and a query row is fully masked, as every left-padded prompt row is (pytorch/pytorch#196678,
+# trl#7181). It turned 7 of 9 SmolLM2 runs NaN at the steps whose prompt + completion length was 448
+# (experiments/nonfinite.py found it).
+TRAINING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _also_as(name: str, *aliases: str):
@@ -113,6 +120,13 @@ class QeRLConfig(GRPOConfig):
         default=True,
         metadata={"help": "Write every log line to <output_dir>/metrics.jsonl (a resume continues the file; a new run "
                   "keeps an earlier one aside as metrics.N.jsonl)."},
+    )  # fmt: skip
+
+    dump_nonfinite_grads: bool = field(
+        default=False,
+        metadata={"help": "After each micro-batch's backward, check the trainable gradients (one device sync); the "
+                  "first micro-batch that makes one non-finite is saved with the trainable parameters it ran with "
+                  "to <output_dir>/nonfinite-step<N>-micro<M>.pt, for `python -m experiments.nonfinite`."},
     )  # fmt: skip
 
     def __post_init__(self):
@@ -266,6 +280,8 @@ class QeRLTrainer(GRPOTrainer):
         self._noise_round = (-1, 0)
         self._noise_seed = 0
         self._loss_logps: list[torch.Tensor] | None = None  # filled by the loss forward, see _compute_loss
+        self._micro_batch: dict | None = None  # the loss's inputs, kept for dump_nonfinite_grads
+        self.nonfinite_dump: str | None = None
         if args.metrics_jsonl:
             self.add_callback(JsonlMetrics(os.path.join(args.output_dir, "metrics.jsonl")))
 
@@ -470,6 +486,8 @@ class QeRLTrainer(GRPOTrainer):
         mismatch = not self.use_vllm and old is None and "sampling_per_token_logps" in inputs
         shift = "aqn_noisy_logps" in inputs
         self._loss_logps = [] if mismatch or (shift and old is None) else None
+        if self.args.dump_nonfinite_grads:
+            self._micro_batch = inputs
         try:
             loss = super()._compute_loss(model, inputs)
             clean = old if old is not None else (self._loss_logps or [None])[0]
@@ -483,6 +501,45 @@ class QeRLTrainer(GRPOTrainer):
         finally:
             self._loss_logps = None
         return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with sdpa_kernel(TRAINING_SDPA_BACKENDS):  # the backward runs inside too; see TRAINING_SDPA_BACKENDS
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.args.dump_nonfinite_grads and self.nonfinite_dump is None:
+            self._dump_if_nonfinite()
+        return loss
+
+    @torch.no_grad()
+    def _dump_if_nonfinite(self):
+        """Gradients accumulate over the micro-batches of a step, so the first check that fails names the micro-batch
+        that made them non-finite; the parameters are still those it ran with (the optimizer steps after the last)."""
+        policy_model = self.accelerator.unwrap_model(self.model)
+        named = [(n, p) for n, p in policy_model.named_parameters() if p.requires_grad]
+        bad = [n for n, p in named if p.grad is not None and not torch.isfinite(p.grad).all()]
+        if not bad:
+            return
+        micro = (self._step - 1) % self.current_gradient_accumulation_steps
+        step = self.state.global_step + 1
+        path = os.path.join(self.args.output_dir, f"nonfinite-step{step}-micro{micro}.pt")
+        a = self.args
+        batch = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in (self._micro_batch or {}).items()}
+        torch.save(
+            {
+                "step": step,
+                "micro_batch": micro,
+                "nonfinite_grads": bad,
+                "batch": batch,
+                "trainable": {n: p.detach().cpu() for n, p in named},
+                "temperature": self.temperature,
+                "loss_type": self.loss_type,
+                "lora": {"rank": a.lora_rank, "alpha": a.lora_alpha, "targets": list(a.lora_target_modules),
+                         "trainable_norms": a.trainable_norms},
+            },  # fmt: skip
+            path,
+        )
+        self.nonfinite_dump = path
+        logger.error("step %d, micro-batch %d made %d trainable gradients non-finite (first: %s); saved to %s",
+                     step, micro, len(bad), bad[0], path)  # fmt: skip
 
     @torch.no_grad()
     def _log_rollout_mismatch(self, clean_logps: torch.Tensor, batch):
