@@ -93,7 +93,7 @@ def job(args, name: str, base: str, aqn: bool | None, lr: float, seed: int, step
         if not (folder / "adapter_config.json").exists():
             say(f"{name}: training ({steps} steps, lr {lr:g}, seed {seed})")
             run_logged(train_command(args, base, aqn, lr, seed, steps, folder), log)
-    for protocol in PROTOCOLS if evaluate else ():
+    for protocol in args.protocols if evaluate else ():
         out = folder / f"eval-{protocol}.jsonl"
         if not out.exists():
             run_logged(eval_command(args, base, adapter, protocol, out), log)
@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-seed", type=int, default=100, help="sweep: its seed (not one of the train seeds)")
     parser.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2])
     parser.add_argument("--parallel", type=int, default=6, help="runs at a time")
+    parser.add_argument("--protocols", type=lambda t: t.split(","), default=list(PROTOCOLS),
+                        help=f"eval protocols of every run (of {', '.join(PROTOCOLS)})")
     parser.add_argument("--eval-tokens", type=int, default=512, help="new tokens per eval answer")
     parser.add_argument("--eval-kv-gib", type=float, default=6.0, help="KV cache budget of each eval (GiB)")
     parser.add_argument("--eval-limit", type=int, help="evaluate the first N test problems only (smoke runs)")
