@@ -145,7 +145,7 @@ QUICK_HELP = {
     "AQN": ("aqn", "sigma_start", "sigma_end", "num_stages", "aqn_final_norm"),
     "Rollout": ("rollout_backend",),
     "Output": ("output_dir", "save_steps", "resume_from_checkpoint", "overwrite_output_dir", "metrics_jsonl",
-               "logging_steps", "report_to", "seed", "use_cpu", "bf16"),
+               "logging_steps", "report_to", "seed", "use_cpu", "bf16", "dump_nonfinite_grads"),
 }  # fmt: skip
 # Where TRL's help text is a poor fit for the short list.
 QUICK_HELP_TEXT = {
