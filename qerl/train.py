@@ -143,7 +143,7 @@ QUICK_HELP = {
            "soft_overlong_cache", "vllm_importance_sampling_correction"),
     "LoRA": ("lora_rank", "lora_alpha", "lora_target_modules", "trainable_norms"),
     "AQN": ("aqn", "sigma_start", "sigma_end", "num_stages", "aqn_final_norm"),
-    "Rollout": ("rollout_backend",),
+    "Rollout": ("rollout_backend", "rollout_kv_cache_gib", "rollout_kv_cache_dtype"),
     "Output": ("output_dir", "save_steps", "resume_from_checkpoint", "overwrite_output_dir", "metrics_jsonl",
                "logging_steps", "report_to", "seed", "use_cpu", "bf16", "dump_nonfinite_grads"),
 }  # fmt: skip

@@ -27,6 +27,7 @@ from trl.extras.profiling import profiling_context
 
 from qerl import aqn, cli, norms, policy, rollout, sharding
 from qerl.nvfp4.linear import NVFP4Linear
+from qerl.rollout.native.kv_cache import KV_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
 AQN_DTYPES = list(aqn.DTYPE_RULES)  # QeRLConfig's field `aqn` shadows the module inside the class body
@@ -103,6 +104,12 @@ class QeRLConfig(GRPOConfig):
         default=None,
         metadata={"help": "rollout_backend native: GPU memory (GiB) the KV cache of a round may take (default: 80% of "
                   "what is free); a round that needs more runs in waves of as many sequences as fit."},
+    )  # fmt: skip
+    rollout_kv_cache_dtype: str = field(
+        default="auto",
+        metadata={"help": "rollout_backend native: the KV cache's dtype. auto: the model's; fp8: E4M3 with one scale "
+                  "per token and KV head (half the memory and attention reads; adds rounding to the sampled "
+                  "log-probs, see docs/benchmarks.md).", "choices": list(KV_CACHE_DTYPES)},
     )  # fmt: skip
     vllm_enable_sleep_mode: bool = field(
         default=True,
@@ -399,6 +406,7 @@ class QeRLTrainer(GRPOTrainer):
                 # The fp32 noise rule needs FP32 scales in the engine's norms, or small noise rounds away.
                 "fp32_norms": args.aqn_dtype == "fp32",
                 "kv_cache_gib": args.rollout_kv_cache_gib,
+                "kv_cache_dtype": args.rollout_kv_cache_dtype,
                 # FSDP2 / ZeRO-3 shard the parameters: an engine that reads the policy's own tensors gathers them.
                 "sharding": self._sharding(),
             },

@@ -15,7 +15,7 @@ import pytest
 import torch
 from interpreter import run_under_interpreter
 
-from qerl.rollout.native import attention
+from qerl.rollout.native import attention, kv_cache
 
 
 def _inputs(b, hq, hkv, d, s_max, lens, dtype=torch.bfloat16, device="cpu", garbage=float("nan")):
@@ -26,6 +26,16 @@ def _inputs(b, hq, hkv, d, s_max, lens, dtype=torch.bfloat16, device="cpu", garb
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     kv.masked_fill_((torch.arange(s_max, device=device) >= seq_lens[:, None])[:, :, None, None, None], garbage)
     return q, kv[:, :, 0], kv[:, :, 1], seq_lens
+
+
+def _fp8_caches(k, v, seq_lens):
+    """k, v in kv_cache's FP8 format, with NaN codes and NaN scales past every sequence's length."""
+    (k8, ks), (v8, vs) = kv_cache.quantize_reference(k.nan_to_num()), kv_cache.quantize_reference(v.nan_to_num())
+    past = torch.arange(k.shape[1], device=k.device) >= seq_lens[:, None]
+    for codes, scale in ((k8, ks), (v8, vs)):
+        codes.view(torch.uint8).masked_fill_(past[:, :, None, None], 0x7F)  # E4M3's NaN
+        scale.masked_fill_(past[:, :, None], float("nan"))
+    return k8, v8, ks, vs
 
 
 def _max_err(out, ref):
@@ -65,6 +75,21 @@ def test_rejects_bad_shapes(q_shape, cache_shape, match):
     q, k = torch.zeros(q_shape), torch.zeros(cache_shape)
     with pytest.raises(ValueError, match=match):
         attention.decode_attention(q, k, k, torch.ones(b, dtype=torch.int32), 1.0)
+
+
+def test_fp8_cache_needs_its_scales_and_falls_back_on_cpu(seed):
+    q, k, v, seq_lens = _inputs(2, 4, 2, 16, 24, [3, 24])
+    k8, v8, ks, vs = _fp8_caches(k, v, seq_lens)
+    with pytest.raises(ValueError, match="FP8 cache needs k_scale"):
+        attention.decode_attention(q, k8, v8, seq_lens, 0.25)
+    with pytest.raises(ValueError, match="FP8 cache needs v_scale"):
+        attention.decode_attention(q, k8, v8, seq_lens, 0.25, k_scale=ks, v_scale=vs[:, :3])
+    out = attention.decode_attention(q, k8, v8, seq_lens, 0.25, k_scale=ks, v_scale=vs)
+    expected = attention.decode_attention_reference(q.double(), k8, v8, seq_lens, 0.25, ks, vs)
+    # the reference on the dequantized cache is plain attention on it
+    deq = [kv_cache.dequantize_reference(c, s, torch.float64) for c, s in ((k8, ks), (v8, vs))]
+    torch.testing.assert_close(expected, attention.decode_attention_reference(q.double(), *deq, seq_lens, 0.25))
+    torch.testing.assert_close(out, expected.to(out.dtype), rtol=0, atol=0)
 
 
 def test_rejects_int64_lengths():
@@ -117,6 +142,14 @@ def _interpreter_checks():
             attention.decode_attention(q, k, v, seq_lens, scale, out=out, num_splits=num_splits)
             err = _max_err(out, ref)  # bf16 output (the interpreter's cast truncates): ~1 ulp of values ~1
             assert err < 2e-2, (hq, hkv, d, lens, num_splits, err)
+        # The same attention over an FP8 cache against float64 attention over its dequantized values.
+        k8, v8, ks, vs = _fp8_caches(k, v, seq_lens)
+        ref8 = attention.decode_attention_reference(q.double(), k8, v8, seq_lens, scale, ks, vs)
+        assert not ref8.isnan().any()
+        for num_splits in split_counts:
+            out = attention.decode_attention(q, k8, v8, seq_lens, scale, num_splits=num_splits, k_scale=ks,
+                                             v_scale=vs)
+            assert _max_err(out, ref8) < 2e-2, ("fp8", hq, hkv, d, lens, num_splits, _max_err(out, ref8))
         # A preallocated workspace gives the same answer as one allocated per call.
         ws = attention.decode_workspace(q, k, num_splits=2)
         assert torch.equal(attention.decode_attention(q, k, v, seq_lens, scale, num_splits=2, workspace=ws),
@@ -143,6 +176,11 @@ def test_gpu_qwen7b_shapes_and_cuda_graph(seed):
     ref = attention.decode_attention_reference(q, k, v, seq_lens, scale)
     for num_splits in (None, 1, 7):
         assert _max_err(attention.decode_attention(q, k, v, seq_lens, scale, num_splits=num_splits), ref) < 2e-2
+    k8, v8, ks, vs = _fp8_caches(k, v, seq_lens)
+    ref8 = attention.decode_attention_reference(q.double(), k8, v8, seq_lens, scale, ks, vs)
+    for num_splits in (None, 1, 7):
+        out = attention.decode_attention(q, k8, v8, seq_lens, scale, num_splits=num_splits, k_scale=ks, v_scale=vs)
+        assert _max_err(out, ref8) < 2e-2
 
     k.copy_(torch.randn_like(k))  # the lengths below grow past the ones above: no NaN to read there
     v.copy_(torch.randn_like(v))

@@ -6,7 +6,7 @@ import os
 import torch
 from interpreter import run_under_interpreter
 
-from qerl.rollout.native import ops
+from qerl.rollout.native import kv_cache, ops
 
 # Two BF16 ulps: the interpreter truncates FP32 -> BF16 where the GPU rounds to nearest, and the residual's
 # rounding feeds the norm.
@@ -47,10 +47,43 @@ def _interpreter_checks():
         written = ~ours.isnan()
         torch.testing.assert_close(ours[written].float(), theirs[written].float(), **BF16_TOL)
 
+    # The same write into FP8 caches: codes and scales bit-exact with the torch twin (both round the FP32 rotated
+    # keys and the values once, the scales are powers of two), every other slot untouched.
+    fp8 = [torch.zeros((batch, cap, hkv, d), dtype=kv_cache.FP8) for _ in range(4)]
+    scales = [torch.full((batch, cap, hkv), float("nan")) for _ in range(4)]
+    qkv[1, hq * d : (hq + 1) * d] = 0  # a key head of zeros: scale of the smallest exponent, codes 0
+    q = ops.rope_cache(qkv, cos, sin, batch_idx, positions, fp8[0], fp8[1], hq, hkv, scales[0], scales[1])
+    q_ref = ops.rope_cache_torch(qkv, cos, sin, batch_idx, positions, fp8[2], fp8[3], hq, hkv, scales[2], scales[3])
+    torch.testing.assert_close(q.float(), q_ref.float(), **BF16_TOL)
+    for ours, theirs in ((0, 2), (1, 3)):
+        assert torch.equal(fp8[ours].view(torch.uint8), fp8[theirs].view(torch.uint8))
+        assert torch.equal(scales[ours].nan_to_num(-1), scales[theirs].nan_to_num(-1))
+    assert scales[0].isnan().sum() == (batch * cap - len(positions)) * hkv
+
+    # The E4M3 encoder itself on every code's value, the midpoints between neighbours (ties to even), subnormals,
+    # signed zeros and random values, against torch's cast.
+    codes = torch.arange(256, dtype=torch.uint8).view(kv_cache.FP8).float()
+    grid = codes[codes.isfinite() & (codes.abs() < 256)].unique()
+    x = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([-0.0, 2.0**-10, 3 * 2.0**-11, 1e-30]),
+                   (torch.rand(4096) * 2 - 1) * 255.9, torch.randn(512) * 1e-3])
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    _encode_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    assert torch.equal(out, x.to(kv_cache.FP8).view(torch.uint8))
+
     # SiLU gate, width not a multiple of the block.
     gate_up = torch.randn(3, 2 * 1100, dtype=bf16)
     torch.testing.assert_close(ops.silu_mul(gate_up).float(), ops.silu_mul_torch(gate_up).float(), **BF16_TOL)
     print("interpreter checks passed")
+
+
+if ops.INTERPRET:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _encode_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        tl.store(out_ptr + r, kv_cache.to_e4m3_bits(tl.load(x_ptr + r, mask=r < n), True), mask=r < n)
 
 
 def test_triton_interpreter():
@@ -80,6 +113,22 @@ def test_torch_twins_are_the_math():
     c, s = (p * theta).cos(), (p * theta).sin()
     torch.testing.assert_close(q, torch.cat([x1 * c - x2 * s, x2 * c + x1 * s]), **fp32)
     torch.testing.assert_close(cache[1][0, p, 0], qkv[0, 2 * d :], **fp32)
+
+
+def test_fp8_cache_format_is_the_math(seed):
+    """kv_cache.quantize_reference in float64 terms: per row a power-of-two scale putting the row's largest
+    magnitude in [128, 256), and every value rounded to the nearest E4M3 step (relative error <= 2^-4; an absolute
+    2^-10 * scale below E4M3's normal range); zero rows stay zero."""
+    x = torch.randn(64, 16, 32, dtype=torch.float64) * torch.logspace(-6, 4, 64, dtype=torch.float64)[:, None, None]
+    x[3, 5] = 0.0
+    codes, scale = kv_cache.quantize_reference(x)
+    assert codes.dtype == kv_cache.FP8 and scale.dtype == torch.float32 and scale.shape == x.shape[:-1]
+    assert torch.equal(scale.log2(), scale.log2().round())
+    amax = x.abs().amax(-1) / scale.double()
+    assert ((amax >= 128) & (amax < 256))[amax > 0].all() and not codes[3, 5].float().any()
+    back = kv_cache.dequantize_reference(codes, scale, torch.float64)
+    bound = torch.maximum(x.abs() * 2.0**-4, scale.double()[..., None] * 2.0**-10)
+    assert ((back - x.float().double()).abs() <= bound).all()
 
 
 if __name__ == "__main__":

@@ -59,18 +59,43 @@ def test_greedy_tokens_equal_a_plain_forward_loop():
     assert all(len(row) == 12 for row in logprobs)
 
 
+@torch.no_grad()
+def _logprob_differences(model, prompts, ids, logprobs, temperature) -> torch.Tensor:
+    """|engine log-prob - the trainer's recomputation| of every sampled token (TRL: logits / temperature)."""
+    diffs = []
+    for prompt, completion, lps in zip(prompts, ids, logprobs, strict=True):
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1] / temperature
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        diffs.append((torch.tensor(lps) - expected).abs())
+    return torch.cat(diffs)
+
+
 def test_sampled_logprobs_equal_the_trainers_recomputation(seed):
     model, tokenizer = _policy()
     prompts = _prompts(tokenizer)
     engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=0.7)
     engine.decoder.refresh()
     ids, logprobs = engine.generate(prompts, 10)
-    with torch.no_grad():
-        for prompt, completion, lps in zip(prompts, ids, logprobs, strict=True):
-            full = torch.tensor([prompt + completion])
-            logits = model(full).logits[0, len(prompt) - 1 : -1] / 0.7  # TRL: logits / temperature
-            expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor(lps), expected, rtol=0, atol=1e-4)
+    assert _logprob_differences(model, prompts, ids, logprobs, 0.7).max() < 1e-4
+
+
+def test_fp8_kv_cache_takes_fewer_bytes_and_samples_close_to_the_trainer(seed):
+    """E4M3 keys and values (a scale per token and head): (D + 4) / (D * 4) of an FP32 cache's bytes here (D = 16),
+    and log-probs off the trainer's by the cache's rounding only: above the FP32 engine's ~1e-7, well below
+    what a wrong key or value would do (the cache feeds every layer)."""
+    model, tokenizer = _policy()
+    prompts = _prompts(tokenizer)
+    config = GenerationConfig(do_sample=True, temperature=0.7)
+    engine = NativeEngine(Decoder(model), Sampler(config), [-1], tokenizer.pad_token_id, kv_cache_dtype="fp8")
+    full = _engine(model, [-1], tokenizer.pad_token_id)
+    assert engine._kv_bytes_per_sequence(100) * 64 == full._kv_bytes_per_sequence(100) * (16 + 4)
+    engine.decoder.refresh()
+    ids, logprobs = engine.generate(prompts, 10)
+    diffs = _logprob_differences(model, prompts, ids, logprobs, 0.7)
+    print(f"fp8 KV: |engine - trainer| log-prob mean {diffs.mean():.2e} max {diffs.max():.2e}")
+    assert 1e-5 < diffs.mean() < 3e-2 and diffs.max() < 0.2
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp4': choose one of auto, fp8"):
+        NativeEngine(Decoder(model), Sampler(config), [-1], 0, kv_cache_dtype="fp4")
 
 
 def test_early_eos_stops_each_sequence_at_its_own_step():

@@ -22,7 +22,8 @@ from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, t
 
 class NativeRollout(RolloutBackend):
     """Options (RolloutSetup.options): kv_cache_gib (KV budget per round; default 80% of the free memory),
-    prefill_tokens (rows per prefill chunk), cuda_graphs (default: on CUDA), sharding (FSDP2 / ZeRO-3: the
+    kv_cache_dtype ("auto": the model's dtype, or "fp8": E4M3 with a scale per token and head), prefill_tokens
+    (rows per prefill chunk), cuda_graphs (default: on CUDA), sharding (FSDP2 / ZeRO-3: the
     policy's parameters are gathered whole every round, see model.py)."""
 
     name = "native"
@@ -50,6 +51,7 @@ class NativeRollout(RolloutBackend):
                 decoder, self.sampler, self.setup.eos_token_ids, self.setup.pad_token_id,
                 kv_cache_bytes=None if gib is None else int(gib * 2**30),
                 prefill_tokens=options.get("prefill_tokens") or 8192, cuda_graphs=options.get("cuda_graphs"),
+                kv_cache_dtype=options.get("kv_cache_dtype") or "auto",
             )  # fmt: skip
             self._policy_id = id(policy)
         return self.engine

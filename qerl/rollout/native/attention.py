@@ -1,10 +1,13 @@
 """Decode attention over a per-sequence KV cache: one new query token per sequence, cost following real lengths.
 
-    decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None) -> out
-        q [B, Hq, D], k_cache/v_cache [B, S_max, Hkv, D] (bf16/fp16), seq_lens int32 [B] on the device;
+    decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None,
+                     k_scale=None, v_scale=None) -> out
+        q [B, Hq, D], k_cache/v_cache [B, S_max, Hkv, D] (q's dtype, or FP8 E4M3 codes with FP32 scales
+        k_scale/v_scale [B, S_max, Hkv]: kv_cache.py's format), seq_lens int32 [B] on the device;
         sequence b attends to its keys 0 .. seq_lens[b]-1 and never reads the positions after them.
-    decode_attention_reference(q, k_cache, v_cache, seq_lens, scale) -> the same in plain torch (float32 math or
-        wider), masking by seq_lens: the tests' reference and the path on devices without Triton.
+    decode_attention_reference(q, k_cache, v_cache, seq_lens, scale, k_scale=None, v_scale=None) -> the same in
+        plain torch (float32 math or wider), masking by seq_lens: the tests' reference and the path on devices
+        without Triton.
 
 Flash-decoding: kernel 1 (grid B x Hkv x num_splits) gives each program one KV head of one sequence and one
 range of keys, its GQA group's query heads as one padded tile so the tensor cores do QK^T and PV, with an
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from qerl.pdl import pdl_enabled
+from qerl.rollout.native import kv_cache
 
 try:  # Triton is Linux-only; the torch reference keeps everything working without it.
     import triton
@@ -75,16 +79,18 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 @_jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_ob, stride_oh,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_ob, stride_oh,
     split_len, qk_scale,
     HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_STAGES: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Keys [split * split_len, min((split + 1) * split_len, seq_len)) of one sequence and KV head, for the
     GROUP query heads sharing it: the output itself when SPLITS == 1, else the split's normalized output and
-    log2-sum-exp (scores in log2 units: qk_scale = scale * log2(e), so exp2 replaces exp)."""
+    log2-sum-exp (scores in log2 units: qk_scale = scale * log2(e), so exp2 replaces exp). FP8 caches hold E4M3
+    codes with one scale per key (ks_ptr) and value (vs_ptr): the codes go to the tensor cores as they are, the
+    key scales multiply the scores' columns and the value scales the probabilities' columns."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -101,6 +107,7 @@ def _split_kernel(
     h_ok = rh < GROUP
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + rd[None, :], mask=h_ok[:, None], other=0.0)
     kv_off = b * stride_kb + kv_head * stride_kh + rd[None, :]
+    scale_off = b * stride_sb + kv_head
 
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_H,), tl.float32)
@@ -111,13 +118,23 @@ def _split_kernel(
         # Masked loads: positions past seq_len are never read (they may hold anything, NaN included).
         k = tl.load(k_ptr + kv_off + rs[:, None] * stride_ks, mask=s_ok[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off + rs[:, None] * stride_ks, mask=s_ok[:, None], other=0.0)
-        qk = _dot(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_S), tl.float32), INTERPRET) * qk_scale
+        if FP8:
+            k = kv_cache.e4m3_bits_to_float(k, INTERPRET).to(q.dtype)  # exact: E4M3 values are FP16 and BF16 values
+            v = kv_cache.e4m3_bits_to_float(v, INTERPRET).to(q.dtype)
+            k_scale = tl.load(ks_ptr + scale_off + rs * stride_ss, mask=s_ok, other=0.0) * qk_scale
+            v_scale = tl.load(vs_ptr + scale_off + rs * stride_ss, mask=s_ok, other=0.0)
+            qk = _dot(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_S), tl.float32), INTERPRET) * k_scale[None, :]
+        else:
+            qk = _dot(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_S), tl.float32), INTERPRET) * qk_scale
         qk = tl.where(s_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))  # finite: every tile holds at least one valid key
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(qk - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        acc = _dot(p, v, acc * alpha[:, None], INTERPRET)
+        if FP8:
+            acc = _dot(p * v_scale[None, :], v, acc * alpha[:, None], INTERPRET)
+        else:
+            acc = _dot(p, v, acc * alpha[:, None], INTERPRET)
         m = m_new
 
     let_next_kernel_launch(PDL)
@@ -187,7 +204,7 @@ def decode_workspace(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | N
     return torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)
 
 
-def _check(q, k_cache, v_cache, seq_lens):
+def _check(q, k_cache, v_cache, seq_lens, k_scale=None, v_scale=None):
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"q must be [B, Hq, D] and k_cache [B, S_max, Hkv, D]; got {tuple(q.shape)} and "
                          f"{tuple(k_cache.shape)}")
@@ -201,24 +218,33 @@ def _check(q, k_cache, v_cache, seq_lens):
         raise ValueError(f"q and k_cache: head dim D={d} must be a power of two >= 16")
     if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [{b}]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if k_cache.dtype == kv_cache.FP8:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is None or t.dtype != torch.float32 or t.shape != k_cache.shape[:3] or t.stride(2) != 1:
+                raise ValueError(f"an FP8 cache needs {name} FP32 {tuple(k_cache.shape[:3])} with a contiguous last "
+                                 f"dim; got {None if t is None else (t.dtype, tuple(t.shape))}")
+        if k_scale.stride() != v_scale.stride():
+            raise ValueError("k_scale and v_scale need the same strides")
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None,
-                     config: DecodeConfig = DEFAULT_CONFIG):
+                     config: DecodeConfig = DEFAULT_CONFIG, k_scale=None, v_scale=None):
     """softmax(q . K^T * scale) V per sequence over its first seq_lens[b] cached keys -> out [B, Hq, D] in q's dtype.
 
     The Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1) for bf16/fp16; the torch reference otherwise.
     num_splits: key ranges per sequence (default: _splits' rule from B, Hkv, S_max and the SM count).
     workspace: from decode_workspace (else allocated per call, which a CUDA graph's private pool also serves).
     config: the split kernel's launch shape (DecodeConfig).
+    k_scale, v_scale: FP32 [B, S_max, Hkv], the scales of FP8 (E4M3) caches (kv_cache's format); None otherwise.
     """
-    _check(q, k_cache, v_cache, seq_lens)
+    _check(q, k_cache, v_cache, seq_lens, k_scale, v_scale)
+    fp8 = k_cache.dtype == kv_cache.FP8
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}; got {out.dtype} {tuple(out.shape)}")
-    if not (_triton_ok(q) and q.dtype in KERNEL_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype):
-        return out.copy_(decode_attention_reference(q, k_cache, v_cache, seq_lens, scale))
+    if not (_triton_ok(q) and q.dtype in KERNEL_DTYPES and v_cache.dtype == k_cache.dtype in (q.dtype, kv_cache.FP8)):
+        return out.copy_(decode_attention_reference(q, k_cache, v_cache, seq_lens, scale, k_scale, v_scale))
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or out.stride(2) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("q, k_cache, v_cache and out need a contiguous last dim, and the caches the same strides")
 
@@ -236,12 +262,17 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
         part, lse = workspace[:size], workspace[size:]
     else:
         part = lse = out  # unused: the split kernel writes out directly
+    if fp8:  # the kernel reads the codes as bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        k_scale = v_scale = seq_lens  # not read
     _split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, seq_lens, out, part, lse,
+        q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         out.stride(0), out.stride(1), split_len, scale * _LOG2E,
         HQ=hq, GROUP=group, D=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_S=config.block_s, NUM_STAGES=config.num_stages, PDL=pdl, INTERPRET=INTERPRET,
+        BLOCK_S=config.block_s, NUM_STAGES=config.num_stages, FP8=fp8, PDL=pdl, INTERPRET=INTERPRET,
         num_warps=config.num_warps, launch_pdl=pdl,
     )
     if splits > 1:
@@ -253,13 +284,16 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
     return out
 
 
-def decode_attention_reference(q, k_cache, v_cache, seq_lens, scale):
+def decode_attention_reference(q, k_cache, v_cache, seq_lens, scale, k_scale=None, v_scale=None):
     """decode_attention in plain torch, in float32 (or q's dtype if wider), masking the keys past seq_lens (their
-    values are zeroed too, so garbage there, NaN included, cannot leak in)."""
-    _check(q, k_cache, v_cache, seq_lens)
+    values are zeroed too, so garbage there, NaN included, cannot leak in). FP8 caches are dequantized first."""
+    _check(q, k_cache, v_cache, seq_lens, k_scale, v_scale)
     dtype = torch.promote_types(q.dtype, torch.float32)
     group = q.shape[1] // k_cache.shape[2]
     valid = torch.arange(k_cache.shape[1], device=q.device) < seq_lens[:, None]  # [B, S_max]
+    if k_cache.dtype == kv_cache.FP8:  # garbage past seq_lens dequantizes to garbage, masked below
+        k_cache = kv_cache.dequantize_reference(k_cache, k_scale, dtype)
+        v_cache = kv_cache.dequantize_reference(v_cache, v_scale, dtype)
     k = k_cache.to(dtype).repeat_interleave(group, dim=2)  # [B, S_max, Hq, D]
     v = torch.where(valid[:, :, None, None], v_cache.to(dtype), 0).repeat_interleave(group, dim=2)
     scores = torch.einsum("bhd,bshd->bhs", q.to(dtype), k) * scale

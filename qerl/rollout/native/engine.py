@@ -4,7 +4,9 @@ wave for the whole decode step, stop on EOS.
 A round of B prompts runs in waves of as many sequences as the KV budget holds (all of them when it fits). A
 wave:
   1. allocates its KV cache [layers, B, longest prompt + max_new_tokens, kv heads, head dim] in one tensor
-     (per-sequence rows: attention reads only each sequence's valid keys, so the capacity costs memory, not time);
+     (per-sequence rows: attention reads only each sequence's valid keys, so the capacity costs memory, not time),
+     in the model's dtype or, with kv_cache_dtype "fp8", as E4M3 codes with a scale per token and head (kv_cache.py:
+     half the bytes, so twice the sequences per wave and half the attention reads);
   2. prefills the prompts in chunks of at most `prefill_tokens` tokens (right-padded, causal attention through
      PyTorch's SDPA; pad rows write keys past the prompt that decode overwrites before it reads them) and samples
      each sequence's first token from its last prompt row;
@@ -21,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from qerl.rollout.native import kv_cache
 from qerl.rollout.native.attention import decode_attention
 from qerl.rollout.native.model import Decoder
 from qerl.rollout.native.sampling import Sampler
@@ -29,12 +32,13 @@ from qerl.rollout.native.sampling import Sampler
 class NativeEngine:
     def __init__(self, decoder: Decoder, sampler: Sampler, eos_token_ids: list[int], pad_token_id: int,
                  kv_cache_bytes: int | None = None, prefill_tokens: int = 8192, sync_every: int = 16,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, kv_cache_dtype: str = "auto"):
         self.decoder = decoder
         self.sampler = sampler
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=decoder.device)
         self.pad_token_id = pad_token_id
         self.kv_cache_bytes = kv_cache_bytes
+        self.kv_fp8 = kv_cache.resolve(kv_cache_dtype)
         self.prefill_tokens = prefill_tokens
         self.sync_every = sync_every
         self.cuda_graphs = decoder.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -44,7 +48,7 @@ class NativeEngine:
 
     def _kv_bytes_per_sequence(self, capacity: int) -> int:
         d = self.decoder
-        return 2 * len(d.layers) * capacity * d.num_kv_heads * d.head_dim * d.dtype.itemsize
+        return len(d.layers) * capacity * kv_cache.bytes_per_token(d.num_kv_heads, d.head_dim, d.dtype, self.kv_fp8)
 
     def wave_size(self, num_prompts: int, capacity: int) -> int:
         """Sequences per wave: all, or as many as the KV budget holds (balanced across waves)."""
@@ -87,21 +91,21 @@ class NativeEngine:
         batch = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
         capacity = max(len(p) for p in prompts) + max_new_tokens
-        kv = torch.empty((2, len(d.layers), batch, capacity, d.num_kv_heads, d.head_dim), dtype=d.dtype,
-                         device=device)
-        k_cache, v_cache = list(kv[0]), list(kv[1])
-        first, first_logprob = self._prefill(prompts, k_cache, v_cache)
+        cache = kv_cache.KVCache(len(d.layers), batch, capacity, d.num_kv_heads, d.head_dim, d.dtype, self.kv_fp8,
+                                 device)
+        first, first_logprob = self._prefill(prompts, cache)
 
         state = DecodeState(first, first_logprob, lengths, max_new_tokens, self.pad_token_id)
         state.done |= self._is_eos(first)
         scale = d.scaling
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            return decode_attention(q, k_cache[i], v_cache[i], state.seq_lens, scale).reshape(batch, -1)
+            k, v, k_scale, v_scale = cache.layer(i)
+            return decode_attention(q, k, v, state.seq_lens, scale, k_scale=k_scale, v_scale=v_scale).reshape(batch, -1)
 
         def step():
             torch.add(state.positions, 1, out=state.seq_lens)  # this step's key is written before attention
-            hidden = d.forward(state.tokens, state.batch_idx, state.positions, k_cache, v_cache, attend)
+            hidden = d.forward(state.tokens, state.batch_idx, state.positions, cache, attend)
             tokens, logprobs = self.sampler(d.logits(hidden))
             tokens = torch.where(state.done, self.pad_token_id, tokens)
             state.out_ids.index_copy_(1, state.step, tokens[:, None])
@@ -140,7 +144,7 @@ class NativeEngine:
             step()
         return graph.replay
 
-    def _prefill(self, prompts: list[list[int]], k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill(self, prompts: list[list[int]], cache: kv_cache.KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the prompts through the model in chunks; returns each sequence's first sampled token and log-prob."""
         d, device = self.decoder, self.decoder.device
         tokens_out, logprobs_out = [], []
@@ -162,13 +166,12 @@ class NativeEngine:
 
             def attend(i: int, q: torch.Tensor, span=span, n=n, length=longest) -> torch.Tensor:
                 q = q.view(n, length, d.num_heads, d.head_dim).transpose(1, 2)
-                k = k_cache[i][span, :length].transpose(1, 2)
-                v = v_cache[i][span, :length].transpose(1, 2)
+                k, v = (t.transpose(1, 2) for t in cache.read(i, span, length))  # as decode will read them
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d.scaling,
                                                      enable_gqa=d.num_heads != d.num_kv_heads)
                 return out.transpose(1, 2).reshape(n * length, -1)
 
-            hidden = d.forward(rows, batch_idx, positions, k_cache, v_cache, attend)
+            hidden = d.forward(rows, batch_idx, positions, cache, attend)
             last = torch.tensor([i * longest + len(p) - 1 for i, p in enumerate(chunk)], device=device)
             tokens, logprobs = self.sampler(d.logits(hidden[last]))
             tokens_out.append(tokens)

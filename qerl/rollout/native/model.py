@@ -39,6 +39,7 @@ from qerl.nvfp4 import kernels
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout import Unsupported
 from qerl.rollout.native import ops
+from qerl.rollout.native.kv_cache import KVCache
 from qerl.sharding import whole
 
 SUPPORTED = "Llama/Qwen2/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, RMSNorms)"
@@ -312,15 +313,16 @@ class Decoder:
         self.cos = cos[0, :, :half].float().contiguous()
         self.sin = sin[0, :, :half].float().contiguous()
 
-    def forward(self, tokens: torch.Tensor, batch_idx: torch.Tensor, positions: torch.Tensor,
-                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], attend: Attend) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, batch_idx: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                attend: Attend) -> torch.Tensor:
         """Final-normed hidden states [M, H] of rows (batch_idx, positions, tokens); writes each row's key and
-        value into layer l's k_cache[l] / v_cache[l] [B, S, Hkv, D] at (batch_idx, position)."""
+        value into layer l's cache [B, S, Hkv, D] at (batch_idx, position)."""
         residual = F.embedding(tokens, self.embed)
         h = ops.rmsnorm(residual, self.layers[0].input_norm, self.eps)
         for i, layer in enumerate(self.layers):
-            q = ops.rope_cache(layer.qkv(h), self.cos, self.sin, batch_idx, positions, k_cache[i], v_cache[i],
-                               self.num_heads, self.num_kv_heads)
+            k, v, k_scale, v_scale = cache.layer(i)
+            q = ops.rope_cache(layer.qkv(h), self.cos, self.sin, batch_idx, positions, k, v, self.num_heads,
+                               self.num_kv_heads, k_scale, v_scale)
             h = ops.rmsnorm(layer.o(attend(i, q)), layer.post_norm, self.eps, residual=residual)
             out = layer.down(ops.silu_mul(layer.gate_up(h)))
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norms.norm.weight

@@ -14,6 +14,7 @@ import os
 import torch
 
 from qerl.pdl import pdl_enabled
+from qerl.rollout.native import kv_cache
 
 try:  # Triton is Linux-only; the torch twins keep the engine working without it.
     import triton
@@ -80,7 +81,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 # ------------------------------------------------------------------------------------ rotary + KV-cache write
 
 
-def rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads):
+def rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads,
+                     k_scale=None, v_scale=None):
     m = qkv.shape[0]
     d = k_cache.shape[-1]
     q, k, v = qkv.float().split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
@@ -92,17 +94,30 @@ def rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_
         return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1)
 
     idx = (batch_idx.long(), positions.long())
-    k_cache[idx] = rotate(k, num_kv_heads).to(k_cache.dtype)
-    v_cache[idx] = v.reshape(m, num_kv_heads, d).to(v_cache.dtype)
+    for cache, scale, values in ((k_cache, k_scale, rotate(k, num_kv_heads)), (v_cache, v_scale,
+                                                                             v.reshape(m, num_kv_heads, d))):
+        if cache.dtype == kv_cache.FP8:
+            cache[idx], scale[idx] = kv_cache.quantize_reference(values)
+        else:
+            cache[idx] = values.to(cache.dtype)
     return rotate(q, num_heads).to(qkv.dtype)
 
 
 if triton is not None:
 
     @triton.jit
-    def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, bidx_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
-                           stride_cb, stride_cs, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                           BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    def _store_kv(ptrs, x, mask, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+        """FP32 x into the cache at ptrs: as E4M3 codes (x already divided by its scale), or in the cache's dtype."""
+        if FP8:
+            tl.store(ptrs, kv_cache.to_e4m3_bits(x, INTERPRET), mask=mask)
+        else:
+            tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, bidx_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                           stride_cb, stride_cs, stride_sb, stride_ss, HQ: tl.constexpr, HKV: tl.constexpr,
+                           D: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+                           INTERPRET: tl.constexpr):
         wait_for_previous_kernel(PDL)
         let_next_kernel_launch(PDL)  # one wave of programs
         tok = tl.program_id(0)
@@ -123,30 +138,49 @@ if triton is not None:
         km = heads < HKV
         k1 = tl.load(row + (HQ + heads) * D + half[None, :], mask=km, other=0.0).to(tl.float32)
         k2 = tl.load(row + (HQ + heads) * D + D // 2 + half[None, :], mask=km, other=0.0).to(tl.float32)
-        slot = b * stride_cb + p * stride_cs + heads * D
-        tl.store(kc_ptr + slot + half[None, :], (k1 * c - k2 * s).to(kc_ptr.dtype.element_ty), mask=km)
-        tl.store(kc_ptr + slot + D // 2 + half[None, :], (k2 * c + k1 * s).to(kc_ptr.dtype.element_ty), mask=km)
+        k1, k2 = k1 * c - k2 * s, k2 * c + k1 * s
         dims = tl.arange(0, D)[None, :]
-        v = tl.load(row + (HQ + HKV + heads) * D + dims, mask=km, other=0.0)
-        tl.store(vc_ptr + slot + dims, v.to(vc_ptr.dtype.element_ty), mask=km)
+        v = tl.load(row + (HQ + HKV + heads) * D + dims, mask=km, other=0.0).to(tl.float32)
+        slot = b * stride_cb + p * stride_cs + heads * D
+        if FP8:  # one scale per head row: amax over its D values, then scaled into E4M3's range
+            scale_slot = b * stride_sb + p * stride_ss + tl.arange(0, BLOCK_H)
+            k_scale, k_inverse = kv_cache.fp8_scales(tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1)))
+            v_scale, v_inverse = kv_cache.fp8_scales(tl.max(tl.abs(v), 1))
+            tl.store(ks_ptr + scale_slot, k_scale, mask=tl.arange(0, BLOCK_H) < HKV)
+            tl.store(vs_ptr + scale_slot, v_scale, mask=tl.arange(0, BLOCK_H) < HKV)
+            k1, k2, v = k1 * k_inverse[:, None], k2 * k_inverse[:, None], v * v_inverse[:, None]
+        _store_kv(kc_ptr + slot + half[None, :], k1, km, FP8, INTERPRET)
+        _store_kv(kc_ptr + slot + D // 2 + half[None, :], k2, km, FP8, INTERPRET)
+        _store_kv(vc_ptr + slot + dims, v, km, FP8, INTERPRET)
 
 
 def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_idx: torch.Tensor,
                positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-               num_kv_heads: int) -> torch.Tensor:
+               num_kv_heads: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """Rotary embedding (rotate-half convention, tables cos/sin [positions, D/2] in FP32) of the fused projection
     qkv [M, (Hq + 2 Hkv) * D]: returns the rotated queries [M, Hq, D] and writes the rotated keys and the values
-    of token i into k_cache/v_cache [B, S, Hkv, D] at (batch_idx[i], positions[i])."""
+    of token i into k_cache/v_cache [B, S, Hkv, D] at (batch_idx[i], positions[i]). FP8 caches (E4M3) take their
+    scales k_scale/v_scale [B, S, Hkv] FP32 (kv_cache.quantize_reference's format)."""
+    fp8 = k_cache.dtype == kv_cache.FP8
+    if fp8 and (k_scale is None or v_scale is None or k_scale.stride() != v_scale.stride()):
+        raise ValueError("rope_cache: an FP8 cache needs k_scale and v_scale [B, S, Hkv] with the same strides")
     if not _triton_ok(qkv):
-        return rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads)
+        return rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads,
+                                k_scale, v_scale)
     m = qkv.shape[0]
     d = k_cache.shape[-1]
     q = torch.empty((m, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     pdl = pdl_enabled(qkv.device)
-    _rope_cache_kernel[(m,)](qkv, cos, sin, batch_idx, positions, q, k_cache, v_cache, k_cache.stride(0),
-                             k_cache.stride(1), HQ=num_heads, HKV=num_kv_heads, D=d,
-                             BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), PDL=pdl, num_warps=4,
-                             launch_pdl=pdl)
+    if fp8:  # the kernel stores the codes as bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        k_scale = v_scale = k_cache  # not read
+    _rope_cache_kernel[(m,)](qkv, cos, sin, batch_idx, positions, q, k_cache, v_cache, k_scale, v_scale,
+                             k_cache.stride(0), k_cache.stride(1), k_scale.stride(0) if fp8 else 0,
+                             k_scale.stride(1) if fp8 else 0, HQ=num_heads, HKV=num_kv_heads, D=d,
+                             BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), FP8=fp8, PDL=pdl,
+                             INTERPRET=INTERPRET, num_warps=4, launch_pdl=pdl)
     return q
 
 
