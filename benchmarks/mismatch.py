@@ -2,6 +2,7 @@
 from the trainer's recomputation of them, BF16 and NVFP4, AQN off.
 
     python -m benchmarks.mismatch --model smollm2-135m-instruct --backends native,vllm --steps 4
+    python -m benchmarks.mismatch --backends native --kv-cache-dtypes auto,fp8 --steps 4     (the FP8 KV cache's cost)
 
 Each (backend, precision) pair is a short `python -m qerl.train` run of the SmolLM2 recipe (its own process, so one
 vLLM engine per process) with --aqn false; its metrics.jsonl holds TRL's sampling/* metrics of every step, computed
@@ -33,12 +34,13 @@ METRICS = {
 }
 
 
-def run(args, backend: str, precision: str, model: str) -> dict:
-    out = args.out / f"{backend}-{precision}"
+def run(args, backend: str, precision: str, model: str, kv_dtype: str = "auto") -> dict:
+    out = args.out / (f"{backend}-{precision}" if kv_dtype == "auto" else f"{backend}-{kv_dtype}kv-{precision}")
     command = [sys.executable, "-m", "qerl.train", "--config", str(RECIPE), "--model-name", model,
                "--dataset", str(args.data), "--dataset-format", "gsm8k_hash", "--aqn", "false",
                "--rollout-backend", backend, "--max-steps", str(args.steps), "--seed", str(args.seed),
-               "--output-dir", str(out), "--overwrite-output-dir", "true", *args.train_flags]  # fmt: skip
+               "--output-dir", str(out), "--overwrite-output-dir", "true", "--rollout-kv-cache-dtype", kv_dtype,
+               *args.train_flags]  # fmt: skip
     start = time.time()
     try:
         run_logged(command, out / "log.txt")
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--checkpoint-dir", default="ckpt")
     parser.add_argument("--backends", default="native,vllm")
     parser.add_argument("--precisions", default="bf16,nvfp4")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="native: its KV-cache dtypes to run (auto,fp8)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl")
@@ -67,20 +70,22 @@ def main(argv: list[str] | None = None) -> dict:
     folders = dict(zip(("bf16", "nvfp4"), bf16_and_nvfp4(args.model, args.checkpoint_dir, device), strict=True))
     results = {}
     for backend in args.backends.split(","):
-        for precision in args.precisions.split(","):
-            results[f"{backend}/{precision}"] = run(args, backend, precision, folders[precision])
+        for kv_dtype in args.kv_cache_dtypes.split(",") if backend == "native" else ["auto"]:
+            name = backend if kv_dtype == "auto" else f"{backend}+{kv_dtype} KV"
+            for precision in args.precisions.split(","):
+                results[f"{name}/{precision}"] = run(args, backend, precision, folders[precision], kv_dtype)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "mismatch.json", "w") as f:
         json.dump({"model": args.model, "device": device, "steps": args.steps, "results": results}, f, indent=2)
     print(f"\nrollout vs trainer log-probs, {args.model}, AQN off, {args.steps} steps ({device}):")
-    print(f"{'backend/precision':<20} {'|dlogp| mean':>13} {'|dlogp| max':>12} {'IS ratio min':>13} "
+    print(f"{'backend/precision':<22} {'|dlogp| mean':>13} {'|dlogp| max':>12} {'IS ratio min':>13} "
           f"{'IS ratio max':>13} {'entropy':>8} {'length':>7}")  # fmt: skip
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<20} {r['error']}")
+            print(f"{name:<22} {r['error']}")
             continue
-        print(f"{name:<20} {r['logp_diff_mean']:>13.4f} {r['logp_diff_max']:>12.3f} {r['is_ratio_min']:>13.3f} "
+        print(f"{name:<22} {r['logp_diff_mean']:>13.4f} {r['logp_diff_max']:>12.3f} {r['is_ratio_min']:>13.3f} "
               f"{r['is_ratio_max']:>13.3f} {r['entropy']:>8.3f} {r['completion_length']:>7.1f}")  # fmt: skip
     return results
 

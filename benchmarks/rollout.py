@@ -2,6 +2,8 @@
 
     python -m benchmarks.rollout --engine native --size 7b --batches 8,64 --new-tokens 2048 [--profile]
     python -m benchmarks.rollout --engine vllm --size 7b --batches 8,64 --new-tokens 2048
+    python -m benchmarks.rollout --engine native --size 14b --precisions nvfp4 --batches 8,32,64 \
+        --kv-cache-dtypes auto,fp8
 
 Builds the model with random weights on the GPU (NVFP4: quantized layer by layer as it is built, so a 32B model
 never exists in BF16), wraps it in a rank-16 LoRA on every projection (B random, so the adapter is not zero)
@@ -10,10 +12,12 @@ at temperature 1, with `batch` random prompts of `prompt-len` tokens and no EOS 
 sample one anyway). vllm gets the same model written as a checkpoint under --workdir.
 
 Per row: tokens/s of the whole batch, ms per decode step, and for native the bytes floor of a decode step
-(weights + LoRA + the valid KV of an average step, over the measured copy bandwidth) and peak GPU memory.
+(weights + LoRA + the valid KV of an average step, over the measured copy bandwidth) and the row's peak GPU memory.
 --profile adds, for native, the GPU time per decode step by kernel family (an eager run of 40 more tokens minus
 one of 8, so prefill cancels out), against the graph's measured step. It profiles at the timed run's average
 context (prompt + new-tokens / 2), so attention weighs what it weighs on average over the run.
+--kv-cache-dtypes (native) times each batch with each KV-cache dtype in turn on the same engine (auto: the
+model's; fp8: E4M3 + scales, qerl/rollout/native/kv_cache.py) and reports the KV cache's size per wave.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qw
 from qerl import policy as qpolicy
 from qerl.nvfp4.quantize import quantize_model
 from qerl.rollout import RolloutSetup, create_backend
+from qerl.rollout.native import kv_cache
 from qerl.tiny import build_tiny_tokenizer
 
 # (hidden, intermediate, layers, heads, kv heads, vocab) of Qwen2.5-{3,7,14,32}B; Llama-3.1-8B as the
@@ -141,14 +146,15 @@ def copy_bandwidth() -> float:
     return 10 * 2 * src.numel() * 2 / (time.perf_counter() - start)
 
 
-def decode_bytes(decoder, batch: int, prompt_len: int, new_tokens: int) -> float:
+def decode_bytes(decoder, batch: int, prompt_len: int, new_tokens: int, kv_fp8: bool = False) -> float:
     """What one average decode step must read: frozen weights, LoRA buffers, norms, LM head, valid KV."""
     tensors = [decoder.lm_head]
     for p in decoder.projections():
         tensors += [p.packed, p.scale] if p.nvfp4 else [p.weight]
         tensors += [t for t in (p.lora_a, p.lora_b) if t is not None]
     weights = sum(t.numel() * t.element_size() for t in tensors)
-    kv_per_token = 2 * len(decoder.layers) * decoder.num_kv_heads * decoder.head_dim * decoder.embed.element_size()
+    kv_per_token = len(decoder.layers) * kv_cache.bytes_per_token(decoder.num_kv_heads, decoder.head_dim,
+                                                                   decoder.embed.dtype, kv_fp8)
     return weights + batch * (prompt_len + new_tokens / 2) * kv_per_token
 
 
@@ -199,9 +205,13 @@ def setup_for(model, new_tokens: int, model_path: str | None, options: dict) -> 
     )  # fmt: skip
 
 
-def time_batch(args, backend, base, gb: float, precision: str, batch: int, gen: torch.Generator) -> dict:
+def time_batch(args, backend, base, gb: float, precision: str, batch: int, gen: torch.Generator,
+               kv_dtype: str = "auto") -> dict:
     """One timed rollout of `batch` random prompts (after a short warm-up at the same batch) as a result row."""
     noop = lambda module: contextlib.nullcontext()  # noqa: E731
+    if args.engine == "native":
+        backend.engine.kv_fp8 = kv_cache.resolve(kv_dtype)
+    torch.cuda.reset_peak_memory_stats()
     prompts = torch.randint(10, base.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
     with max_new_tokens(backend, 16):
         backend.generate(prompts, noop)  # warm-up at the timed batch: Triton compiles per shape
@@ -217,8 +227,12 @@ def time_batch(args, backend, base, gb: float, precision: str, batch: int, gen: 
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
     if args.engine == "native":
         engine = backend.engine
+        row["kv_cache"] = kv_dtype
         row["waves"] = engine.last_waves
-        row["floor_ms"] = 1e3 * decode_bytes(engine.decoder, batch, args.prompt_len, args.new_tokens) / args.bw
+        capacity = args.prompt_len + args.new_tokens
+        row["kv_gib"] = engine._kv_bytes_per_sequence(capacity) * -(-batch // engine.last_waves) / 2**30
+        row["floor_ms"] = 1e3 * decode_bytes(engine.decoder, batch, args.prompt_len, args.new_tokens,
+                                             engine.kv_fp8) / args.bw
         if args.profile:  # prompts as long as the timed run's average context
             context = args.prompt_len + args.new_tokens // 2
             mid_run = torch.randint(10, base.config.vocab_size, (batch, context), generator=gen).tolist()
@@ -249,15 +263,17 @@ def run(args, precision: str) -> list[dict]:
     backend = create_backend(args.engine, setup_for(model, args.new_tokens, model_path, options))
     gen = torch.Generator().manual_seed(1)
     rows = []
+    kv_dtypes = args.kv_cache_dtypes if args.engine == "native" else ["auto"]
     for batch in args.batches:
-        try:
-            row = time_batch(args, backend, base, gb, precision, batch, gen)
-        except torch.OutOfMemoryError as exc:  # keep the batches that fitted
-            row = {"engine": args.engine, "precision": precision, "batch": batch,
-                   "error": str(exc).splitlines()[0]}  # fmt: skip
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if "error" in row:
+        for kv_dtype in kv_dtypes:
+            try:
+                row = time_batch(args, backend, base, gb, precision, batch, gen, kv_dtype)
+            except torch.OutOfMemoryError as exc:  # keep the batches that fitted
+                row = {"engine": args.engine, "precision": precision, "batch": batch, "kv_cache": kv_dtype,
+                       "error": str(exc).splitlines()[0]}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if any("error" in row for row in rows[-len(kv_dtypes):]):
             break  # a larger batch would not fit either
     del backend, model, base
     return rows
@@ -273,6 +289,8 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=2048)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="native: GPU time per decode step by kernel family")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help=f"native: KV-cache dtypes to time, of "
+                        f"{', '.join(kv_cache.KV_CACHE_DTYPES)}")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: its share of the GPU")
     parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/rollout.json")
@@ -280,26 +298,37 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.rollout needs a CUDA GPU")
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.kv_cache_dtypes = args.kv_cache_dtypes.split(",")
+    for name in args.kv_cache_dtypes:
+        kv_cache.resolve(name)  # a bad name fails before any model is built
     args.bw = copy_bandwidth()
     rows = [row for precision in args.precisions.split(",") for row in run(args, precision)]
 
     print(f"\n{args.size} shapes, random weights, LoRA r{args.lora_rank}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, {args.engine}, {torch.cuda.get_device_name()}, "
           f"copy bandwidth {args.bw / 1e12:.2f} TB/s")  # fmt: skip
-    print(f"{'weights':8s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'floor ms':>8s} {'peak GiB':>8s}")
+    print(f"{'weights':8s} {'KV':5s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'floor ms':>8s} {'KV GiB':>7s} "
+          f"{'waves':>5s} {'peak GiB':>8s}")
     for r in rows:
+        kv = r.get("kv_cache", "auto")
         if "error" in r:
-            print(f"{r['precision']:8s} {r['batch']:5d} {r['error']}")
+            print(f"{r['precision']:8s} {kv:5s} {r['batch']:5d} {r['error']}")
             continue
         floor = f"{r['floor_ms']:8.2f}" if "floor_ms" in r else f"{'':8s}"
-        print(f"{r['precision']:8s} {r['batch']:5d} {r['tokens_per_s']:8.0f} {r['ms_per_step']:8.2f} {floor} "
-              f"{r['peak_gib']:8.1f}")
+        kv_gib = f"{r['kv_gib']:7.2f} {r['waves']:5d}" if "kv_gib" in r else f"{'':13s}"
+        print(f"{r['precision']:8s} {kv:5s} {r['batch']:5d} {r['tokens_per_s']:8.0f} {r['ms_per_step']:8.2f} {floor} "
+              f"{kv_gib} {r['peak_gib']:8.1f}")
         for family, us in r.get("kernels_us_per_step", {}).items():
             print(f"    {family:42s} {us:8.1f} us/step")
-    by = {(r["precision"], r["batch"]): r["tokens_per_s"] for r in rows if "error" not in r}
+    by = {(r["precision"], r["batch"]): r["tokens_per_s"] for r in rows
+          if "error" not in r and r.get("kv_cache", "auto") == "auto"}  # fmt: skip
     for batch in args.batches:
         if ("nvfp4", batch) in by and ("bf16", batch) in by:
             print(f"batch {batch}: NVFP4 / BF16 = {by['nvfp4', batch] / by['bf16', batch]:.2f}x")
+    ok = {(r["precision"], r["batch"], r.get("kv_cache")): r["tokens_per_s"] for r in rows if "error" not in r}
+    for (precision, batch, kv), tps in ok.items():
+        if kv == "fp8" and (precision, batch, "auto") in ok:
+            print(f"{precision} batch {batch}: FP8 KV / model-dtype KV = {tps / ok[precision, batch, 'auto']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
                                           "device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
