@@ -73,7 +73,8 @@ def sync_time() -> float:
 
 
 def run_passes(trainer, ids, mask, completion: int) -> dict[str, float]:
-    """Seconds of each pass on one micro-batch, and the peak memory of the two with gradients (GiB)."""
+    """Seconds of each pass on one micro-batch, and the memory the two with gradients add at their peak (GiB above
+    what was allocated before them: both bases' weights, which every pass shares)."""
     model = trainer.model
     size = ids.size(0)
     start = sync_time()
@@ -81,14 +82,16 @@ def run_passes(trainer, ids, mask, completion: int) -> dict[str, float]:
         trainer._get_per_token_logps_and_entropies(model, ids, mask, completion, size)
     forward_done = sync_time()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     with torch.nn.attention.sdpa_kernel(TRAINING_SDPA_BACKENDS):
         logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, completion, size)
         loss_done = sync_time()
         logps.mean().backward()
         backward_done = sync_time()
     model.zero_grad(set_to_none=True)
+    added = (torch.cuda.max_memory_allocated() - before) / 2**30
     return {"log-prob forward": forward_done - start, "loss forward": loss_done - forward_done,
-            "backward": backward_done - loss_done, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+            "backward": backward_done - loss_done, "peak_gib": added}  # fmt: skip
 
 
 def kernel_families(trainer, ids, mask, completion: int) -> dict[str, float]:
@@ -155,8 +158,8 @@ def main(argv=None) -> None:
             print(f"{row['rows']:6d} {key:18s} {nv:8.3f} {bf:8.3f} {bf / nv:5.2f}x")
         nv = row["nvfp4 loss forward"] + row["nvfp4 backward"]
         bf = row["bf16 loss forward"] + row["bf16 backward"]
-        print(f"{row['rows']:6d} {'forward+backward':18s} {nv:8.3f} {bf:8.3f} {bf / nv:5.2f}x   peak GiB: "
-              f"NVFP4 {row['nvfp4 peak_gib']:.1f}, BF16 {row['bf16 peak_gib']:.1f}")
+        print(f"{row['rows']:6d} {'forward+backward':18s} {nv:8.3f} {bf:8.3f} {bf / nv:5.2f}x   GiB added at the "
+              f"peak: NVFP4 {row['nvfp4 peak_gib']:.2f}, BF16 {row['bf16 peak_gib']:.2f}")
     for p, families in profiles.items():
         print(f"{p}, one loss forward + backward at {rows[0]['rows']} rows, CUDA ms: "
               + ", ".join(f"{k} {v:.1f}" for k, v in families.items()))
