@@ -92,6 +92,13 @@ def test_fp8_cache_needs_its_scales_and_falls_back_on_cpu(seed):
     torch.testing.assert_close(out, expected.to(out.dtype), rtol=0, atol=0)
 
 
+def test_fp8_caches_take_the_wide_launch_shape_only_where_programs_fill_the_gpu():
+    q, k = torch.zeros(64, 28, 128), torch.zeros(64, 16, 4, 128)
+    assert attention.default_config(q, k) is attention.DEFAULT_CONFIG  # a BF16 cache: always the default
+    assert attention.default_config(q, k.to(kv_cache.FP8)) is attention.FP8_WIDE_CONFIG  # 64 x 4 = 256 programs
+    assert attention.default_config(q[:8], k[:8].to(kv_cache.FP8)) is attention.DEFAULT_CONFIG
+
+
 def test_rejects_int64_lengths():
     q, k = torch.zeros(2, 4, 16), torch.zeros(2, 8, 2, 16)
     with pytest.raises(ValueError, match="int32"):
@@ -146,10 +153,10 @@ def _interpreter_checks():
         k8, v8, ks, vs = _fp8_caches(k, v, seq_lens)
         ref8 = attention.decode_attention_reference(q.double(), k8, v8, seq_lens, scale, ks, vs)
         assert not ref8.isnan().any()
-        for num_splits in split_counts:
+        for num_splits, config in [(n, None) for n in split_counts] + [(None, attention.FP8_WIDE_CONFIG)]:
             out = attention.decode_attention(q, k8, v8, seq_lens, scale, num_splits=num_splits, k_scale=ks,
-                                             v_scale=vs)
-            assert _max_err(out, ref8) < 2e-2, ("fp8", hq, hkv, d, lens, num_splits, _max_err(out, ref8))
+                                             v_scale=vs, config=config)
+            assert _max_err(out, ref8) < 2e-2, ("fp8", hq, hkv, d, lens, num_splits, config, _max_err(out, ref8))
         # A preallocated workspace gives the same answer as one allocated per call.
         ws = attention.decode_workspace(q, k, num_splits=2)
         assert torch.equal(attention.decode_attention(q, k, v, seq_lens, scale, num_splits=2, workspace=ws),
@@ -178,8 +185,9 @@ def test_gpu_qwen7b_shapes_and_cuda_graph(seed):
         assert _max_err(attention.decode_attention(q, k, v, seq_lens, scale, num_splits=num_splits), ref) < 2e-2
     k8, v8, ks, vs = _fp8_caches(k, v, seq_lens)
     ref8 = attention.decode_attention_reference(q.double(), k8, v8, seq_lens, scale, ks, vs)
-    for num_splits in (None, 1, 7):
-        out = attention.decode_attention(q, k8, v8, seq_lens, scale, num_splits=num_splits, k_scale=ks, v_scale=vs)
+    for num_splits, config in ((None, None), (1, None), (7, None), (None, attention.FP8_WIDE_CONFIG)):
+        out = attention.decode_attention(q, k8, v8, seq_lens, scale, num_splits=num_splits, k_scale=ks, v_scale=vs,
+                                         config=config)
         assert _max_err(out, ref8) < 2e-2
 
     k.copy_(torch.randn_like(k))  # the lengths below grow past the ones above: no NaN to read there

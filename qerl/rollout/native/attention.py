@@ -56,6 +56,11 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIG = DecodeConfig()
+# FP8 caches hold half the bytes per tile. Where batch x KV heads fills the GPU (>= 256 programs before splitting),
+# 128-key tiles in a 3-deep pipeline read faster; below, they lose. H100, context 1280 (benchmarks.attention
+# --kv-dtype fp8): 7B batch 64 48.2 vs 54.3 us, 32B batch 64 80.7 vs 102.2; 32B batch 8 19.8 vs 16.6.
+FP8_WIDE_CONFIG = DecodeConfig(block_s=128, num_stages=3)
+FP8_WIDE_MIN_PROGRAMS = 256
 MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634  # the kernels take exp2: scores are scaled by scale * log2(e)
@@ -195,10 +200,18 @@ def _splits(batch: int, kv_heads: int, max_len: int, device: torch.device, num_s
     return _cdiv(tiles, tiles_per_split), tiles_per_split * config.block_s
 
 
+def default_config(q: torch.Tensor, k_cache: torch.Tensor) -> DecodeConfig:
+    """The launch shape decode_attention takes when given none."""
+    if k_cache.dtype == kv_cache.FP8 and q.shape[0] * k_cache.shape[2] >= FP8_WIDE_MIN_PROGRAMS:
+        return FP8_WIDE_CONFIG
+    return DEFAULT_CONFIG
+
+
 def decode_workspace(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None = None,
-                     config: DecodeConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                     config: DecodeConfig | None = None) -> torch.Tensor:
     """fp32 scratch for decode_attention's split partials at these shapes (pass the same num_splits and config):
     allocate it once, before capturing a CUDA graph, and hand it in as `workspace`."""
+    config = config or default_config(q, k_cache)
     b, hq, d = q.shape
     splits, _ = _splits(b, k_cache.shape[2], k_cache.shape[1], q.device, num_splits, config)
     return torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)
@@ -228,17 +241,18 @@ def _check(q, k_cache, v_cache, seq_lens, k_scale=None, v_scale=None):
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None,
-                     config: DecodeConfig = DEFAULT_CONFIG, k_scale=None, v_scale=None):
+                     config: DecodeConfig | None = None, k_scale=None, v_scale=None):
     """softmax(q . K^T * scale) V per sequence over its first seq_lens[b] cached keys -> out [B, Hq, D] in q's dtype.
 
     The Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1) for bf16/fp16; the torch reference otherwise.
     num_splits: key ranges per sequence (default: _splits' rule from B, Hkv, S_max and the SM count).
     workspace: from decode_workspace (else allocated per call, which a CUDA graph's private pool also serves).
-    config: the split kernel's launch shape (DecodeConfig).
+    config: the split kernel's launch shape (default: default_config(q, k_cache)).
     k_scale, v_scale: FP32 [B, S_max, Hkv], the scales of FP8 (E4M3) caches (kv_cache's format); None otherwise.
     """
     _check(q, k_cache, v_cache, seq_lens, k_scale, v_scale)
     fp8 = k_cache.dtype == kv_cache.FP8
+    config = config or default_config(q, k_cache)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype:
