@@ -9,7 +9,8 @@ The FP8 format (one scale per token and KV head, set when the token is written):
 largest magnitude amax = m * 2^e (1 <= m < 2) of the head's D values, so every value / scale is below 256 and
 within E4M3's range (448), and dividing by a power of two is exact; code = E4M3 round-to-nearest-even of
 value / scale. Value = code * scale. A token's key and value thus each cost D bytes + 4 instead of 2 D bytes in
-BF16. `quantize_reference` is the rule in torch: the CPU path, and what the kernels are tested against bit for bit.
+BF16. `quantize_reference` is the rule in torch: the CPU path, and what the kernels are tested against (bit for bit
+under the interpreter and for values on the GPU, whose fused rotation may put a key one E4M3 step apart).
 """
 
 from __future__ import annotations
