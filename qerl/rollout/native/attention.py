@@ -232,12 +232,7 @@ def _check(q, k_cache, v_cache, seq_lens, k_scale=None, v_scale=None):
     if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [{b}]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     if k_cache.dtype == kv_cache.FP8:
-        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if t is None or t.dtype != torch.float32 or t.shape != k_cache.shape[:3] or t.stride(2) != 1:
-                raise ValueError(f"an FP8 cache needs {name} FP32 {tuple(k_cache.shape[:3])} with a contiguous last "
-                                 f"dim; got {None if t is None else (t.dtype, tuple(t.shape))}")
-        if k_scale.stride() != v_scale.stride():
-            raise ValueError("k_scale and v_scale need the same strides")
+        kv_cache.check_scales(k_cache, k_scale, v_scale)
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None,

@@ -85,6 +85,17 @@ def dequantize_reference(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.f
     return (codes.float() * scale[..., None]).to(dtype)
 
 
+def check_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """An FP8 cache [B, S, Hkv, D] (either of K and V: they share a layout) comes with k_scale and v_scale FP32
+    [B, S, Hkv] of one layout with a contiguous last dim, which is how the kernels address them."""
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None or t.dtype != torch.float32 or t.shape != cache.shape[:3] or t.stride(2) != 1:
+            raise ValueError(f"an FP8 cache needs {name} FP32 {tuple(cache.shape[:3])} with a contiguous last dim; "
+                             f"got {None if t is None else (t.dtype, tuple(t.shape))}")
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale need the same strides")
+
+
 def bytes_per_token(kv_heads: int, head_dim: int, model_dtype: torch.dtype, fp8: bool) -> int:
     """One layer's key + value of one token."""
     if fp8:

@@ -94,12 +94,12 @@ def rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_
         return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1)
 
     idx = (batch_idx.long(), positions.long())
-    for cache, scale, values in ((k_cache, k_scale, rotate(k, num_kv_heads)), (v_cache, v_scale,
-                                                                             v.reshape(m, num_kv_heads, d))):
+    keys, values = rotate(k, num_kv_heads), v.reshape(m, num_kv_heads, d)
+    for cache, scale, rows in ((k_cache, k_scale, keys), (v_cache, v_scale, values)):
         if cache.dtype == kv_cache.FP8:
-            cache[idx], scale[idx] = kv_cache.quantize_reference(values)
+            cache[idx], scale[idx] = kv_cache.quantize_reference(rows)
         else:
-            cache[idx] = values.to(cache.dtype)
+            cache[idx] = rows.to(cache.dtype)
     return rotate(q, num_heads).to(qkv.dtype)
 
 
@@ -163,8 +163,8 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_id
     of token i into k_cache/v_cache [B, S, Hkv, D] at (batch_idx[i], positions[i]). FP8 caches (E4M3) take their
     scales k_scale/v_scale [B, S, Hkv] FP32 (kv_cache.quantize_reference's format)."""
     fp8 = k_cache.dtype == kv_cache.FP8
-    if fp8 and (k_scale is None or v_scale is None or k_scale.stride() != v_scale.stride()):
-        raise ValueError("rope_cache: an FP8 cache needs k_scale and v_scale [B, S, Hkv] with the same strides")
+    if fp8:
+        kv_cache.check_scales(k_cache, k_scale, v_scale)
     if not _triton_ok(qkv):
         return rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads,
                                 k_scale, v_scale)
