@@ -53,6 +53,27 @@ def checkpoint(size: str, precision: str, workdir: Path) -> str:
     return str(folder)
 
 
+def in_memory_model(size: str, precision: str, workdir: Path):
+    """The random model built on the GPU (NVFP4 layer by layer: no checkpoint written) and a folder holding only the
+    padded tokenizer, for --model-name."""
+    model = build(size, precision)
+    folder = workdir / f"tokenizer-{model.config.vocab_size}"
+    padded_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    return model, str(folder)
+
+
+def recipe_flags(config: str, model_path: str, out_dir: Path, new_tokens: int) -> list[str]:
+    """qerl.train flags of a recipe run on random weights and the character tokenizer (no saving, no logging)."""
+    return [
+        "--config", config, "--model-name", model_path, "--dataset", str(GSM8K), "--output-dir", str(out_dir),
+        "--max-completion-length", str(new_tokens), "--optim", "adamw_torch", "--save-strategy", "no",
+        "--report-to", "none", "--metrics-jsonl", "false",
+        # The character tokenizer makes ~4x more tokens than Qwen's: the system-prompt format would not fit the
+        # recipe's 256-token prompts, the reference's first format (question + "####" instruction) mostly does.
+        "--dataset-format", "gsm8k_hash", "--max-prompt-length", "320",
+    ]  # fmt: skip
+
+
 def synchronize() -> None:
     """Wait for the GPU (timings end when its work does); nothing to wait for on a CPU run."""
     if torch.cuda.is_available():
@@ -132,24 +153,18 @@ def main(argv=None) -> None:
         raise SystemExit("benchmarks.step needs a CUDA GPU")
 
     model = None
-    if args.in_memory:  # random weights built on the GPU (NVFP4 layer by layer): no checkpoint is written
-        model = build(args.size, args.precision)
-        model_path = str(Path(args.workdir) / f"tokenizer-{model.config.vocab_size}")
-        padded_tokenizer(model.config.vocab_size).save_pretrained(model_path)
+    if args.in_memory:
+        model, model_path = in_memory_model(args.size, args.precision, Path(args.workdir))
     else:
         model_path = checkpoint(args.size, args.precision, Path(args.workdir))
     recipe = args.config or f"configs/dapo_gsm8k_{args.precision}.yaml"
     out_dir = Path(args.workdir) / f"run-{args.size}-{args.precision}-{args.backend}"
     flags = [
-        "--config", recipe, "--model-name", model_path, "--dataset", str(GSM8K), "--output-dir", str(out_dir),
-        "--rollout-backend", args.backend, "--max-completion-length", str(args.new_tokens), "--optim", "adamw_torch",
-        "--max-steps", str(args.steps), "--save-strategy", "no", "--report-to", "none",
-        "--vllm-gpu-memory-utilization", str(args.gpu_memory_utilization), "--metrics-jsonl", "false",
+        *recipe_flags(recipe, model_path, out_dir, args.new_tokens),
+        "--rollout-backend", args.backend, "--max-steps", str(args.steps),
+        "--vllm-gpu-memory-utilization", str(args.gpu_memory_utilization),
         # Random weights never sample EOS: with the recipe's masking every completion would drop out of the loss.
         "--mask-truncated-completions", "false",
-        # The character tokenizer makes ~4x more tokens than Qwen's: the system-prompt format would not fit the
-        # recipe's 256-token prompts, the reference's first format (question + "####" instruction) mostly does.
-        "--dataset-format", "gsm8k_hash", "--max-prompt-length", "320",
         *args.extra,
     ]  # fmt: skip
     timer = PhaseTimer()

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.rollout import build, padded_tokenizer
-from benchmarks.step import GSM8K
+from benchmarks.step import in_memory_model, recipe_flags
 from qerl import train
 from qerl.trainer import TRAINING_SDPA_BACKENDS
 
@@ -43,15 +42,10 @@ KERNEL_FAMILIES = (
 
 
 def make_trainer(size: str, precision: str, completion: int, workdir: Path):
-    model = build(size, precision)
-    model_path = workdir / f"tokenizer-{model.config.vocab_size}"
-    padded_tokenizer(model.config.vocab_size).save_pretrained(model_path)
-    flags = [
-        "--config", f"configs/dapo_gsm8k_{precision}.yaml", "--model-name", str(model_path), "--dataset", str(GSM8K),
-        "--output-dir", str(workdir / f"run-{precision}"), "--rollout-backend", "transformers", "--aqn", "false",
-        "--optim", "adamw_torch", "--report-to", "none", "--save-strategy", "no", "--metrics-jsonl", "false",
-        "--dataset-format", "gsm8k_hash", "--max-prompt-length", "320", "--max-completion-length", str(completion),
-    ]  # fmt: skip
+    model, model_path = in_memory_model(size, precision, workdir)
+    recipe = f"configs/dapo_gsm8k_{precision}.yaml"
+    flags = [*recipe_flags(recipe, model_path, workdir / f"run-{precision}", completion),
+             "--rollout-backend", "transformers", "--aqn", "false"]  # fmt: skip
     trainer = train.build_trainer(*train.parse_args(flags), model=model)
     trainer.model.train()
     if trainer.args.gradient_checkpointing:  # what Trainer.train() turns on before its first step
