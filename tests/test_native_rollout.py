@@ -80,20 +80,26 @@ def test_sampled_logprobs_equal_the_trainers_recomputation(seed):
 
 
 def test_fp8_kv_cache_takes_fewer_bytes_and_samples_close_to_the_trainer(seed):
-    """E4M3 keys and values (a scale per token and head): (D + 4) / (D * 4) of an FP32 cache's bytes here (D = 16),
-    and log-probs off the trainer's by the cache's rounding only: above the FP32 engine's ~1e-7, well below
-    what a wrong key or value would do (the cache feeds every layer)."""
-    model, tokenizer = _policy()
+    """E4M3 keys and values (a scale per token and head) on a BF16 policy, as rollouts run: (D + 4) / 2D of the BF16
+    cache's bytes (D = 16 here), and log-probs off the trainer's by the cache's rounding on top of BF16's: above
+    the BF16 cache's difference (measured on this model: ~1.7e-3 vs ~1.2e-2 mean), well below what a wrong key or
+    value would do (the cache feeds every layer)."""
+    model, tokenizer = _policy(torch.bfloat16)
     prompts = _prompts(tokenizer)
     config = GenerationConfig(do_sample=True, temperature=0.7)
-    engine = NativeEngine(Decoder(model), Sampler(config), [-1], tokenizer.pad_token_id, kv_cache_dtype="fp8")
-    full = _engine(model, [-1], tokenizer.pad_token_id)
-    assert engine._kv_bytes_per_sequence(100) * 64 == full._kv_bytes_per_sequence(100) * (16 + 4)
-    engine.decoder.refresh()
-    ids, logprobs = engine.generate(prompts, 10)
-    diffs = _logprob_differences(model, prompts, ids, logprobs, 0.7)
-    print(f"fp8 KV: |engine - trainer| log-prob mean {diffs.mean():.2e} max {diffs.max():.2e}")
-    assert 1e-5 < diffs.mean() < 3e-2 and diffs.max() < 0.2
+    differences = {}
+    for kv_dtype in ("auto", "fp8"):
+        engine = NativeEngine(Decoder(model), Sampler(config), [-1], tokenizer.pad_token_id, kv_cache_dtype=kv_dtype)
+        engine.decoder.refresh()
+        ids, logprobs = engine.generate(prompts, 10)
+        differences[kv_dtype] = _logprob_differences(model, prompts, ids, logprobs, 0.7)
+        print(f"{kv_dtype} KV: |engine - trainer| log-prob mean {differences[kv_dtype].mean():.2e} "
+              f"max {differences[kv_dtype].max():.2e}")
+        if kv_dtype == "auto":
+            bf16_bytes = engine._kv_bytes_per_sequence(100)
+    assert engine._kv_bytes_per_sequence(100) * 2 * 16 == bf16_bytes * (16 + 4)
+    fp8 = differences["fp8"]
+    assert fp8.mean() > 2 * differences["auto"].mean() and fp8.mean() < 3e-2 and fp8.max() < 0.2
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp4': choose one of auto, fp8"):
         NativeEngine(Decoder(model), Sampler(config), [-1], 0, kv_cache_dtype="fp4")
 
