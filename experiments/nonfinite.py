@@ -26,6 +26,9 @@ import traceback
 import torch
 from torch import nn
 
+ATTENTION = ("sdpa", "sdpa-no-cudnn", "eager")  # torch's default SDPA kernels, the training step's, eager
+HEADS = ("fused", "logits")
+
 
 def _nonfinite(t) -> int:
     return int((~torch.isfinite(t)).sum()) if torch.is_tensor(t) and t.is_floating_point() else 0
@@ -197,6 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="write the report as JSON here too")
     args = parser.parse_args(argv)
+    for flag, given, known in (("--attn", args.attn, ATTENTION), ("--head", args.head, HEADS)):
+        unknown = set(given.split(",")) - set(known)
+        if unknown:
+            parser.error(f"{flag}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
 
     dump = torch.load(args.dump, map_location="cpu", weights_only=False)
     batch = {k: v.to(args.device) if torch.is_tensor(v) else v for k, v in dump["batch"].items()}
