@@ -9,6 +9,7 @@ Both are torch custom ops (`qerl::nvfp4_dequantize`, `qerl::nvfp4_linear`) with 
 linear, a registered autograd formula, so torch.compile traces them without graph breaks and CUDA graphs
 capture them. In eager mode without autograd (rollouts) nvfp4_linear calls the same implementation directly,
 skipping the op's dispatch (host time). Dispatch, inside the ops:
+  * BF16 CUDA x of 1-16 rows, K a multiple of 128 (decode): the CUDA decode GEMM (cuda_gemm.py, decode_gemm.cu).
   * CUDA tensors (or CPU tensors under TRITON_INTERPRET=1): Triton kernels (triton_kernels.py);
     rows <= FUSED_MAX_M: the fused W4A16 GEMM (reads the packed weight once);
     more rows: the dequant kernel, then cuBLAS (compute bound there; the dequant is ~10% at M=2048).
@@ -22,7 +23,7 @@ import os
 
 import torch
 
-from qerl.nvfp4 import codec
+from qerl.nvfp4 import codec, cuda_gemm
 
 try:  # Triton is Linux-only; the torch path keeps everything working without it.
     from qerl.nvfp4 import triton_kernels as _tk
@@ -55,6 +56,8 @@ def _(packed, scale, global_scale, dtype):
 
 
 def _linear_2d(x2, packed, scale, global_scale, bias, splitk_counters=None):
+    if cuda_gemm.supported(x2, x2.shape[1]):
+        return cuda_gemm.gemm(x2, packed, scale, global_scale, bias, counters=splitk_counters)
     if _triton_ok(x2) and x2.dtype in _tk.GEMM_DTYPES and x2.shape[0] <= FUSED_MAX_M:
         return _tk.gemm(x2, packed, scale, global_scale, bias, counters=splitk_counters)
     w = _dequantize_op(packed, scale, global_scale, x2.dtype)
@@ -112,10 +115,10 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Te
 
 def splitk_counters(out_features: int, device=None) -> torch.Tensor:
     """Scratch to keep beside a weight of `out_features` rows and pass to every `nvfp4_linear` call on it: the fused
-    kernel's arrival counters (two for a LoRA computed in the same launch, then split-K's, one per 64 rows: its
-    smallest N tile), left zeroed by every call. Allocate it before any CUDA-graph capture; it saves a memset
-    launch per call."""
-    return torch.zeros(2 - (-out_features // 64), dtype=torch.int32, device=device)
+    kernel's arrival counters (two for a LoRA computed in the same launch, then split-K's, one per 32 rows: the
+    smallest N tile of the CUDA and Triton kernels), left zeroed by every call. Allocate it before any CUDA-graph
+    capture; it saves a memset launch per call."""
+    return torch.zeros(2 - (-out_features // 32), dtype=torch.int32, device=device)
 
 
 def nvfp4_linear(x, packed, scale, global_scale, bias=None, splitk_counters=None):
@@ -139,6 +142,8 @@ def nvfp4_linear_lora(x, packed, scale, global_scale, bias, splitk_counters, lor
     computes the adapter in the same launch; other rows add it after the GEMM."""
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
+    if cuda_gemm.supported(x, x.shape[1]):
+        return cuda_gemm.gemm(x, packed, scale, global_scale, bias, counters=splitk_counters, lora=(lora_a, lora_b))
     if _triton_ok(x) and x.dtype in _tk.GEMM_DTYPES and x.shape[0] <= FUSED_MAX_M:
         return _tk.gemm(x, packed, scale, global_scale, bias, counters=splitk_counters, lora=(lora_a, lora_b))
     y = _linear_impl(x, packed, scale, global_scale, bias, splitk_counters)

@@ -1,0 +1,202 @@
+"""The NVFP4 x BF16 decode GEMM in CUDA (decode_gemm.cu) for 1-16 rows: built by NVRTC at first use, launched
+through the driver with programmatic dependent launch, captured by CUDA graphs like any kernel on the stream.
+
+Why CUDA here and Triton elsewhere: at decode shapes the GEMM must stream the packed weight at memory speed, and
+the Triton kernel's loop spends ~4.5 instructions per weight around the decode (shared-memory staging, operand
+layouts, K permutations; docs/kernel_notes.md). Written by hand, each thread keeps its own codes and x values in
+registers from a coalesced 16-byte load to the tensor-core instruction, ~3 instructions per weight.
+
+`gemm` takes what `triton_kernels.gemm` takes (bias, split-K counters, a LoRA adapter in the same launch) for a BF16
+x of at most MAX_M rows on a GPU of compute capability 8.9+ with K a multiple of 128 (`supported`). NVRTC ships
+with the CUDA runtime that torch loads; no compiler or headers are needed beyond it. Nothing here runs on CPU:
+the Triton kernel (and its interpreter path) serves everything `supported` refuses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_gemm.cu")
+ENABLED = os.environ.get("QERL_CUDA_GEMM", "1") != "0"  # "0": the Triton kernel at every row count
+CHUNK = 128  # K codes per warp step (decode_gemm.cu's CHUNK)
+MAX_M = 16
+LORA_PARTS = 8  # K ranges of the LoRA shrink, as in the Triton kernel
+
+
+class CudaGemmConfig(NamedTuple):
+    """tile_n: weight rows per CTA (16 x NT); warps: warps per CTA, splitting its K range chunk by chunk; stages:
+    chunks each warp has in flight (register ring); split: K ranges across CTAs;
+    l2_prefetch: weight loads ask L2 for the whole 256-byte block."""
+
+    tile_n: int = 32
+    warps: int = 4
+    stages: int = 2
+    split: int = 1
+    l2_prefetch: int = 1
+
+
+class _Args(ctypes.Structure):  # decode_gemm.cu's Args, field for field
+    _fields_ = [(f, ctypes.c_void_p) for f in ("x", "packed", "scale", "gs", "bias", "y", "ws", "counters",
+                                                "lora_a", "lora_b", "lws")] + [
+        (f, ctypes.c_int) for f in ("sx", "sy", "M", "N", "K", "split", "split_chunks", "lora_r", "lora_parts",
+                                    "lora_chunks")]
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def supported(x: torch.Tensor, k: int) -> bool:
+    """Whether `gemm` takes this x: BF16 on a CUDA device of compute capability 8.9+ (FP8 conversions), at most MAX_M
+    rows, K a multiple of 128, QERL_CUDA_GEMM not "0", and the kernel builds there."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= MAX_M and k % CHUNK == 0 and ENABLED):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _capability_ok(index) and available(index)
+
+
+@functools.cache
+def _capability_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+@functools.cache
+def _kernel(nt: int, mt: int, warps: int, stages: int, l2_prefetch: int, device_index: int):
+    """The compiled kernel (a driver function handle) for one template instance on one device."""
+    from torch.cuda._utils import _cuda_load_module, _nvrtc_compile  # torch's NVRTC wrapper (private, no copy)
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    name = f"nvfp4_decode_gemm<{nt}, {mt}, {warps}, {stages}, {l2_prefetch}>"
+    with torch.cuda.device(device_index):
+        cubin, mangled = _nvrtc_compile(SOURCE.read_text(), name, f"{major}{minor}", nvcc_options=["-std=c++17"])
+        return _cuda_load_module(cubin, [mangled])[mangled].func
+
+
+@functools.cache
+def available(device_index: int) -> bool:
+    """Whether the kernel builds here (NVRTC and CUDA's headers found by torch); said once when it does not."""
+    try:
+        _kernel(2, 1, 4, 2, 1, device_index)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the Triton kernel
+        warnings.warn(f"qerl: the CUDA decode GEMM ({SOURCE.name}) did not build ({e}); using the Triton kernel",
+                      stacklevel=2)
+        return False
+    return True
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)  # called on every launch
+def default_config(m: int, n: int, k: int, device_index: int) -> CudaGemmConfig:
+    """Fitted to the H100 sweep (docs/kernel_notes.md, "CUDA decode GEMM"): 32-row tiles, a 2-deep ring (deeper rings
+    cost occupancy). 8 warps per CTA where the N tiles alone do not fill the GPU four times over (qkv, o, down at
+    up to 8 rows; only the narrowest, N <= 4096, at 9-16 rows, whose two x tiles double the x registers), else 4.
+    K splits across CTAs only for the long-K down projections: their partials' round trip costs more than the extra
+    CTAs give anywhere else (7B down: 2 splits, which still fit one wave; 32B down: 3; at 9-16 rows only 32B down).
+    """
+    sms = _sm_count(device_index)
+    n_tiles = -(-n // 32)
+    warps = 8 if (n_tiles < 4 * sms if m <= 8 else n_tiles <= 128) else 4
+    chunks_per_warp = k // CHUNK // warps
+    slots = sms * (2 if warps == 8 else 4)  # CTAs resident at ~120 registers per thread
+    split = 1
+    if m > 8:  # two x tiles per warp: partials cost more, only the longest K gains
+        split = 2 if chunks_per_warp >= 48 else 1
+    elif chunks_per_warp >= 16 and 2 * n_tiles <= slots:
+        split = 2
+    elif chunks_per_warp >= 24:
+        split = 3
+    return CudaGemmConfig(32, warps, 2, split, 1)
+
+
+def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lora=None,
+         config: CudaGemmConfig | None = None):
+    """y = x @ W^T (+ bias) (+ (x @ A^T) @ B^T), arguments as for `triton_kernels.gemm` (check `supported` first)."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if packed.shape[1] * 2 != k:
+        raise ValueError(f"x has K={k} but the packed weight holds K={packed.shape[1] * 2}")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)  # read with 16-byte loads
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    cfg = config or default_config(m, n, k, dev)
+    nt = cfg.tile_n // 16
+    mt = 1 if m <= 8 else 2
+    chunks = k // CHUNK
+    split_chunks = -(-chunks // cfg.split)
+    split = -(-chunks // split_chunks)  # no split without chunks
+    n_tiles = -(-n // cfg.tile_n)
+    lora_r = lora_parts = lora_chunks = 0
+    lora_a = lora_b = None
+    if lora is not None:
+        lora_a, lora_b = lora
+        lora_r = lora_a.shape[0]
+        if lora_r < 16 or lora_r % 16 or lora_a.shape != (lora_r, k) or lora_b.shape != (n, lora_r):
+            raise ValueError(f"lora: A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit x {m}x{k}, W "
+                             f"{n}x{k} with a rank that is a multiple of 16")
+        if not (lora_a.is_contiguous() and lora_b.is_contiguous()) or {lora_a.dtype, lora_b.dtype} != {x.dtype}:
+            raise ValueError(f"lora: A and B must be contiguous and in x's dtype {x.dtype}")
+        lora_chunks = -(-chunks // min(LORA_PARTS, chunks))
+        lora_parts = -(-chunks // lora_chunks)
+    ws = None
+    if split > 1 or lora_r:
+        # FP32 partials of y (split-K), of the LoRA's s, then s itself in BF16
+        ws = torch.empty(split * m * n + lora_parts * m * lora_r + m * lora_r // 2, dtype=torch.float32,
+                         device=x.device)
+        if counters is None or counters.numel() < 2 + n_tiles or counters.device != x.device:
+            counters = torch.zeros(2 + n_tiles, dtype=torch.int32, device=x.device)
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    args = _Args(ptr(x), ptr(packed), ptr(scale), ptr(global_scale), ptr(bias), ptr(out), ptr(ws), ptr(counters),
+                 ptr(lora_a), ptr(lora_b), None if ws is None else ws.data_ptr() + 4 * split * m * n,
+                 x.stride(0), out.stride(0), m, n, k, split, split_chunks, lora_r, lora_parts, lora_chunks)
+    grid = lora_parts * (lora_r // 16) + n_tiles * split
+    _launch(_kernel(nt, mt, cfg.warps, cfg.stages, cfg.l2_prefetch, dev), grid, 32 * cfg.warps, args, x.device)
+    return out
+
+
+def _launch(func, grid: int, block: int, args: _Args, device: torch.device) -> None:
+    from qerl.pdl import pdl_enabled
+
+    attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, b"", (1).to_bytes(4, "little"))
+    use_pdl = pdl_enabled(device)
+    config = _LaunchConfig((grid, 1, 1), (block, 1, 1), 0, torch.cuda.current_stream(device).cuda_stream,
+                           ctypes.pointer(attr) if use_pdl else None, 1 if use_pdl else 0)
+    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
+    err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), func, params, None)
+    if err:
+        raise RuntimeError(f"decode_gemm.cu: cuLaunchKernelEx failed with CUDA error {err}")
+
+
+@functools.cache
+def _libcuda():
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    lib = _get_gpu_runtime_library()
+    lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    return lib

@@ -1,0 +1,459 @@
+// NVFP4 x BF16 decode GEMM, y[M, N] = x[M, K] @ W^T for 1-16 rows of x (rollout decode), W packed NVFP4.
+// Built at first use by NVRTC (qerl/nvfp4/cuda_gemm.py), so: no headers, PTX for every specific instruction.
+//
+// Reads compressed-tensors' layout as it is in memory (no re-layout, no second copy): packed [N, K/2] bytes, two
+// E2M1 codes per byte (even k in the low nibble), FP8 E4M3 scales [N, K/16], one FP32 global scale.
+//
+// The weight is the MMA's 16-row side (mma.sync m16n8k16, BF16 in, FP32 accumulate), x's rows its 8 columns.
+// A warp walks K in chunks of 128 codes. For each weight row of its tile, the 4 threads of a quad read the
+// row's 64 bytes of the chunk with one 16-byte load each (thread t: codes 32t..32t+31, scale groups 2t and
+// 2t+1), so the loads are fully coalesced and each thread's codes never leave its registers. K is permuted
+// inside the MMA: a dot product does not care in which order k runs, as long as x follows the weight. Thread t
+// feeds MMA positions {2t, 2t+1, 2t+8, 2t+9} of a step from its own 32 codes, 4 codes per step, and takes the
+// matching x values from its own 16-byte loads of x (byte permutes). So no shared memory, no shuffles.
+//
+// Decode, per 32-bit word of 8 codes (nibble i = code i): the pairs (i, i+4) are 16 bits apart, so one mask,
+// one integer multiply (copies each nibble to <<6 for the magnitude and <<12 for the sign) and one mask give a
+// BF16 pair whose bits are code x 2^-126 (E2M1's exponent and mantissa bits land in BF16's lowest exponent
+// bits and top mantissa bit; code 1 is a BF16 subnormal). One BF16 multiply by scale x 2^110 then gives
+// code x scale x 2^-16 exactly (2-bit times 4-bit significands), and the epilogue multiplies by 2^16 before
+// dividing by the global scale: the same arithmetic as the Triton kernel.
+//
+// Grid (1-D): [LoRA CTAs] then (N tile, K split), N tile fastest. A CTA's WK warps split its K range chunk
+// by chunk and reduce through shared memory; K splits across CTAs write FP32 partials, and the last CTA of
+// an N tile (arrival counter) sums them in split order and re-arms the counter. A LoRA adapter (A [R, K],
+// B [N, R]) rides along as in the Triton kernel: the first CTAs compute FP32 partials of s = x @ A^T over K
+// ranges and arrive on counters[0]; the last to arrive sums them, rounds s to BF16 once and arrives again; each N
+// tile's epilogue waits for that, adds s @ B^T on the tensor cores, and the last N tile to read s re-arms
+// counters[0] and counters[1].
+// The LoRA CTAs have the lowest block ids, so they are dispatched before any CTA that waits for them.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define CHUNK 128      // K codes per warp step: 64 packed bytes per weight row, 16 per thread of the quad
+#define LORA_PARTS 8   // at most this many K ranges in the LoRA shrink (cuda_gemm.LORA_PARTS)
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// The weight stream is read once: keep it out of L1, which serves the scales and x. L2PF: ask L2 to fetch the
+// whole 256-byte block (the next chunks of the same row, which this CTA's other warps read next).
+template <int L2PF>
+__device__ __forceinline__ void ld_stream(const void* p, u32 (&v)[4]) {
+  if (L2PF)
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
+  else
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
+}
+
+__device__ __forceinline__ void ld_16B(const void* p, u32 (&v)[4]) {
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
+}
+
+__device__ __forceinline__ u32 ld_u16(const void* p) {
+  u16 v;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+// Written by other CTAs of this launch: read from L2, never from a stale L1 line.
+__device__ __forceinline__ float ld_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ u32 ld_cg_u32(const void* p) {
+  u32 v;
+  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Polling a counter hundreds of CTAs wait on: relaxed loads (acquire loads or atomics from all of them would slow
+// the CTAs they wait for), a fence once the count is reached.
+__device__ __forceinline__ void wait_for_count(const int* p, int count) {
+  int v;
+  while (true) {
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    if (v >= count) break;
+    __nanosleep(64);
+  }
+  __threadfence();
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+  u32 d;  // a * b + (-0): exact here, and -0 keeps the sign of a zero product
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+__device__ __forceinline__ u32 f32x2_to_bf16x2(float lo, float hi) {
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 b) {
+  float f;
+  asm("mov.b32 %0, %1;" : "=f"(f) : "r"(((u32)b) << 16));
+  return f;
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+  u16 d;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(f));
+  return d;
+}
+
+// Two E4M3 scale bytes -> (s0 x 2^110, s0 x 2^110) and (s1 x 2^110, s1 x 2^110) as BF16 pairs, exact
+// (E4M3 values, subnormals included, are normal in FP16 and in BF16 once scaled).
+__device__ __forceinline__ void scales_bf16x2(u32 two, u32& s0, u32& s1) {
+  u32 h;
+  u16 b = (u16)two;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(b));
+  float f0, f1;
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }"
+      : "=f"(f0), "=f"(f1) : "r"(h));
+  const float k = 1.2980742146337069e33f;  // 2^110
+  s0 = f32x2_to_bf16x2(f0 * k, f0 * k);
+  s1 = f32x2_to_bf16x2(f1 * k, f1 * k);
+}
+
+// 8 codes (nibble i = code i) times a scale pair -> BF16 pairs (code i, code i+4) for i = 0..3.
+__device__ __forceinline__ void decode8(u32 q, u32 s, u32 (&a)[4]) {
+  const u32 keep = 0x81C081C0u;  // sign, two exponent bits, top mantissa bit of each half
+  const u32 q2 = q >> 8;
+  a[0] = bf16x2_mul(((q & 0x000F000Fu) * 0x1040u) & keep, s);
+  a[1] = bf16x2_mul(((q & 0x00F000F0u) * 0x0104u) & keep, s);
+  a[2] = bf16x2_mul(((q2 & 0x000F000Fu) * 0x1040u) & keep, s);
+  a[3] = bf16x2_mul(((q2 & 0x00F000F0u) * 0x0104u) & keep, s);
+}
+
+// 8 BF16 values v0..v7 in 4 words (v0, v1) .. (v6, v7) -> pairs (v0, v4), (v1, v5), (v2, v6), (v3, v7): the
+// same k order as decode8's output, so x (and a LoRA A row) meets the code it multiplies.
+__device__ __forceinline__ void pair_up(const u32 (&v)[4], u32 (&b)[4]) {
+  b[0] = prmt(v[0], v[2], 0x5410);
+  b[1] = prmt(v[0], v[2], 0x7632);
+  b[2] = prmt(v[1], v[3], 0x5410);
+  b[3] = prmt(v[1], v[3], 0x7632);
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One step of 128 codes against 16 rows (two word sets, rows g and g+8) and the MT x tiles' pairs of 8 k.
+template <int MT>
+__device__ __forceinline__ void mma_chunk(float (&acc)[MT][4], const u32 (&lo)[4][4], const u32 (&hi)[4][4],
+                                          const u32 (&xb)[MT][4][4]) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      mma(acc[j], lo[w][0], hi[w][0], lo[w][1], hi[w][1], xb[j][w][0], xb[j][w][1]);
+      mma(acc[j], lo[w][2], hi[w][2], lo[w][3], hi[w][3], xb[j][w][2], xb[j][w][3]);
+    }
+  }
+}
+
+template <int NT, int MT>
+struct Stage {
+  u32 w[NT][2][4];   // packed codes, rows g and g+8 of each 16-row tile
+  u32 s[NT][2];      // their two scale bytes
+  u32 x[MT][4][4];   // x row g of each 8-row x tile: the 32 BF16 of the thread's k range
+};
+
+struct Args {
+  const u16* x; const u8* packed; const u8* scale; const float* gs; const u16* bias; u16* y;
+  float* ws; int* counters; const u16* lora_a; const u16* lora_b; float* lws;
+  int sx, sy, M, N, K, split, split_chunks, lora_r, lora_parts, lora_chunks;
+};
+
+// Sum the WK warps' accumulators into warp 0's through shared memory; returns false for the other warps.
+template <int E, int WK>
+__device__ __forceinline__ bool reduce_warps(float (&acc)[E], float (*red)[E][32], int warp, int lane) {
+  if (WK == 1) return true;
+  if (warp > 0) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) red[warp - 1][e][lane] = acc[e];
+  }
+  __syncthreads();
+  if (warp > 0) return false;
+#pragma unroll
+  for (int w = 0; w < WK - 1; ++w) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] += red[w][e][lane];
+  }
+  return true;
+}
+
+// LoRA CTA: 16 ranks of s = x @ A^T over one K range, FP32 partial to lws[part, M, R], then one arrival.
+template <int MT, int WK>
+__device__ void lora_shrink(const Args& p, int cta, float (*red)[MT * 4][32]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int rank_tiles = p.lora_r / 16, part = cta / rank_tiles, r0 = (cta % rank_tiles) * 16;
+  const int c_end = imin((part + 1) * p.lora_chunks, p.K / CHUNK);
+  const u16* arow[2] = {p.lora_a + (u64)(r0 + g) * p.K + 32 * t, p.lora_a + (u64)(r0 + g + 8) * p.K + 32 * t};
+  const u16* xrow[MT];
+#pragma unroll
+  for (int j = 0; j < MT; ++j) xrow[j] = p.x + (u64)imin(8 * j + g, p.M - 1) * p.sx + 32 * t;
+  float acc[MT][4] = {};
+  for (int c = part * p.lora_chunks + warp; c < c_end; c += WK) {
+    u32 lo[4][4], hi[4][4], xb[MT][4][4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      u32 v[4];
+      ld_16B(arow[0] + c * CHUNK + 8 * w, v);
+      pair_up(v, lo[w]);
+      ld_16B(arow[1] + c * CHUNK + 8 * w, v);
+      pair_up(v, hi[w]);
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        ld_16B(xrow[j] + c * CHUNK + 8 * w, v);
+        pair_up(v, xb[j][w]);
+      }
+    }
+    mma_chunk<MT>(acc, lo, hi, xb);
+  }
+  float* flat = &acc[0][0];
+  __shared__ int last;
+  if (reduce_warps<MT * 4, WK>(*reinterpret_cast<float(*)[MT * 4]>(flat), red, warp, lane)) {
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = r0 + g + 8 * (e >> 1), m = 8 * j + 2 * t + (e & 1);
+        if (m < p.M) p.lws[((u64)part * p.M + m) * p.lora_r + r] = acc[j][e];
+      }
+    }
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) last = atomicAdd(p.counters, 1) == p.lora_parts * rank_tiles - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  // The last LoRA CTA sums the partials once, in part order, and rounds s to BF16 (as a separate shrink GEMM would):
+  // hundreds of N tiles then read M x R BF16 values instead of each summing every partial from the same L2 lines.
+  __threadfence();
+  u16* s_bf16 = reinterpret_cast<u16*>(p.lws + (u64)p.lora_parts * p.M * p.lora_r);
+#pragma unroll 4
+  for (int i = threadIdx.x; i < p.M * p.lora_r; i += WK * 32) {
+    float v = 0.f;
+#pragma unroll
+    for (int q = 0; q < LORA_PARTS; ++q) {
+      if (q < p.lora_parts) v += ld_cg(p.lws + (u64)q * p.M * p.lora_r + i);
+    }
+    s_bf16[i] = f32_to_bf16(v);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(p.counters, 1);  // lora CTAs + 1: s is ready
+}
+
+// acc (this tile's y^T, FP32, scaled) += (s @ B^T)^T, s = x @ A^T in BF16 from the last LoRA CTA.
+template <int NT, int MT>
+__device__ void lora_expand(const Args& p, float (&acc)[NT][MT][4], int n0, int n_tiles) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if (lane == 0) wait_for_count(p.counters, p.lora_parts * (p.lora_r / 16) + 1);
+  __syncwarp();
+  const u16* s_bf16 = reinterpret_cast<const u16*>(p.lws + (u64)p.lora_parts * p.M * p.lora_r);
+  for (int r0 = 0; r0 < p.lora_r; r0 += 16) {
+    u32 b[MT][2];
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {  // s[m][r0 + 2t, +1] and s[m][r0 + 2t + 8, +9]: the B fragment as it lies
+      const u16* row = s_bf16 + imin(8 * j + g, p.M - 1) * p.lora_r + r0 + 2 * t;
+      b[j][0] = ld_cg_u32(row);
+      b[j][1] = ld_cg_u32(row + 8);
+    }
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const u16* row0 = p.lora_b + (u64)imin(n0 + 16 * i + g, p.N - 1) * p.lora_r + r0 + 2 * t;
+      const u16* row1 = p.lora_b + (u64)imin(n0 + 16 * i + g + 8, p.N - 1) * p.lora_r + r0 + 2 * t;
+      const u32 a0 = *reinterpret_cast<const u32*>(row0), a1 = *reinterpret_cast<const u32*>(row1);
+      const u32 a2 = *reinterpret_cast<const u32*>(row0 + 8), a3 = *reinterpret_cast<const u32*>(row1 + 8);
+#pragma unroll
+      for (int j = 0; j < MT; ++j) mma(acc[i][j], a0, a1, a2, a3, b[j][0], b[j][1]);
+    }
+  }
+  __syncwarp();
+  if (lane == 0 && atomicAdd(p.counters + 1, 1) == n_tiles - 1) {  // every N tile has read the partials
+    p.counters[0] = 0;
+    p.counters[1] = 0;
+  }
+}
+
+template <int NT, int MT, int WK, int STAGES, int L2PF>
+__global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
+  constexpr int E = NT * MT * 4;
+  __shared__ float red[WK > 1 ? WK - 1 : 1][E][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  int cta = blockIdx.x;
+  const int lora_ctas = p.lora_r ? p.lora_parts * (p.lora_r / 16) : 0;
+  if (cta < lora_ctas) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    lora_shrink<MT, WK>(p, cta, reinterpret_cast<float(*)[MT * 4][32]>(&red[0][0][0]));
+    return;
+  }
+  cta -= lora_ctas;
+  const int n_tiles = (p.N + 16 * NT - 1) / (16 * NT);
+  const int tile = cta % n_tiles, split_idx = cta / n_tiles, n0 = tile * 16 * NT;
+  const int K2 = p.K / 2, KS = p.K / 16;
+
+  // Rows past N and x rows past M read row N-1 / M-1 (in bounds); their outputs are never stored.
+  const u8* prow[NT][2];
+  const u8* srow[NT][2];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = imin(n0 + 16 * i + 8 * h + g, p.N - 1);
+      prow[i][h] = p.packed + (u64)n * K2 + 16 * t;
+      srow[i][h] = p.scale + (u64)n * KS + 2 * t;
+    }
+  }
+  const u16* xrow[MT];
+#pragma unroll
+  for (int j = 0; j < MT; ++j) xrow[j] = p.x + (u64)imin(8 * j + g, p.M - 1) * p.sx + 32 * t;
+
+  const int c_begin = split_idx * p.split_chunks;
+  const int c_end = imin(c_begin + p.split_chunks, p.K / CHUNK);
+  float acc[NT][MT][4] = {};
+  Stage<NT, MT> st[STAGES];
+
+  auto load_weights = [&](Stage<NT, MT>& s, int c) {
+    if (c >= c_end) return;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ld_stream<L2PF>(prow[i][h] + (u64)c * (CHUNK / 2), s.w[i][h]);
+        s.s[i][h] = ld_u16(srow[i][h] + c * (CHUNK / 16));
+      }
+    }
+  };
+  auto load_x = [&](Stage<NT, MT>& s, int c) {
+    if (c >= c_end) return;
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) ld_16B(xrow[j] + (u64)c * CHUNK + 8 * w, s.x[j][w]);
+    }
+  };
+  auto compute = [&](const Stage<NT, MT>& s) {
+    u32 xb[MT][4][4];
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) pair_up(s.x[j][w], xb[j][w]);
+    }
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      u32 lo[4][4], hi[4][4];
+      u32 sl0, sl1, sh0, sh1;
+      scales_bf16x2(s.s[i][0], sl0, sl1);
+      scales_bf16x2(s.s[i][1], sh0, sh1);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {  // words 0, 1: scale group 2t; words 2, 3: group 2t + 1
+        decode8(s.w[i][0][w], w < 2 ? sl0 : sl1, lo[w]);
+        decode8(s.w[i][1][w], w < 2 ? sh0 : sh1, hi[w]);
+      }
+      mma_chunk<MT>(acc[i], lo, hi, xb);
+    }
+  };
+
+  // Register ring: chunk c + (STAGES - 1) * WK is in flight while chunk c is decoded. No kernel writes the weights,
+  // so the first chunks' loads are written before the PDL wait (to overlap the previous kernel's tail) and x, that
+  // kernel's output, after it. The loads are plain asm: whether the compiler keeps them above the wait was not
+  // checked in the SASS (docs/kernel_notes.md: the 7B step's spread across machines).
+  int c = c_begin + warp;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) load_weights(st[s], c + s * WK);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) load_x(st[s], c + s * WK);
+  for (; c < c_end; c += STAGES * WK) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      const int cs = c + s * WK;
+      if (cs < c_end) {
+        load_weights(st[(s + STAGES - 1) % STAGES], cs + (STAGES - 1) * WK);
+        load_x(st[(s + STAGES - 1) % STAGES], cs + (STAGES - 1) * WK);
+        compute(st[s]);
+      }
+    }
+  }
+  asm volatile("griddepcontrol.launch_dependents;");
+
+  float* flat = &acc[0][0][0];
+  if (!reduce_warps<E, WK>(*reinterpret_cast<float(*)[E]>(flat), red, warp, lane)) return;
+
+  // Warp 0 holds the CTA's tile: rows n0 + 16i + g (+8 for e >= 2), x rows 8j + 2t (+1 for odd e).
+  if (p.split > 1) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int j = 0; j < MT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int n = n0 + 16 * i + g + 8 * (e >> 1), m = 8 * j + 2 * t + (e & 1);
+          if (n < p.N && m < p.M) p.ws[((u64)split_idx * p.M + m) * p.N + n] = acc[i][j][e];
+        }
+    __threadfence();
+    __syncwarp();
+    int arrived = 0;
+    if (lane == 0) arrived = atomicAdd(p.counters + 2 + tile, 1);
+    arrived = __shfl_sync(0xffffffffu, arrived, 0);
+    if (arrived != p.split - 1) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int j = 0; j < MT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int n = n0 + 16 * i + g + 8 * (e >> 1), m = 8 * j + 2 * t + (e & 1);
+          float v = 0.f;
+          if (n < p.N && m < p.M) {
+            for (int s = 0; s < p.split; ++s) v += ld_cg(p.ws + ((u64)s * p.M + m) * p.N + n);
+          }
+          acc[i][j][e] = v;
+        }
+    if (lane == 0) p.counters[2 + tile] = 0;  // every other CTA of this tile has arrived: re-armed
+  }
+
+  const float gs = *p.gs;
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = imin(n0 + 16 * i + g + 8 * (e >> 1), p.N - 1);
+        float v = acc[i][j][e] * 65536.0f / gs;  // undo the decode's 2^-16, then the global scale
+        if (p.bias) v += bf16_to_f32(p.bias[n]);
+        acc[i][j][e] = v;
+      }
+  if (p.lora_r) lora_expand<NT, MT>(p, acc, n0, n_tiles);
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = n0 + 16 * i + g + 8 * (e >> 1), m = 8 * j + 2 * t + (e & 1);
+        if (n < p.N && m < p.M) p.y[(u64)m * p.sy + n] = f32_to_bf16(acc[i][j][e]);
+      }
+}

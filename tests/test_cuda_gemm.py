@@ -1,0 +1,144 @@
+"""The CUDA decode GEMM (qerl/nvfp4/decode_gemm.cu) against float64 references, on the GPU; its build, on CPU.
+
+  * CPU: the source builds for sm_90 with nvcc where one is installed (NVRTC builds it the same way on the GPU), with
+    no register spills in the instances the dispatch picks; the dispatch refuses what the kernel cannot take.
+  * GPU: real and odd shapes, 1-16 rows, every tile / warp / ring / split variant, bias, a LoRA in the same launch,
+    the split-K and LoRA counters left zeroed across calls, CUDA-graph replay bit-equal to eager.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from qerl.nvfp4 import codec, cuda_gemm, kernels
+
+
+def _weight(n, k, device):
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.05
+    w[min(3, n - 1), :16] = 0  # an all-zero group: the smallest FP8 scale
+    return codec.quantize(w)
+
+
+def _reference(x, q, bias=None, lora=None):
+    """float64 x @ W^T (+ b) (+ bf16(x @ A^T) @ B^T), W the codec's dequantized weight."""
+    y = x.double() @ codec.dequantize(q.packed, q.scale, q.global_scale, torch.float32).double().t()
+    if bias is not None:
+        y += bias.double()
+    if lora is not None:
+        a, b = lora
+        y += (x.double() @ a.double().t()).to(torch.bfloat16).double() @ b.double().t()
+    return y
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+# ------------------------------------------------------------------------------------------------------------ CPU
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here (NVRTC builds the kernel on the GPU)")
+def test_builds_for_sm90_without_spills(tmp_path):
+    instances = {(2, mt, w, 2, 1) for mt in (1, 2) for w in (4, 8)}  # what default_config picks
+    src = tmp_path / "instances.cu"
+    src.write_text(f'#include "{cuda_gemm.SOURCE}"\n' + "".join(
+        f"template __global__ void nvfp4_decode_gemm<{a}, {b}, {c}, {d}, {e}>(Args);\n"
+        for a, b, c, d, e in sorted(instances)))
+    out = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
+                         capture_output=True, text=True, check=True).stderr
+    spills = re.findall(r"(\d+) bytes spill stores", out)
+    assert len(spills) == len(instances) and all(s == "0" for s in spills), out
+
+
+def test_dispatch_refuses_what_the_kernel_cannot_take():
+    x = torch.zeros(8, 256, dtype=torch.bfloat16)
+    assert not cuda_gemm.supported(x, 256)  # CPU
+    if torch.cuda.is_available():
+        cuda = torch.zeros(8, 256, dtype=torch.bfloat16, device="cuda")
+        assert not cuda_gemm.supported(cuda.half(), 256)
+        assert not cuda_gemm.supported(torch.zeros(17, 256, dtype=torch.bfloat16, device="cuda"), 256)
+        assert not cuda_gemm.supported(cuda[:, :192], 192)  # K % 128
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("n,k", [(1001, 384), (77, 1280), (4608, 3584), (3584, 18944)])
+def test_gpu_matches_float64_every_variant(seed, n, k):
+    q = _weight(n, k, "cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    counters = kernels.splitk_counters(n, "cuda")
+    configs = [None, cuda_gemm.CudaGemmConfig(32, 4, 2, 1, 0), cuda_gemm.CudaGemmConfig(16, 8, 3, 3, 1),
+               cuda_gemm.CudaGemmConfig(64, 2, 2, 7, 1), cuda_gemm.CudaGemmConfig(32, 8, 2, 2, 1)]
+    for m in (1, 5, 8, 13, 16):
+        x = torch.randn(m + 1, k, device="cuda", dtype=torch.bfloat16)[1:]  # misaligned rows: the kernel copies x
+        for with_bias in (False, True):
+            ref = _reference(x, q, bias if with_bias else None)
+            for cfg in configs:
+                for _ in range(2):  # the second call runs on the counters the first left behind
+                    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias if with_bias else None, out=y,
+                                   counters=counters, config=cfg)
+                    torch.cuda.synchronize()
+                    assert not y.isnan().any() and not counters.any(), (m, cfg)
+                    assert _rel_err(y, ref) < 4e-3, (m, cfg)
+
+
+@gpu
+@pytest.mark.parametrize("rank", [16, 48, 64])
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gpu_lora_in_the_same_launch(seed, m, rank):
+    for n, k in ((1037, 3584), (4608, 640)):
+        q = _weight(n, k, "cuda")
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        lora = (torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
+                torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        ref = _reference(x, q, bias, lora)
+        counters = kernels.splitk_counters(n, "cuda")
+        for cfg in (None, cuda_gemm.CudaGemmConfig(32, 4, 2, 5, 1)):
+            for _ in range(2):
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias, out=y, counters=counters, lora=lora,
+                               config=cfg)
+                torch.cuda.synchronize()
+                assert not y.isnan().any() and not counters.any(), cfg
+                assert _rel_err(y, ref) < 4e-3, cfg
+
+
+@gpu
+def test_gpu_dispatch_and_graph_replay_equal_eager(seed):
+    n, k = 4608, 3584
+    q = _weight(n, k, "cuda")
+    counters = kernels.splitk_counters(n, "cuda")
+    lora = (torch.randn(64, k, device="cuda", dtype=torch.bfloat16) * 0.05,
+            torch.randn(n, 64, device="cuda", dtype=torch.bfloat16) * 0.05)
+    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+    assert cuda_gemm.supported(x, k)
+
+    def step():
+        return kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, None, counters, *lora)
+
+    eager = step()
+    assert _rel_err(eager, _reference(x, q, lora=lora)) < 4e-3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, step(), rtol=0, atol=0)
+    assert not counters.any()
