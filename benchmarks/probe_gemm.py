@@ -3,6 +3,7 @@
     python -m benchmarks.probe_gemm stream            # bandwidth of the GEMM's TMA access pattern alone
     python -m benchmarks.probe_gemm splits            # every split-K on the shapes where wave count matters
     python -m benchmarks.probe_gemm host              # host time per eager call (what bounds eager decode)
+    python -m benchmarks.probe_gemm cuda              # CUDA vs Triton decode GEMM, with the engine's LoRA ranks
     ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probe_gemm ncu
 
 `stream` runs a kernel with the GEMM's grid, tiles, split-K and TMA ring that only XORs the bytes it
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from benchmarks.kernels import Copies, graph_time_us, nvfp4_bytes, shapes
+from benchmarks.kernels import Copies, graph_time_us, measure_ceilings, nvfp4_bytes, shapes
 from qerl.nvfp4 import kernels
 from qerl.nvfp4 import triton_kernels as tk
 
@@ -148,6 +149,35 @@ def host_cost():
         print(f"host {name:30s} {(time.perf_counter() - t0) / 2000 * 1e6:7.1f} us/call", flush=True)
 
 
+def cuda_vs_triton():
+    """The CUDA decode GEMM (cuda_gemm.py) against the Triton one at 1 and 8 rows, bare and with the rollout engine's
+    LoRA in the same launch (ranks as its fused groups pad them: q/k/v 64, gate/up 32, o and down 16)."""
+    from qerl.nvfp4 import cuda_gemm
+
+    dev = torch.device("cuda")
+    ranks = {"qkv": 64, "o": 16, "gate_up": 32, "down": 16}
+    copy_gbs, _ = measure_ceilings(dev)
+    print(f"copy {copy_gbs:.0f} GB/s; us per call (CUDA graph, weights rotated past L2); % = bytes / time of copy")
+    for model in ("7B", "14B", "32B"):
+        for name, (n, k) in shapes(model).items():
+            c = Copies(n, k, dev)
+            for m in (1, 8):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                lora = (torch.randn(ranks[name], k, device=dev, dtype=torch.bfloat16) * 0.05,
+                        torch.randn(n, ranks[name], device=dev, dtype=torch.bfloat16) * 0.05)
+                row = []
+                for kw in ({}, {"lora": lora}):
+                    for gemm in (tk.gemm, cuda_gemm.gemm):
+                        row.append(graph_time_us([lambda q=q, cn=cn, gemm=gemm, kw=kw, x=x: gemm(
+                            x, q.packed, q.scale, q.global_scale, counters=cn, **kw)
+                            for q, cn in zip(c.fp4, c.counters, strict=True)]))
+                pct = nvfp4_bytes(n, k) / row[1] / 1e3 / copy_gbs * 100
+                print(f"{model}.{name:8s} M={m}: triton {row[0]:6.1f} cuda {row[1]:6.1f} ({pct:3.0f}%) | with LoRA "
+                      f"r{ranks[name]}: triton {row[2]:6.1f} cuda {row[3]:6.1f}", flush=True)
+            del c
+            torch.cuda.empty_cache()
+
+
 def main(mode):
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -183,4 +213,4 @@ def main(mode):
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "stream"
-    {"splits": split_sweep, "host": host_cost}.get(mode, lambda: main(mode))()
+    {"splits": split_sweep, "host": host_cost, "cuda": cuda_vs_triton}.get(mode, lambda: main(mode))()
