@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from qerl.pdl import pdl_enabled
+
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 ENABLED = os.environ.get("QERL_CUDA_GEMM", "1") != "0"  # "0": the Triton kernel at every row count
 CHUNK = 128  # K codes per warp step (decode_gemm.cu's CHUNK)
@@ -180,8 +182,6 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
 
 
 def _launch(func, grid: int, block: int, args: _Args, device: torch.device) -> None:
-    from qerl.pdl import pdl_enabled
-
     attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, b"", (1).to_bytes(4, "little"))
     use_pdl = pdl_enabled(device)
     config = _LaunchConfig((grid, 1, 1), (block, 1, 1), 0, torch.cuda.current_stream(device).cuda_stream,

@@ -169,6 +169,18 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[MT][4], const u32 (&lo)[4
   }
 }
 
+// f(value, n, m) over a warp's accumulator tile: weight rows n0 + 16i + g (+8 for e >= 2), x rows 8j + 2t (+1 for odd
+// e), as mma.sync's C fragment lays them out.
+template <int NT, int MT, typename F>
+__device__ __forceinline__ void for_each_output(float (&acc)[NT][MT][4], int n0, int g, int t, F f) {
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(acc[i][j][e], n0 + 16 * i + g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1));
+}
+
 template <int NT, int MT>
 struct Stage {
   u32 w[NT][2][4];   // packed codes, rows g and g+8 of each 16-row tile
@@ -400,17 +412,11 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
   float* flat = &acc[0][0][0];
   if (!reduce_warps<E, WK>(*reinterpret_cast<float(*)[E]>(flat), red, warp, lane)) return;
 
-  // Warp 0 holds the CTA's tile: rows n0 + 16i + g (+8 for e >= 2), x rows 8j + 2t (+1 for odd e).
+  // Warp 0 holds the CTA's tile.
   if (p.split > 1) {
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int j = 0; j < MT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int n = n0 + 16 * i + g + 8 * (e >> 1), m = 8 * j + 2 * t + (e & 1);
-          if (n < p.N && m < p.M) p.ws[((u64)split_idx * p.M + m) * p.N + n] = acc[i][j][e];
-        }
+    for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
+      if (n < p.N && m < p.M) p.ws[((u64)split_idx * p.M + m) * p.N + n] = v;
+    });
     __threadfence();
     __syncwarp();
     int arrived = 0;
@@ -418,42 +424,22 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
     arrived = __shfl_sync(0xffffffffu, arrived, 0);
     if (arrived != p.split - 1) return;
     __threadfence();
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int j = 0; j < MT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int n = n0 + 16 * i + g + 8 * (e >> 1), m = 8 * j + 2 * t + (e & 1);
-          float v = 0.f;
-          if (n < p.N && m < p.M) {
-            for (int s = 0; s < p.split; ++s) v += ld_cg(p.ws + ((u64)s * p.M + m) * p.N + n);
-          }
-          acc[i][j][e] = v;
-        }
+    for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
+      v = 0.f;
+      if (n < p.N && m < p.M) {
+        for (int s = 0; s < p.split; ++s) v += ld_cg(p.ws + ((u64)s * p.M + m) * p.N + n);
+      }
+    });
     if (lane == 0) p.counters[2 + tile] = 0;  // every other CTA of this tile has arrived: re-armed
   }
 
   const float gs = *p.gs;
-#pragma unroll
-  for (int i = 0; i < NT; ++i)
-#pragma unroll
-    for (int j = 0; j < MT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int n = imin(n0 + 16 * i + g + 8 * (e >> 1), p.N - 1);
-        float v = acc[i][j][e] * 65536.0f / gs;  // undo the decode's 2^-16, then the global scale
-        if (p.bias) v += bf16_to_f32(p.bias[n]);
-        acc[i][j][e] = v;
-      }
+  for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int) {
+    v = v * 65536.0f / gs;  // undo the decode's 2^-16, then the global scale
+    if (p.bias) v += bf16_to_f32(p.bias[imin(n, p.N - 1)]);
+  });
   if (p.lora_r) lora_expand<NT, MT>(p, acc, n0, n_tiles);
-#pragma unroll
-  for (int i = 0; i < NT; ++i)
-#pragma unroll
-    for (int j = 0; j < MT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int n = n0 + 16 * i + g + 8 * (e >> 1), m = 8 * j + 2 * t + (e & 1);
-        if (n < p.N && m < p.M) p.y[(u64)m * p.sy + n] = f32_to_bf16(acc[i][j][e]);
-      }
+  for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
+    if (n < p.N && m < p.M) p.y[(u64)m * p.sy + n] = f32_to_bf16(v);
+  });
 }
