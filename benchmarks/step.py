@@ -220,7 +220,9 @@ def main(argv=None) -> None:
     peak = {"torch_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_peak_gib": timer.peak_gpu_gib}
     print(f"peak GPU memory: {peak['gpu_peak_gib']:.1f} GiB in use (driver, all of it), trainer's torch peak "
           f"{peak['torch_peak_gib']:.1f} GiB")
-    print("rollout vs trainer log-prob |difference| per step: " + ", ".join(f"{m:.4f}" for m in mismatch))
+    # TRL logs None for a step whose metric list came back empty (all NaN): say so rather than crash after the run
+    print("rollout vs trainer log-prob |difference| per step: "
+          + ", ".join("n/a" if m is None else f"{m:.4f}" for m in mismatch))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "args": vars(args), "device": device, "rollout": rollout_rows, "step_seconds": step_times,

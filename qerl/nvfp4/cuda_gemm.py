@@ -112,7 +112,8 @@ def default_config(m: int, n: int, k: int, device_index: int) -> CudaGemmConfig:
     cost occupancy). 8 warps per CTA where the N tiles alone do not fill the GPU four times over (qkv, o, down at
     up to 8 rows; only the narrowest, N <= 4096, at 9-16 rows, whose two x tiles double the x registers), else 4.
     K splits across CTAs only for the long-K down projections: their partials' round trip costs more than the extra
-    CTAs give anywhere else (7B down: 2 splits, which still fit one wave; 32B down: 3; at 9-16 rows only 32B down).
+    CTAs give anywhere else (7B down: 2 splits, which still fit one wave; 32B down: 3; at 9-16 rows 2 for the 14B and
+    32B downs).
     """
     sms = _sm_count(device_index)
     n_tiles = -(-n // 32)
@@ -120,8 +121,8 @@ def default_config(m: int, n: int, k: int, device_index: int) -> CudaGemmConfig:
     chunks_per_warp = k // CHUNK // warps
     slots = sms * (2 if warps == 8 else 4)  # CTAs resident at ~120 registers per thread
     split = 1
-    if m > 8:  # two x tiles per warp: partials cost more, only the longest K gains
-        split = 2 if chunks_per_warp >= 48 else 1
+    if m > 8:  # two x tiles per warp: partials cost more, only the long-K downs gain
+        split = 2 if chunks_per_warp >= 24 else 1
     elif chunks_per_warp >= 16 and 2 * n_tiles <= slots:
         split = 2
     elif chunks_per_warp >= 24:

@@ -424,12 +424,14 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
     arrived = __shfl_sync(0xffffffffu, arrived, 0);
     if (arrived != p.split - 1) return;
     __threadfence();
-    for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
-      v = 0.f;
-      if (n < p.N && m < p.M) {
-        for (int s = 0; s < p.split; ++s) v += ld_cg(p.ws + ((u64)s * p.M + m) * p.N + n);
-      }
-    });
+    // Split outermost: all of one split's loads are in flight together (a split loop per output waited out one L2
+    // round trip per output and split: the downs, which split, were ~10% slower).
+    for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int, int) { v = 0.f; });
+    for (int s = 0; s < p.split; ++s) {
+      for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
+        if (n < p.N && m < p.M) v += ld_cg(p.ws + ((u64)s * p.M + m) * p.N + n);
+      });
+    }
     if (lane == 0) p.counters[2 + tile] = 0;  // every other CTA of this tile has arrived: re-armed
   }
 
