@@ -18,9 +18,9 @@ from qerl.tiny import build_tiny
 pytestmark = pytest.mark.gpu
 
 
-def _policy(precision):
-    model, tokenizer = build_tiny(dtype=torch.bfloat16, hidden_size=512, intermediate_size=1024, num_layers=4,
-                                  num_heads=8, num_kv_heads=2)  # fmt: skip
+def _policy(precision, hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=2):
+    model, tokenizer = build_tiny(dtype=torch.bfloat16, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                                  num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads)  # fmt: skip
     model = model.cuda()
     if precision == "nvfp4":
         quantize_model(model)
@@ -43,12 +43,25 @@ def _prompts(vocab, lengths=(37, 5, 120, 64, 1, 90, 33, 7)):
 # FP8 KV adds the cache's E4M3 rounding (3 mantissa bits, a relative 2^-4 at worst per key and value) to BF16's.
 # Measured on this model (H100): BF16 KV mean 5.0e-3, max 1.9e-2; FP8 KV mean 1.7-1.8e-2, max 7e-2.
 LOGPROB_BOUNDS = {"auto": (2e-2, 0.5), "fp8": (6e-2, 0.5)}  # (mean, max) |rollout - policy|
+# At 7B's widths (2 layers, 2-8 prompts, H100, Triton or CUDA GEMM): mean 1.7e-2, max 4.5e-2 to 7.5e-2.
+LOGPROB_BOUNDS_7B_WIDTHS = (4e-2, 0.5)
 
 
-@pytest.mark.parametrize("precision,kv_dtype", [("nvfp4", "auto"), ("bf16", "auto"), ("nvfp4", "fp8"), ("bf16", "fp8")])
-def test_graph_decode_matches_eager_and_the_policy(precision, kv_dtype):
-    model, tokenizer = _policy(precision)
-    prompts = _prompts(len(tokenizer))
+@pytest.mark.parametrize(
+    "precision,kv_dtype,widths",
+    [("nvfp4", "auto", "small"), ("bf16", "auto", "small"), ("nvfp4", "fp8", "small"), ("bf16", "fp8", "small"),
+     # Qwen2.5-7B's widths, 2 layers, 2 prompts: the CUDA decode GEMM once read x before the previous kernel had
+     # written it (a load the compiler hoisted above the PDL wait), which only CUDA-graph replay at these shapes
+     # showed, as NaN log-probs
+     ("nvfp4", "auto", "7b")],
+)  # fmt: skip
+def test_graph_decode_matches_eager_and_the_policy(precision, kv_dtype, widths):
+    if widths == "7b":
+        model, tokenizer = _policy(precision, 3584, 18944, 2, 28, 4)
+        prompts = _prompts(len(tokenizer), lengths=(37, 120))
+    else:
+        model, tokenizer = _policy(precision)
+        prompts = _prompts(len(tokenizer))
     decoder = Decoder(model)
     decoder.refresh()
     engine = NativeEngine(decoder, Sampler(GenerationConfig(do_sample=True, temperature=1.0)), [-1], 0,
@@ -69,8 +82,9 @@ def test_graph_decode_matches_eager_and_the_policy(precision, kv_dtype):
             expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids, device="cuda")[:, None])[:, 0]
             diffs.append((torch.tensor(lps, device="cuda") - expected).abs())
     diffs = torch.cat(diffs)
-    print(f"{precision}, {kv_dtype} KV: |rollout - policy| log-prob mean {diffs.mean():.2e} max {diffs.max():.2e}")
-    mean_bound, max_bound = LOGPROB_BOUNDS[kv_dtype]
+    print(f"{precision}, {kv_dtype} KV, {widths} widths: |rollout - policy| log-prob mean {diffs.mean():.2e} "
+          f"max {diffs.max():.2e}")
+    mean_bound, max_bound = LOGPROB_BOUNDS_7B_WIDTHS if widths == "7b" else LOGPROB_BOUNDS[kv_dtype]
     assert diffs.mean() < mean_bound and diffs.max() < max_bound
 
 

@@ -50,8 +50,20 @@ __device__ __forceinline__ void ld_stream(const void* p, u32 (&v)[4]) {
         : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
 }
 
+// x and the LoRA A rows: a coherent load (`.nc` is only defined for data no one writes while the kernel lives, and with
+// PDL this kernel starts before the previous one has written x). Only after pdl_wait: see there.
 __device__ __forceinline__ void ld_16B(const void* p, u32 (&v)[4]) {
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
+  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
+}
+
+// griddepcontrol.wait, returning 0: add it to the x pointers. The loads are plain asm, which the compiler may move
+// across a volatile asm with a memory clobber; the data dependency keeps them below the wait. (Without it the x loads
+// were hoisted above the wait: CUDA-graph decode at 7B widths read x before the previous kernel wrote it and sampled
+// NaN log-probs; tests/test_native_gpu.py.)
+__device__ __forceinline__ u32 pdl_wait() {
+  u32 zero;
+  asm volatile("griddepcontrol.wait;\n\tmov.u32 %0, 0;" : "=r"(zero) :: "memory");
+  return zero;
 }
 
 __device__ __forceinline__ u32 ld_u16(const void* p) {
@@ -214,14 +226,14 @@ __device__ __forceinline__ bool reduce_warps(float (&acc)[E], float (*red)[E][32
 
 // LoRA CTA: 16 ranks of s = x @ A^T over one K range, FP32 partial to lws[part, M, R], then one arrival.
 template <int MT, int WK>
-__device__ void lora_shrink(const Args& p, int cta, float (*red)[MT * 4][32]) {
+__device__ void lora_shrink(const Args& p, int cta, u32 after_wait, float (*red)[MT * 4][32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int rank_tiles = p.lora_r / 16, part = cta / rank_tiles, r0 = (cta % rank_tiles) * 16;
   const int c_end = imin((part + 1) * p.lora_chunks, p.K / CHUNK);
   const u16* arow[2] = {p.lora_a + (u64)(r0 + g) * p.K + 32 * t, p.lora_a + (u64)(r0 + g + 8) * p.K + 32 * t};
   const u16* xrow[MT];
 #pragma unroll
-  for (int j = 0; j < MT; ++j) xrow[j] = p.x + (u64)imin(8 * j + g, p.M - 1) * p.sx + 32 * t;
+  for (int j = 0; j < MT; ++j) xrow[j] = p.x + (u64)imin(8 * j + g, p.M - 1) * p.sx + 32 * t + after_wait;
   float acc[MT][4] = {};
   for (int c = part * p.lora_chunks + warp; c < c_end; c += WK) {
     u32 lo[4][4], hi[4][4], xb[MT][4][4];
@@ -315,8 +327,7 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
   int cta = blockIdx.x;
   const int lora_ctas = p.lora_r ? p.lora_parts * (p.lora_r / 16) : 0;
   if (cta < lora_ctas) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    lora_shrink<MT, WK>(p, cta, reinterpret_cast<float(*)[MT * 4][32]>(&red[0][0][0]));
+    lora_shrink<MT, WK>(p, cta, pdl_wait(), reinterpret_cast<float(*)[MT * 4][32]>(&red[0][0][0]));
     return;
   }
   cta -= lora_ctas;
@@ -387,13 +398,14 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
   };
 
   // Register ring: chunk c + (STAGES - 1) * WK is in flight while chunk c is decoded. No kernel writes the weights,
-  // so the first chunks' loads are written before the PDL wait (to overlap the previous kernel's tail) and x, that
-  // kernel's output, after it. The loads are plain asm: whether the compiler keeps them above the wait was not
-  // checked in the SASS (docs/kernel_notes.md: the 7B step's spread across machines).
+  // so the first chunks' loads come before the PDL wait (to overlap the previous kernel's tail), and x, that kernel's
+  // output, after it (in the sm_90 SASS: the weight and scale LDGs, then ACQBULK, then the x LDGs).
   int c = c_begin + warp;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) load_weights(st[s], c + s * WK);
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const u32 after_wait = pdl_wait();
+#pragma unroll
+  for (int j = 0; j < MT; ++j) xrow[j] += after_wait;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) load_x(st[s], c + s * WK);
   for (; c < c_end; c += STAGES * WK) {
