@@ -233,9 +233,9 @@ __device__ void lora_shrink(const Args& p, int cta, u32 after_wait, float (*red)
   const u16* arow[2] = {p.lora_a + (u64)(r0 + g) * p.K + 32 * t, p.lora_a + (u64)(r0 + g + 8) * p.K + 32 * t};
   const u16* xrow[MT];
 #pragma unroll
-  for (int j = 0; j < MT; ++j) xrow[j] = p.x + (u64)imin(8 * j + g, p.M - 1) * p.sx + 32 * t + after_wait;
+  for (int j = 0; j < MT; ++j) xrow[j] = p.x + (u64)imin(8 * j + g, p.M - 1) * p.sx + 32 * t;
   float acc[MT][4] = {};
-  for (int c = part * p.lora_chunks + warp; c < c_end; c += WK) {
+  for (int c = part * p.lora_chunks + warp + after_wait; c < c_end; c += WK) {  // loads below the wait: pdl_wait
     u32 lo[4][4], hi[4][4], xb[MT][4][4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
@@ -347,9 +347,7 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
       srow[i][h] = p.scale + (u64)n * KS + 2 * t;
     }
   }
-  const u16* xrow[MT];
-#pragma unroll
-  for (int j = 0; j < MT; ++j) xrow[j] = p.x + (u64)imin(8 * j + g, p.M - 1) * p.sx + 32 * t;
+  const u16* xrow[MT];  // set after the PDL wait
 
   const int c_begin = split_idx * p.split_chunks;
   const int c_end = imin(c_begin + p.split_chunks, p.K / CHUNK);
@@ -405,7 +403,7 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
   for (int s = 0; s < STAGES - 1; ++s) load_weights(st[s], c + s * WK);
   const u32 after_wait = pdl_wait();
 #pragma unroll
-  for (int j = 0; j < MT; ++j) xrow[j] += after_wait;
+  for (int j = 0; j < MT; ++j) xrow[j] = p.x + after_wait + (u64)imin(8 * j + g, p.M - 1) * p.sx + 32 * t;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) load_x(st[s], c + s * WK);
   for (; c < c_end; c += STAGES * WK) {
