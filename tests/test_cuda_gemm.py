@@ -1,7 +1,8 @@
 """The CUDA decode GEMM (qerl/nvfp4/decode_gemm.cu) against float64 references, on the GPU; its build, on CPU.
 
   * CPU: the source builds for sm_90 with nvcc where one is installed (NVRTC builds it the same way on the GPU), with
-    no register spills in the instances the dispatch picks; the dispatch refuses what the kernel cannot take.
+    no register spills in the instances the dispatch picks and no x load above the PDL wait in their SASS; the
+    dispatch refuses what the kernel cannot take.
   * GPU: real and odd shapes, 1-16 rows, every tile / warp / ring / split variant, bias, a LoRA in the same launch,
     the split-K and LoRA counters left zeroed across calls, CUDA-graph replay bit-equal to eager.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,17 +44,76 @@ def _rel_err(out, ref):
 # ------------------------------------------------------------------------------------------------------------ CPU
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here (NVRTC builds the kernel on the GPU)")
-def test_builds_for_sm90_without_spills(tmp_path):
-    instances = {(2, mt, w, 2, 1) for mt in (1, 2) for w in (4, 8)}  # what default_config picks
-    src = tmp_path / "instances.cu"
+INSTANCES = sorted({(2, mt, w, 2, 1) for mt in (1, 2) for w in (4, 8)})  # what default_config picks
+
+
+@pytest.fixture(scope="module")
+def sm90_build(tmp_path_factory):
+    """The default instances built for sm_90 with nvcc (NVRTC builds them the same way on the GPU): ptxas's report and
+    the cubin."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
+    out_dir = tmp_path_factory.mktemp("sm90")
+    src = out_dir / "instances.cu"
     src.write_text(f'#include "{cuda_gemm.SOURCE}"\n' + "".join(
-        f"template __global__ void nvfp4_decode_gemm<{a}, {b}, {c}, {d}, {e}>(Args);\n"
-        for a, b, c, d, e in sorted(instances)))
-    out = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
-                         capture_output=True, text=True, check=True).stderr
-    spills = re.findall(r"(\d+) bytes spill stores", out)
-    assert len(spills) == len(instances) and all(s == "0" for s in spills), out
+        f"template __global__ void nvfp4_decode_gemm<{a}, {b}, {c}, {d}, {e}>(Args);\n" for a, b, c, d, e in INSTANCES))
+    cubin = out_dir / "k.cubin"
+    report = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(cubin), str(src)],
+                            capture_output=True, text=True, check=True).stderr
+    return report, cubin
+
+
+def test_builds_for_sm90_without_spills(sm90_build):
+    report, _ = sm90_build
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert len(spills) == len(INSTANCES) and all(s == "0" for s in spills), report
+
+
+def _cuobjdump():
+    """cuobjdump from the CUDA toolkit, or the copy Triton ships."""
+    found = shutil.which("cuobjdump")
+    if found is None:
+        try:
+            import triton
+        except ImportError:
+            return None
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        found = str(bundled) if bundled.exists() else None
+    return found
+
+
+def x_loads_above_the_wait(sass: str) -> list[str]:
+    """16-byte global loads that are not the weight stream's (`.NA`: L1 no-allocate), i.e. x or LoRA A rows, which
+    other kernels write, reached before the path's griddepcontrol.wait (SASS `ACQBULK`). A path starts at the function
+    or after an unpredicated EXIT; the GEMM and the LoRA CTAs each have one wait."""
+    bad = []
+    for function in sass.split("Function : ")[1:]:
+        waited = False
+        for line in function.splitlines():
+            m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", line)
+            if not m:
+                continue
+            op = m.group(1)
+            if op == "EXIT":
+                waited = False
+            elif op == "ACQBULK":
+                waited = True
+            elif re.search(r"\bLDG\.E(?![.\w]*\.NA\b)[.\w]*\.128\b", op) and not waited:
+                bad.append(f"{function.split()[0]}: {op}")
+    return bad
+
+
+def test_x_is_read_only_after_the_pdl_wait(sm90_build):
+    """The weight loads may run ahead of griddepcontrol.wait, x must not: with PDL the previous kernel may still be
+    writing it (a hoisted x load once made CUDA-graph decode sample NaN log-probs). Checked in the SASS. The source
+    before the fix (commit 74da21c) fails this check: 24 x loads above the wait across these 4 instances."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump here")
+    _, cubin = sm90_build
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert sass.count("ACQBULK") == 2 * len(INSTANCES)  # the GEMM's wait and the LoRA CTAs'
+    assert not x_loads_above_the_wait(sass)
 
 
 def test_dispatch_refuses_what_the_kernel_cannot_take():
