@@ -161,12 +161,18 @@ def decode_bytes(decoder, batch: int, prompt_len: int, new_tokens: int, kv_fp8: 
 # Substring of the kernel name -> family, first match wins. The NVFP4 GEMM includes the LoRA adapter it computes in
 # the same launch; the cuBLAS family is, on an NVFP4 base, the LM head alone.
 KERNEL_FAMILIES = (
-    ("_gemm_tc_kernel", "NVFP4 GEMM"), ("_split_kernel", "attention"), ("_merge_kernel", "attention"),
+    ("_gemm_tc_kernel", "NVFP4 GEMM"), ("nvfp4_decode_gemm", "NVFP4 GEMM"),  # Triton's, the CUDA one (before "gemm")
+    ("_split_kernel", "attention"), ("_merge_kernel", "attention"),
     ("_rmsnorm", "add+RMSNorm"), ("_rope_cache", "rotary+KV write"), ("_silu_mul", "SiLU gate"),
     ("gemm", "cuBLAS GEMM (BF16 base, LoRA, LM head)"), ("gemv", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
     ("splitKreduce", "cuBLAS GEMM (BF16 base, LoRA, LM head)"), ("nvjet", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
     ("softmax", "sampling"), ("exponential", "sampling"), ("argmax", "sampling"), ("reduce", "sampling"),
 )
+
+
+def kernel_family(name: str, families=KERNEL_FAMILIES) -> str:
+    """The family of the first (substring, family) pair whose substring is in the kernel's name, or "other"."""
+    return next((family for key, family in families if key.lower() in name.lower()), "other")
 
 
 def kernel_times(engine, prompts, new_tokens: int) -> dict[str, float]:
@@ -184,8 +190,7 @@ def kernel_times(engine, prompts, new_tokens: int) -> dict[str, float]:
     totals = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            family = next((f for key, f in KERNEL_FAMILIES if key.lower() in event.name.lower()), "other")
-            totals[family] += event.device_time
+            totals[kernel_family(event.name)] += event.device_time
     return totals
 
 

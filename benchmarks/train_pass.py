@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.rollout import kernel_family
 from benchmarks.step import in_memory_model, recipe_flags
 from qerl import train
 from qerl.trainer import TRAINING_SDPA_BACKENDS
@@ -35,6 +36,7 @@ PASSES = ("log-prob forward", "loss forward", "backward")
 # Substring of a CUDA kernel's name -> family, first match wins.
 KERNEL_FAMILIES = (
     ("_dequant_kernel", "NVFP4 dequant"), ("_gemm_tc_kernel", "NVFP4 fused GEMM"),
+    ("nvfp4_decode_gemm", "NVFP4 fused GEMM"),
     ("fmha", "attention"), ("flash", "attention"), ("attention", "attention"), ("cudnn", "attention"),
     ("gemm", "GEMM (cuBLAS/CUTLASS)"), ("nvjet", "GEMM (cuBLAS/CUTLASS)"), ("splitKreduce", "GEMM (cuBLAS/CUTLASS)"),
     ("sm90_xmma", "GEMM (cuBLAS/CUTLASS)"), ("cutlass", "GEMM (cuBLAS/CUTLASS)"),
@@ -101,8 +103,7 @@ def kernel_families(trainer, ids, mask, completion: int) -> dict[str, float]:
     totals = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            family = next((f for key, f in KERNEL_FAMILIES if key.lower() in event.name.lower()), "other")
-            totals[family] += event.device_time / 1e3
+            totals[kernel_family(event.name, KERNEL_FAMILIES)] += event.device_time / 1e3
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 

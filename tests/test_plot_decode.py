@@ -5,6 +5,7 @@ import json
 import pytest
 
 from benchmarks import plot_decode
+from benchmarks.rollout import kernel_family
 
 
 def _rollout_json(path, size, rows):
@@ -35,3 +36,13 @@ def test_unprofiled_run_is_refused(tmp_path):
     plain = _rollout_json(tmp_path / "plain.json", "7b", [{"precision": "nvfp4", "batch": 8, "ms_per_step": 5.0}])
     with pytest.raises(SystemExit, match="plain.json: no profiled rows"):
         plot_decode.load_rows([plain])
+
+
+def test_profile_families_by_kernel_name():
+    """Names as torch's profiler reports them: the CUDA decode GEMM's demangled name holds "gemm" and must not count
+    as cuBLAS."""
+    assert kernel_family("void nvfp4_decode_gemm<2, 1, 4, 2, 1>(Args)") == "NVFP4 GEMM"
+    assert kernel_family("_gemm_tc_kernel") == "NVFP4 GEMM"
+    assert kernel_family("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "cuBLAS GEMM (BF16 base, LoRA, LM head)"
+    assert kernel_family("_split_kernel") == "attention"
+    assert kernel_family("triton_poi_fused_add_0") == "other"
