@@ -27,6 +27,10 @@
 // tile's epilogue waits for that, adds s @ B^T on the tensor cores, and the last N tile to read s re-arms
 // counters[0] and counters[1].
 // The LoRA CTAs have the lowest block ids, so they are dispatched before any CTA that waits for them.
+//
+// Launched with programmatic dependent launch: the kernel may start while the previous one still runs. The weights
+// (which no kernel writes) may be loaded before griddepcontrol.wait; x, bias and everything else another kernel
+// writes only after it, through addresses that depend on pdl_wait()'s result.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -56,8 +60,9 @@ __device__ __forceinline__ void ld_16B(const void* p, u32 (&v)[4]) {
   asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
 }
 
-// griddepcontrol.wait, returning 0: add it to the x pointers. The loads are plain asm, which the compiler may move
-// across a volatile asm with a memory clobber; the data dependency keeps them below the wait. (Without it the x loads
+// griddepcontrol.wait, returning 0: fold it into the x addresses (a pointer or a chunk index). The loads are plain
+// asm, which the compiler may move across a volatile asm with a memory clobber; the data dependency keeps them below
+// the wait. (Without it the x loads
 // were hoisted above the wait: CUDA-graph decode at 7B widths read x before the previous kernel wrote it and sampled
 // NaN log-probs; tests/test_native_gpu.py.)
 __device__ __forceinline__ u32 pdl_wait() {
