@@ -29,8 +29,9 @@
 // The LoRA CTAs have the lowest block ids, so they are dispatched before any CTA that waits for them.
 //
 // Launched with programmatic dependent launch: the kernel may start while the previous one still runs. The weights
-// (which no kernel writes) may be loaded before griddepcontrol.wait; x, bias and everything else another kernel
-// writes only after it, through addresses that depend on pdl_wait()'s result.
+// (which no kernel writes) may be loaded before griddepcontrol.wait; everything another kernel writes only after it:
+// x (plain-asm loads) through addresses that depend on pdl_wait()'s result, the bias and LoRA B (C++ loads) below the
+// wait's memory clobber.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
