@@ -105,8 +105,9 @@ def x_loads_above_the_wait(sass: str) -> list[str]:
 
 def test_x_is_read_only_after_the_pdl_wait(sm90_build):
     """The weight loads may run ahead of griddepcontrol.wait, x must not: with PDL the previous kernel may still be
-    writing it (a hoisted x load once made CUDA-graph decode sample NaN log-probs). Checked in the SASS. The source
-    before the fix (commit 74da21c) fails this check: 24 x loads above the wait across these 4 instances."""
+    writing it (a hoisted x load once made CUDA-graph decode sample NaN log-probs). Checked in the SASS, with the
+    trigger that lets the next kernel start. The source before the fix (commit 74da21c) fails this check: 24 x loads
+    above the wait across these 4 instances."""
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump here")
@@ -114,6 +115,9 @@ def test_x_is_read_only_after_the_pdl_wait(sm90_build):
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert sass.count("ACQBULK") == 2 * len(INSTANCES)  # the GEMM's wait and the LoRA CTAs'
     assert not x_loads_above_the_wait(sass)
+    # griddepcontrol.launch_dependents (PREEXIT) after the main loop: without it the next kernel of the decode step
+    # cannot start early (a lost one once cost 3% of the 7B step and 5% per GEMM call without failing any test).
+    assert sass.count("PREEXIT") == len(INSTANCES)
 
 
 def test_dispatch_refuses_what_the_kernel_cannot_take():

@@ -31,7 +31,7 @@
 // Launched with programmatic dependent launch: the kernel may start while the previous one still runs. The weights
 // (which no kernel writes) may be loaded before griddepcontrol.wait; everything another kernel writes only after it:
 // x (plain-asm loads) through addresses that depend on pdl_wait()'s result, the bias and LoRA B (C++ loads) below the
-// wait's memory clobber.
+// wait's memory clobber. L2 prefetches (LoRA A and B) may come before it whatever they touch: no data reaches registers.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -63,19 +63,39 @@ __device__ __forceinline__ void ld_16B(const void* p, u32 (&v)[4]) {
 
 // griddepcontrol.wait, returning 0: fold it into the x addresses (a pointer or a chunk index). The loads are plain
 // asm, which the compiler may move across a volatile asm with a memory clobber; the data dependency keeps them below
-// the wait. (Without it the x loads
-// were hoisted above the wait: CUDA-graph decode at 7B widths read x before the previous kernel wrote it and sampled
-// NaN log-probs; tests/test_native_gpu.py.)
+// the wait. (Without it the x loads were hoisted above the wait: CUDA-graph decode at 7B widths read x before the
+// previous kernel wrote it and sampled NaN log-probs; tests/test_native_gpu.py.) Before sm_90 there is no PDL (the
+// launch never asks for it there): the kernel starts after the previous one has finished.
 __device__ __forceinline__ u32 pdl_wait() {
   u32 zero;
+#if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n\tmov.u32 %0, 0;" : "=r"(zero) :: "memory");
+#else
+  asm volatile("mov.u32 %0, 0;" : "=r"(zero) :: "memory");
+#endif
   return zero;
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 }
 
 __device__ __forceinline__ u32 ld_u16(const void* p) {
   u16 v;
   asm("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
+}
+
+// Ask L2 for `bytes` (a multiple of 16, 16-byte aligned) from p. Nothing reaches registers, and L2 is where every
+// kernel's writes meet, so this may run before the PDL wait on any data: it only saves the DRAM round trip later.
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes));
+#else
+  for (u32 o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)p + o));
+#endif
 }
 
 // Written by other CTAs of this launch: read from L2, never from a stale L1 line.
@@ -91,14 +111,18 @@ __device__ __forceinline__ u32 ld_cg_u32(const void* p) {
   return v;
 }
 
-// Polling a counter hundreds of CTAs wait on: relaxed loads (acquire loads or atomics from all of them would slow
-// the CTAs they wait for), a fence once the count is reached.
-__device__ __forceinline__ void wait_for_count(const int* p, int count) {
+__device__ __forceinline__ int ld_relaxed(const int* p) {
   int v;
-  while (true) {
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    if (v >= count) break;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Polling a counter hundreds of CTAs wait on, from a value `seen` read earlier: relaxed loads (acquire loads or atomics
+// from all of them would slow the CTAs they wait for), a fence once the count is reached.
+__device__ __forceinline__ void wait_for_count(const int* p, int count, int seen) {
+  while (seen < count) {
     __nanosleep(64);
+    seen = ld_relaxed(p);
   }
   __threadfence();
 }
@@ -232,10 +256,14 @@ __device__ __forceinline__ bool reduce_warps(float (&acc)[E], float (*red)[E][32
 
 // LoRA CTA: 16 ranks of s = x @ A^T over one K range, FP32 partial to lws[part, M, R], then one arrival.
 template <int MT, int WK>
-__device__ void lora_shrink(const Args& p, int cta, u32 after_wait, float (*red)[MT * 4][32]) {
+__device__ void lora_shrink(const Args& p, int cta, float (*red)[MT * 4][32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int rank_tiles = p.lora_r / 16, part = cta / rank_tiles, r0 = (cta % rank_tiles) * 16;
   const int c_end = imin((part + 1) * p.lora_chunks, p.K / CHUNK);
+  if (threadIdx.x < 16)  // this CTA's 16 rows of A over its K range, while the previous kernel still runs
+    prefetch_l2(p.lora_a + (u64)(r0 + threadIdx.x) * p.K + part * p.lora_chunks * CHUNK,
+                (c_end - part * p.lora_chunks) * CHUNK * 2);
+  const u32 after_wait = pdl_wait();
   const u16* arow[2] = {p.lora_a + (u64)(r0 + g) * p.K + 32 * t, p.lora_a + (u64)(r0 + g + 8) * p.K + 32 * t};
   const u16* xrow[MT];
 #pragma unroll
@@ -293,33 +321,66 @@ __device__ void lora_shrink(const Args& p, int cta, u32 after_wait, float (*red)
   if (threadIdx.x == 0) atomicAdd(p.counters, 1);  // lora CTAs + 1: s is ready
 }
 
-// acc (this tile's y^T, FP32, scaled) += (s @ B^T)^T, s = x @ A^T in BF16 from the last LoRA CTA.
-template <int NT, int MT>
-__device__ void lora_expand(const Args& p, float (&acc)[NT][MT][4], int n0, int n_tiles) {
+#define LORA_G 4  // rank tiles of 16 whose B fragments are loaded together: ranks up to 64 in one round trip
+
+// The tile's B fragments for ranks r0 .. r0 + 16 LORA_G (rows as mma.sync's A operand lays them out).
+template <int NT>
+__device__ __forceinline__ void lora_b_fragments(const Args& p, u32 (&a)[LORA_G][NT][4], int n0, int r0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  if (lane == 0) wait_for_count(p.counters, p.lora_parts * (p.lora_r / 16) + 1);
-  __syncwarp();
-  const u16* s_bf16 = reinterpret_cast<const u16*>(p.lws + (u64)p.lora_parts * p.M * p.lora_r);
-  for (int r0 = 0; r0 < p.lora_r; r0 += 16) {
-    u32 b[MT][2];
 #pragma unroll
-    for (int j = 0; j < MT; ++j) {  // s[m][r0 + 2t, +1] and s[m][r0 + 2t + 8, +9]: the B fragment as it lies
-      const u16* row = s_bf16 + imin(8 * j + g, p.M - 1) * p.lora_r + r0 + 2 * t;
-      b[j][0] = ld_cg_u32(row);
-      b[j][1] = ld_cg_u32(row + 8);
-    }
+  for (int q = 0; q < LORA_G; ++q) {
+    if (r0 + 16 * q >= p.lora_r) continue;
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
-      const u16* row0 = p.lora_b + (u64)imin(n0 + 16 * i + g, p.N - 1) * p.lora_r + r0 + 2 * t;
-      const u16* row1 = p.lora_b + (u64)imin(n0 + 16 * i + g + 8, p.N - 1) * p.lora_r + r0 + 2 * t;
-      const u32 a0 = *reinterpret_cast<const u32*>(row0), a1 = *reinterpret_cast<const u32*>(row1);
-      const u32 a2 = *reinterpret_cast<const u32*>(row0 + 8), a3 = *reinterpret_cast<const u32*>(row1 + 8);
-#pragma unroll
-      for (int j = 0; j < MT; ++j) mma(acc[i][j], a0, a1, a2, a3, b[j][0], b[j][1]);
+      const u16* row0 = p.lora_b + (u64)imin(n0 + 16 * i + g, p.N - 1) * p.lora_r + r0 + 16 * q + 2 * t;
+      const u16* row1 = p.lora_b + (u64)imin(n0 + 16 * i + g + 8, p.N - 1) * p.lora_r + r0 + 16 * q + 2 * t;
+      a[q][i][0] = *reinterpret_cast<const u32*>(row0);
+      a[q][i][1] = *reinterpret_cast<const u32*>(row1);
+      a[q][i][2] = *reinterpret_cast<const u32*>(row0 + 8);
+      a[q][i][3] = *reinterpret_cast<const u32*>(row1 + 8);
     }
   }
+}
+
+// acc (this tile's y^T, FP32, scaled) += (s @ B^T)^T, s = x @ A^T in BF16 from the last LoRA CTA. `a` holds the first
+// ranks' B fragments and `seen` counters[0], both loaded by warp 0 right after the main loop (B in L2 since before the
+// PDL wait), so their round trips overlap the warps' reduction instead of standing in line at every N tile's tail.
+template <int NT, int MT>
+__device__ void lora_expand(const Args& p, float (&acc)[NT][MT][4], int n0, u32 (&a)[LORA_G][NT][4], int seen) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if (lane == 0) wait_for_count(p.counters, p.lora_parts * (p.lora_r / 16) + 1, seen);
   __syncwarp();
-  if (lane == 0 && atomicAdd(p.counters + 1, 1) == n_tiles - 1) {  // every N tile has read the partials
+  const u16* s_bf16 = reinterpret_cast<const u16*>(p.lws + (u64)p.lora_parts * p.M * p.lora_r);
+  for (int r0 = 0; r0 < p.lora_r; r0 += 16 * LORA_G) {
+    if (r0 > 0) lora_b_fragments<NT>(p, a, n0, r0);
+    u32 b[LORA_G][MT][2];
+#pragma unroll
+    for (int q = 0; q < LORA_G; ++q) {
+      if (r0 + 16 * q >= p.lora_r) continue;
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {  // s[m][r + 2t, +1] and s[m][r + 2t + 8, +9]: the B fragment as it lies
+        const u16* row = s_bf16 + imin(8 * j + g, p.M - 1) * p.lora_r + r0 + 16 * q + 2 * t;
+        b[q][j][0] = ld_cg_u32(row);
+        b[q][j][1] = ld_cg_u32(row + 8);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < LORA_G; ++q) {
+      if (r0 + 16 * q >= p.lora_r) continue;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+#pragma unroll
+        for (int j = 0; j < MT; ++j) mma(acc[i][j], a[q][i][0], a[q][i][1], a[q][i][2], a[q][i][3], b[q][j][0], b[q][j][1]);
+      }
+    }
+  }
+}
+
+// After the tile's stores (so they do not wait for this round trip): the last N tile to have read s re-arms the LoRA
+// counters for the next call.
+__device__ __forceinline__ void lora_arrive(const Args& p, int n_tiles) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0 && atomicAdd(p.counters + 1, 1) == n_tiles - 1) {
     p.counters[0] = 0;
     p.counters[1] = 0;
   }
@@ -333,7 +394,7 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
   int cta = blockIdx.x;
   const int lora_ctas = p.lora_r ? p.lora_parts * (p.lora_r / 16) : 0;
   if (cta < lora_ctas) {
-    lora_shrink<MT, WK>(p, cta, pdl_wait(), reinterpret_cast<float(*)[MT * 4][32]>(&red[0][0][0]));
+    lora_shrink<MT, WK>(p, cta, reinterpret_cast<float(*)[MT * 4][32]>(&red[0][0][0]));
     return;
   }
   cta -= lora_ctas;
@@ -407,6 +468,8 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
   int c = c_begin + warp;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) load_weights(st[s], c + s * WK);
+  if (p.lora_r && split_idx == 0 && threadIdx.x == 0)  // the tile's rows of B, read at its tail
+    prefetch_l2(p.lora_b + (u64)n0 * p.lora_r, imin(16 * NT, p.N - n0) * p.lora_r * 2);
   const u32 after_wait = pdl_wait();
 #pragma unroll
   for (int j = 0; j < MT; ++j) xrow[j] = p.x + after_wait + (u64)imin(8 * j + g, p.M - 1) * p.sx + 32 * t;
@@ -423,7 +486,13 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
       }
     }
   }
-  asm volatile("griddepcontrol.launch_dependents;");
+  u32 lora_b[LORA_G][NT][4];
+  int lora_seen = 0;
+  if (p.lora_r && warp == 0) {  // the LoRA epilogue's first loads, in flight while the warps reduce
+    lora_b_fragments<NT>(p, lora_b, n0, 0);
+    if (lane == 0) lora_seen = ld_relaxed(p.counters);
+  }
+  pdl_launch_dependents();
 
   float* flat = &acc[0][0][0];
   if (!reduce_warps<E, WK>(*reinterpret_cast<float(*)[E]>(flat), red, warp, lane)) return;
@@ -456,8 +525,9 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
     v = v * 65536.0f / gs;  // undo the decode's 2^-16, then the global scale
     if (p.bias) v += bf16_to_f32(p.bias[imin(n, p.N - 1)]);
   });
-  if (p.lora_r) lora_expand<NT, MT>(p, acc, n0, n_tiles);
+  if (p.lora_r) lora_expand<NT, MT>(p, acc, n0, lora_b, lora_seen);
   for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
     if (n < p.N && m < p.M) p.y[(u64)m * p.sy + n] = f32_to_bf16(v);
   });
+  if (p.lora_r) lora_arrive(p, n_tiles);
 }
