@@ -107,8 +107,8 @@ class Copies:
         for i in range(self.n_fp4):
             q = base[i % len(base)][1]
             self.fp4.append(codec.NVFP4Weight(q.packed.clone(), q.scale.clone(), q.global_scale.clone()))
-        # Kept per weight, as NVFP4Linear keeps them: no memset per call.
-        self.counters = [kernels.splitk_counters(n, device) for _ in self.fp4]
+        # Kept per weight, as NVFP4Linear keeps them: no memset per call (room for the probes' LoRA ranks, up to 64).
+        self.counters = [kernels.splitk_counters(n, device, lora_rank=64) for _ in self.fp4]
 
 
 def measure_ceilings(device):

@@ -46,7 +46,7 @@ class CudaGemmConfig(NamedTuple):
 
 class _Args(ctypes.Structure):  # decode_gemm.cu's Args, field for field
     _fields_ = [(f, ctypes.c_void_p) for f in ("x", "packed", "scale", "gs", "bias", "y", "ws", "counters",
-                                                "lora_a", "lora_b", "lws")] + [
+                                                "lora_a", "lora_b", "lws", "lora_s")] + [
         (f, ctypes.c_int) for f in ("sx", "sy", "M", "N", "K", "split", "split_chunks", "lora_r", "lora_parts",
                                     "lora_chunks")]
 
@@ -61,6 +61,24 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def lora_s_offset(n: int) -> int:
+    """Where the LoRA s slots start in the counters of a weight of n rows: after the two LoRA counters and one split-K
+    counter per N tile of the smallest tile (16 rows), so that no config's counters reach them."""
+    return 2 - (-n // 16)
+
+
+def counters_size(n: int, lora_rank: int = 0) -> int:
+    """int32 words of the counters `gemm` keeps between calls on a weight of n rows with a LoRA of this rank."""
+    return lora_s_offset(n) + MAX_M * lora_rank // 2
+
+
+def new_counters(n: int, lora_rank: int = 0, device=None) -> torch.Tensor:
+    """Counters at rest: zeros, then the LoRA s slots empty (all ones, decode_gemm.cu's S_EMPTY)."""
+    counters = torch.zeros(counters_size(n, lora_rank), dtype=torch.int32, device=device)
+    counters[lora_s_offset(n):] = -1
+    return counters
 
 
 def supported(x: torch.Tensor, k: int) -> bool:
@@ -165,17 +183,16 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
         lora_parts = -(-chunks // lora_chunks)
     ws = None
     if split > 1 or lora_r:
-        # FP32 partials of y (split-K), of the LoRA's s, then s itself in BF16
-        ws = torch.empty(split * m * n + lora_parts * m * lora_r + m * lora_r // 2, dtype=torch.float32,
-                         device=x.device)
-        if counters is None or counters.numel() < 2 + n_tiles or counters.device != x.device:
-            counters = torch.zeros(2 + n_tiles, dtype=torch.int32, device=x.device)
+        ws = torch.empty(split * m * n + lora_parts * m * lora_r, dtype=torch.float32, device=x.device)  # partials
+        if counters is None or counters.numel() < counters_size(n, lora_r) or counters.device != x.device:
+            counters = new_counters(n, lora_r, x.device)
 
     def ptr(t):
         return None if t is None else t.data_ptr()
 
     args = _Args(ptr(x), ptr(packed), ptr(scale), ptr(global_scale), ptr(bias), ptr(out), ptr(ws), ptr(counters),
                  ptr(lora_a), ptr(lora_b), None if ws is None else ws.data_ptr() + 4 * split * m * n,
+                 counters.data_ptr() + 4 * lora_s_offset(n) if lora_r else None,
                  x.stride(0), out.stride(0), m, n, k, split, split_chunks, lora_r, lora_parts, lora_chunks)
     grid = lora_parts * (lora_r // 16) + n_tiles * split
     _launch(_kernel(nt, mt, cfg.warps, cfg.stages, cfg.l2_prefetch, dev), grid, 32 * cfg.warps, args, x.device)

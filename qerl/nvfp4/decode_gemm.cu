@@ -23,9 +23,11 @@
 // by chunk and reduce through shared memory; K splits across CTAs write FP32 partials, and the last CTA of
 // an N tile (arrival counter) sums them in split order and re-arms the counter. A LoRA adapter (A [R, K],
 // B [N, R]) rides along as in the Triton kernel: the first CTAs compute FP32 partials of s = x @ A^T over K
-// ranges and arrive on counters[0]; the last to arrive sums them, rounds s to BF16 once and arrives again; each N
-// tile's epilogue waits for that, adds s @ B^T on the tensor cores, and the last N tile to read s re-arms
-// counters[0] and counters[1].
+// ranges and arrive on counters[0]; the last to arrive re-arms it, sums the partials and writes s in BF16 pairs into
+// `lora_s`, slots that hold an empty mark (all ones, which the writer never stores) between calls. Each N tile
+// loads its s words right after its main loop, waits only while a word is still empty, adds s @ B^T on the tensor
+// cores, and arrives on counters[1]; the last to arrive empties the slots and re-arms counters[1]. A word is written
+// by one 32-bit store, so a reader sees the empty mark or the value: no flag, no fence, no extra round trip.
 // The LoRA CTAs have the lowest block ids, so they are dispatched before any CTA that waits for them.
 //
 // Launched with programmatic dependent launch: the kernel may start while the previous one still runs. The weights
@@ -105,26 +107,16 @@ __device__ __forceinline__ float ld_cg(const float* p) {
   return v;
 }
 
-__device__ __forceinline__ u32 ld_cg_u32(const void* p) {
+// The LoRA s slots: written by one CTA while others read them (relaxed, i.e. single 32-bit accesses, no data race).
+#define S_EMPTY 0xFFFFFFFFu  // two BF16 NaNs with every payload bit set (a written pair never equals it: see the writer)
+__device__ __forceinline__ u32 ld_relaxed(const u32* p) {
   u32 v;
-  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ int ld_relaxed(const int* p) {
-  int v;
   asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
-// Polling a counter hundreds of CTAs wait on, from a value `seen` read earlier: relaxed loads (acquire loads or atomics
-// from all of them would slow the CTAs they wait for), a fence once the count is reached.
-__device__ __forceinline__ void wait_for_count(const int* p, int count, int seen) {
-  while (seen < count) {
-    __nanosleep(64);
-    seen = ld_relaxed(p);
-  }
-  __threadfence();
+__device__ __forceinline__ void st_relaxed(u32* p, u32 v) {
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
@@ -232,7 +224,7 @@ struct Stage {
 
 struct Args {
   const u16* x; const u8* packed; const u8* scale; const float* gs; const u16* bias; u16* y;
-  float* ws; int* counters; const u16* lora_a; const u16* lora_b; float* lws;
+  float* ws; int* counters; const u16* lora_a; const u16* lora_b; float* lws; u32* lora_s;
   int sx, sy, M, N, K, split, split_chunks, lora_r, lora_parts, lora_chunks;
 };
 
@@ -306,19 +298,20 @@ __device__ void lora_shrink(const Args& p, int cta, float (*red)[MT * 4][32]) {
   // The last LoRA CTA sums the partials once, in part order, and rounds s to BF16 (as a separate shrink GEMM would):
   // hundreds of N tiles then read M x R BF16 values instead of each summing every partial from the same L2 lines.
   __threadfence();
-  u16* s_bf16 = reinterpret_cast<u16*>(p.lws + (u64)p.lora_parts * p.M * p.lora_r);
-#pragma unroll 4
-  for (int i = threadIdx.x; i < p.M * p.lora_r; i += WK * 32) {
-    float v = 0.f;
+  if (threadIdx.x == 0) p.counters[0] = 0;  // every LoRA CTA of this call has arrived: re-armed
+#pragma unroll 2
+  for (int i = 2 * threadIdx.x; i < p.M * p.lora_r; i += 2 * WK * 32) {
+    float v0 = 0.f, v1 = 0.f;
 #pragma unroll
     for (int q = 0; q < LORA_PARTS; ++q) {
-      if (q < p.lora_parts) v += ld_cg(p.lws + (u64)q * p.M * p.lora_r + i);
+      if (q < p.lora_parts) {
+        v0 += ld_cg(p.lws + (u64)q * p.M * p.lora_r + i);
+        v1 += ld_cg(p.lws + (u64)q * p.M * p.lora_r + i + 1);
+      }
     }
-    s_bf16[i] = f32_to_bf16(v);
+    const u32 pair = f32x2_to_bf16x2(v0, v1);
+    st_relaxed(p.lora_s + i / 2, pair == S_EMPTY ? 0x7FC07FC0u : pair);  // a NaN s must not read as "not yet"
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) atomicAdd(p.counters, 1);  // lora CTAs + 1: s is ready
 }
 
 #define LORA_G 4  // rank tiles of 16 whose B fragments are loaded together: ranks up to 64 in one round trip
@@ -342,27 +335,40 @@ __device__ __forceinline__ void lora_b_fragments(const Args& p, u32 (&a)[LORA_G]
   }
 }
 
-// acc (this tile's y^T, FP32, scaled) += (s @ B^T)^T, s = x @ A^T in BF16 from the last LoRA CTA. `a` holds the first
-// ranks' B fragments and `seen` counters[0], both loaded by warp 0 right after the main loop (B in L2 since before the
-// PDL wait), so their round trips overlap the warps' reduction instead of standing in line at every N tile's tail.
-template <int NT, int MT>
-__device__ void lora_expand(const Args& p, float (&acc)[NT][MT][4], int n0, u32 (&a)[LORA_G][NT][4], int seen) {
+// The tile's s words for ranks r0 .. r0 + 16 LORA_G as mma.sync's B operand lays them out (s[m][r + 2t, +1] and
+// s[m][r + 2t + 8, +9]); false while any is still empty.
+template <int MT>
+__device__ __forceinline__ bool lora_s_fragments(const Args& p, u32 (&b)[LORA_G][MT][2], int r0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  if (lane == 0) wait_for_count(p.counters, p.lora_parts * (p.lora_r / 16) + 1, seen);
-  __syncwarp();
-  const u16* s_bf16 = reinterpret_cast<const u16*>(p.lws + (u64)p.lora_parts * p.M * p.lora_r);
+  bool ready = true;
+#pragma unroll
+  for (int q = 0; q < LORA_G; ++q) {
+    if (r0 + 16 * q >= p.lora_r) continue;
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const u32* row = p.lora_s + (imin(8 * j + g, p.M - 1) * p.lora_r + r0 + 16 * q + 2 * t) / 2;
+      b[q][j][0] = ld_relaxed(row);
+      b[q][j][1] = ld_relaxed(row + 4);
+      ready &= b[q][j][0] != S_EMPTY && b[q][j][1] != S_EMPTY;
+    }
+  }
+  return __all_sync(0xffffffffu, ready);
+}
+
+// acc (this tile's y^T, FP32, scaled) += (s @ B^T)^T, s = x @ A^T in BF16 from the last LoRA CTA. `a` and `b` hold the
+// first ranks' B fragments and s words, loaded by warp 0 right after the main loop, so their round trip overlaps the
+// warps' reduction; `ready` says whether every s word had been written by then.
+template <int NT, int MT>
+__device__ void lora_expand(const Args& p, float (&acc)[NT][MT][4], int n0, u32 (&a)[LORA_G][NT][4],
+                            u32 (&b)[LORA_G][MT][2], bool ready) {
   for (int r0 = 0; r0 < p.lora_r; r0 += 16 * LORA_G) {
-    if (r0 > 0) lora_b_fragments<NT>(p, a, n0, r0);
-    u32 b[LORA_G][MT][2];
-#pragma unroll
-    for (int q = 0; q < LORA_G; ++q) {
-      if (r0 + 16 * q >= p.lora_r) continue;
-#pragma unroll
-      for (int j = 0; j < MT; ++j) {  // s[m][r + 2t, +1] and s[m][r + 2t + 8, +9]: the B fragment as it lies
-        const u16* row = s_bf16 + imin(8 * j + g, p.M - 1) * p.lora_r + r0 + 16 * q + 2 * t;
-        b[q][j][0] = ld_cg_u32(row);
-        b[q][j][1] = ld_cg_u32(row + 8);
-      }
+    if (r0 > 0) {
+      lora_b_fragments<NT>(p, a, n0, r0);
+      ready = lora_s_fragments<MT>(p, b, r0);
+    }
+    while (!ready) {
+      __nanosleep(64);
+      ready = lora_s_fragments<MT>(p, b, r0);
     }
 #pragma unroll
     for (int q = 0; q < LORA_G; ++q) {
@@ -376,14 +382,16 @@ __device__ void lora_expand(const Args& p, float (&acc)[NT][MT][4], int n0, u32 
   }
 }
 
-// After the tile's stores (so they do not wait for this round trip): the last N tile to have read s re-arms the LoRA
-// counters for the next call.
+// After the tile's stores (so they do not wait for this round trip): the last N tile to have read s empties the s
+// slots and re-arms counters[1] for the next call.
 __device__ __forceinline__ void lora_arrive(const Args& p, int n_tiles) {
+  const int lane = threadIdx.x & 31;
   __syncwarp();
-  if ((threadIdx.x & 31) == 0 && atomicAdd(p.counters + 1, 1) == n_tiles - 1) {
-    p.counters[0] = 0;
-    p.counters[1] = 0;
-  }
+  int last = 0;
+  if (lane == 0) last = atomicAdd(p.counters + 1, 1) == n_tiles - 1;
+  if (!__shfl_sync(0xffffffffu, last, 0)) return;
+  for (int i = lane; i < p.M * p.lora_r / 2; i += 32) st_relaxed(p.lora_s + i, S_EMPTY);
+  if (lane == 0) p.counters[1] = 0;
 }
 
 template <int NT, int MT, int WK, int STAGES, int L2PF>
@@ -486,11 +494,11 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
       }
     }
   }
-  u32 lora_b[LORA_G][NT][4];
-  int lora_seen = 0;
+  u32 lora_b[LORA_G][NT][4], lora_s[LORA_G][MT][2];
+  bool lora_ready = false;
   if (p.lora_r && warp == 0) {  // the LoRA epilogue's first loads, in flight while the warps reduce
     lora_b_fragments<NT>(p, lora_b, n0, 0);
-    if (lane == 0) lora_seen = ld_relaxed(p.counters);
+    lora_ready = lora_s_fragments<MT>(p, lora_s, 0);
   }
   pdl_launch_dependents();
 
@@ -525,7 +533,7 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
     v = v * 65536.0f / gs;  // undo the decode's 2^-16, then the global scale
     if (p.bias) v += bf16_to_f32(p.bias[imin(n, p.N - 1)]);
   });
-  if (p.lora_r) lora_expand<NT, MT>(p, acc, n0, lora_b, lora_seen);
+  if (p.lora_r) lora_expand<NT, MT>(p, acc, n0, lora_b, lora_s, lora_ready);
   for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
     if (n < p.N && m < p.M) p.y[(u64)m * p.sy + n] = f32_to_bf16(v);
   });

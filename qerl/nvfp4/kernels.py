@@ -113,12 +113,13 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Te
     return _dequantize_op(packed, scale, global_scale, dtype)
 
 
-def splitk_counters(out_features: int, device=None) -> torch.Tensor:
-    """Scratch to keep beside a weight of `out_features` rows and pass to every `nvfp4_linear` call on it: the fused
-    kernel's arrival counters (two for a LoRA computed in the same launch, then split-K's, one per 32 rows: the
-    smallest N tile of the CUDA and Triton kernels), left zeroed by every call. Allocate it before any CUDA-graph
-    capture; it saves a memset launch per call."""
-    return torch.zeros(2 - (-out_features // 32), dtype=torch.int32, device=device)
+def splitk_counters(out_features: int, device=None, lora_rank: int = 0) -> torch.Tensor:
+    """Scratch to keep beside a weight of `out_features` rows and pass to every `nvfp4_linear` (or `_lora`) call on
+    it: the fused kernels' arrival counters (two for a LoRA computed in the same launch, then split-K's, one per N
+    tile), then, for a LoRA of up to `lora_rank` (as padded for the GEMM), the CUDA kernel's slots for s = x @ A^T.
+    Every call leaves it as it found it. Allocate it before any CUDA-graph capture: it saves a memset launch per
+    call."""
+    return cuda_gemm.new_counters(out_features, lora_rank, device)
 
 
 def nvfp4_linear(x, packed, scale, global_scale, bias=None, splitk_counters=None):

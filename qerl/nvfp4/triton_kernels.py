@@ -478,10 +478,10 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
          counters: torch.Tensor | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None):
     """y = x @ W^T (+ bias) (+ (x @ A^T) @ B^T) for a 2-D bf16/fp16 x with few rows.
 
-    `counters` (int32 zeros, kept with the weight: kernels.splitk_counters): two for the LoRA programs, then the
-    split-K arrival counters, one per N tile. The kernel leaves them zeroed, so they are allocated once, before any
-    CUDA-graph capture; without them each call that needs them allocates and zeroes its own (one memset launch
-    more). Two calls sharing counters must not run concurrently.
+    `counters` (int32, kept with the weight: kernels.splitk_counters): two for the LoRA programs, then the split-K
+    arrival counters, one per N tile, all zero (what follows is the CUDA kernel's). The kernel leaves them zeroed, so
+    they are allocated once, before any CUDA-graph capture; without them each call that needs them allocates and
+    zeroes its own (one memset launch more). Two calls sharing counters must not run concurrently.
     `lora` = (A [R, K], B [N, R]), contiguous, x's dtype, R a power of two >= 16: a LoRA adapter computed in the
     same launch (saves the rollout engine the shrink GEMM's launch and the separate pass over y).
     """

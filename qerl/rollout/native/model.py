@@ -104,7 +104,6 @@ class Projection:
             self.packed = _share_storage([b.weight_packed for b in bases])
             self.scale = _share_storage([b.weight_scale for b in bases])
             self.global_scale = scales[0]
-            self.counters = kernels.splitk_counters(self.out_features, device)
         elif gather_each_round:
             raise Unsupported("the BF16 base's weights are sharded (FSDP2 / ZeRO-3); the engine runs "
                               "on whole weights, which only an NVFP4 base keeps on every rank (as buffers)")
@@ -122,6 +121,9 @@ class Projection:
             in_features = bases[0].in_features
             self.lora_a = torch.zeros((rank, in_features), dtype=dtype, device=device)
             self.lora_b = torch.zeros((self.out_features, rank), dtype=dtype, device=device)
+        if self.nvfp4:
+            lora_rank = 0 if self.lora_a is None else self.lora_a.shape[0]
+            self.counters = kernels.splitk_counters(self.out_features, device, lora_rank)
         self._loras = loras
 
     @torch.no_grad()
