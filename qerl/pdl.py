@@ -6,9 +6,14 @@ CUDA-graph decode step of a few hundred short kernels this hides the launch gap 
 otherwise paid once per kernel (measured: docs/benchmarks.md, section "S4": 0.13 ms of a 7B batch-8 step).
 
 The contract every kernel launched with `launch_pdl=pdl_enabled(device)` keeps:
-  * `wait_for_previous_kernel(PDL)` before it reads or writes any tensor another kernel touches. Every such
-    kernel waits, so the chain stays ordered: a kernel that skipped the wait could finish before its
-    predecessor, and the next kernel, which waits only on its immediate predecessor, would read too early.
+  * `wait_for_previous_kernel(PDL)` before it writes any tensor another kernel touches, and before it reads any
+    that the kernel launched just before it writes. Every such kernel waits, so the chain stays ordered: a kernel
+    that skipped the wait could finish before its predecessor, and the next kernel, which waits only on its
+    immediate predecessor, would read too early.
+  * What the previous kernel does not write may be read before the wait (weights, norm scales, rotary tables,
+    the positions and lengths set at the start of a decode step): every kernel here waits before it lets the next
+    one launch, so the kernel before the previous one has finished by then. Those loads then overlap the previous
+    kernel's tail instead of following the wait (the RMSNorm scale: 3% of the 7B decode step, docs/benchmarks.md).
   * `let_next_kernel_launch(PDL)` where the rest of its work no longer needs free SM slots (a hint: the next
     kernel's programs then get scheduled and wait at their own `wait_for_previous_kernel`).
 Kernels of other libraries (cuBLAS) between ours launch without PDL and wait for their predecessor as usual.

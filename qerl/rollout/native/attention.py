@@ -96,11 +96,11 @@ def _split_kernel(
     log2-sum-exp (scores in log2 units: qk_scale = scale * log2(e), so exp2 replaces exp). FP8 caches hold E4M3
     codes with one scale per key (ks_ptr) and value (vs_ptr): the codes go to the tensor cores as they are, the
     key scales multiply the scores' columns and the value scales the probabilities' columns."""
-    wait_for_previous_kernel(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b)
+    seq_len = tl.load(lens_ptr + b)  # before the wait: see decode_attention
+    wait_for_previous_kernel(PDL)
     start = split * split_len
     if start >= seq_len:  # past this sequence's keys: nothing to read, and the merge skips this split
         return
@@ -159,11 +159,11 @@ def _merge_kernel(
     HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[b, head] = the splits' outputs weighted by exp2(lse), over the splits that hold keys of sequence b."""
-    wait_for_previous_kernel(PDL)
-    let_next_kernel_launch(PDL)  # one wave of programs
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    n_splits = tl.cdiv(tl.load(lens_ptr + b), split_len)
+    n_splits = tl.cdiv(tl.load(lens_ptr + b), split_len)  # before the wait (the split kernel does not write it)
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_launch(PDL)  # one wave of programs
     rs = tl.arange(0, BLOCK_SPLITS)
     rd = tl.arange(0, D)
     s_ok = rs < n_splits
@@ -244,6 +244,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
     workspace: from decode_workspace (else allocated per call, which a CUDA graph's private pool also serves).
     config: the split kernel's launch shape (default: default_config(q, k_cache)).
     k_scale, v_scale: FP32 [B, S_max, Hkv], the scales of FP8 (E4M3) caches (kv_cache's format); None otherwise.
+    With PDL the kernels read seq_lens before they wait for the previous kernel, which must not write it.
     """
     _check(q, k_cache, v_cache, seq_lens, k_scale, v_scale)
     fp8 = k_cache.dtype == kv_cache.FP8

@@ -48,11 +48,14 @@ if triton is not None:
     @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):
-        wait_for_previous_kernel(PDL)
-        let_next_kernel_launch(PDL)  # one wave of programs
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
+        # The norm's scale changes only between rounds (refresh, AQN), never by a kernel of the step: read before the
+        # wait, its round trip overlaps the previous kernel's tail instead of following the row's reduction.
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        wait_for_previous_kernel(PDL)
+        let_next_kernel_launch(PDL)  # one wave of programs
         x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
         if HAS_RES:  # the residual stream is updated in place: h = bf16(h + x), as a BF16 add rounds
             x = (tl.load(res_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32))
@@ -60,7 +63,6 @@ if triton is not None:
             tl.store(res_ptr + row * n + cols, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -118,14 +120,16 @@ if triton is not None:
                            stride_cb, stride_cs, stride_sb, stride_ss, HQ: tl.constexpr, HKV: tl.constexpr,
                            D: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                            INTERPRET: tl.constexpr):
-        wait_for_previous_kernel(PDL)
-        let_next_kernel_launch(PDL)  # one wave of programs
         tok = tl.program_id(0)
+        # Where the token goes and its rotation are not written by the kernel before this one (the qkv GEMM): read
+        # before the wait, so only qkv's own load follows it.
         b = tl.load(bidx_ptr + tok).to(tl.int64)
         p = tl.load(pos_ptr + tok).to(tl.int64)
         half = tl.arange(0, D // 2)
         c = tl.load(cos_ptr + p * (D // 2) + half)[None, :]
         s = tl.load(sin_ptr + p * (D // 2) + half)[None, :]
+        wait_for_previous_kernel(PDL)
+        let_next_kernel_launch(PDL)  # one wave of programs
         heads = tl.arange(0, BLOCK_H)[:, None]
         row = qkv_ptr + tok * (HQ + 2 * HKV) * D
         # q heads -> rotated into q_out; k heads -> rotated into the cache; v heads -> copied into the cache.
@@ -161,7 +165,8 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_id
     """Rotary embedding (rotate-half convention, tables cos/sin [positions, D/2] in FP32) of the fused projection
     qkv [M, (Hq + 2 Hkv) * D]: returns the rotated queries [M, Hq, D] and writes the rotated keys and the values
     of token i into k_cache/v_cache [B, S, Hkv, D] at (batch_idx[i], positions[i]). FP8 caches (E4M3) take their
-    scales k_scale/v_scale [B, S, Hkv] FP32 (kv_cache.quantize_reference's format)."""
+    scales k_scale/v_scale [B, S, Hkv] FP32 (kv_cache.quantize_reference's format). With PDL, cos, sin, batch_idx
+    and positions are read before the wait: the kernel launched just before this one must not write them."""
     fp8 = k_cache.dtype == kv_cache.FP8
     if fp8:
         kv_cache.check_scales(k_cache, k_scale, v_scale)
