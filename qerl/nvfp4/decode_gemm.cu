@@ -32,8 +32,9 @@
 //
 // Launched with programmatic dependent launch: the kernel may start while the previous one still runs. The weights
 // (which no kernel writes) may be loaded before griddepcontrol.wait; everything another kernel writes only after it:
-// x (plain-asm loads) through addresses that depend on pdl_wait()'s result, the bias and LoRA B (C++ loads) below the
-// wait's memory clobber. L2 prefetches (LoRA A and B) may come before it whatever they touch: no data reaches registers.
+// x (plain-asm loads) through addresses that depend on pdl_wait()'s result, the bias, LoRA B and the s slots (C++ loads
+// and volatile asm) below the wait's memory clobber. L2 prefetches (LoRA A and B) may come before it whatever they
+// touch: no data reaches registers.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -108,7 +109,7 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 }
 
 // The LoRA s slots: written by one CTA while others read them (relaxed, i.e. single 32-bit accesses, no data race).
-#define S_EMPTY 0xFFFFFFFFu  // two BF16 NaNs with every payload bit set (a written pair never equals it: see the writer)
+#define S_EMPTY 0xFFFFFFFFu  // two BF16 NaNs, every payload bit set (a written pair never equals it: see the writer)
 __device__ __forceinline__ u32 ld_relaxed(const u32* p) {
   u32 v;
   asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -376,7 +377,8 @@ __device__ void lora_expand(const Args& p, float (&acc)[NT][MT][4], int n0, u32 
 #pragma unroll
       for (int i = 0; i < NT; ++i) {
 #pragma unroll
-        for (int j = 0; j < MT; ++j) mma(acc[i][j], a[q][i][0], a[q][i][1], a[q][i][2], a[q][i][3], b[q][j][0], b[q][j][1]);
+        for (int j = 0; j < MT; ++j)
+          mma(acc[i][j], a[q][i][0], a[q][i][1], a[q][i][2], a[q][i][3], b[q][j][0], b[q][j][1]);
       }
     }
   }
