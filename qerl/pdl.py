@@ -41,6 +41,11 @@ def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels take tensors on t's device: CUDA, or the CPU under TRITON_INTERPRET=1."""
+    return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Launch with PDL: a CUDA device of compute capability 9.0+, not the interpreter, QERL_PDL not "0"."""
     if triton is None or INTERPRET or device.type != "cuda" or os.environ.get("QERL_PDL", "1") == "0":

@@ -19,12 +19,11 @@ so a CUDA graph captures one launch pair for any lengths (no host sync, no data-
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
-from qerl.pdl import pdl_enabled
+from qerl.pdl import INTERPRET, pdl_enabled, triton_runs_on
 from qerl.rollout.native import kv_cache
 
 try:  # Triton is Linux-only; the torch reference keeps everything working without it.
@@ -35,7 +34,6 @@ try:  # Triton is Linux-only; the torch reference keeps everything working witho
 except ImportError:  # pragma: no cover - depends on the platform
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
@@ -66,10 +64,6 @@ MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634  # the kernels take exp2: scores are scaled by scale * log2(e)
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
-
-
-def _triton_ok(t: torch.Tensor) -> bool:
-    return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
 
 @_jit
@@ -253,7 +247,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}; got {out.dtype} {tuple(out.shape)}")
-    if not (_triton_ok(q) and q.dtype in KERNEL_DTYPES and v_cache.dtype == k_cache.dtype in (q.dtype, kv_cache.FP8)):
+    kernel_dtypes = q.dtype in KERNEL_DTYPES and v_cache.dtype == k_cache.dtype in (q.dtype, kv_cache.FP8)
+    if not (triton_runs_on(q) and kernel_dtypes):
         return out.copy_(decode_attention_reference(q, k_cache, v_cache, seq_lens, scale, k_scale, v_scale))
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or out.stride(2) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("q, k_cache, v_cache and out need a contiguous last dim, and the caches the same strides")

@@ -9,11 +9,9 @@ by the tests as the reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from qerl.pdl import pdl_enabled
+from qerl.pdl import INTERPRET, pdl_enabled, triton_runs_on
 from qerl.rollout.native import kv_cache
 
 try:  # Triton is Linux-only; the torch twins keep the engine working without it.
@@ -23,12 +21,6 @@ try:  # Triton is Linux-only; the torch twins keep the engine working without it
     from qerl.pdl import let_next_kernel_launch, wait_for_previous_kernel
 except ImportError:  # pragma: no cover - depends on the platform
     triton = None
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _triton_ok(t: torch.Tensor) -> bool:
-    return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
 
 # ---------------------------------------------------------------------------------------- residual + RMSNorm
@@ -69,7 +61,7 @@ if triton is not None:
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm(x) * weight for x [M, H] (weight in any float dtype, applied in FP32). With `residual`, first
     residual += x in place and normalize the sum (the decoder's pre-norm residual stream)."""
-    if not _triton_ok(x):
+    if not triton_runs_on(x):
         return rmsnorm_torch(x, weight, eps, residual)
     m, n = x.shape
     out = torch.empty_like(x)
@@ -170,7 +162,7 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_id
     fp8 = k_cache.dtype == kv_cache.FP8
     if fp8:
         kv_cache.check_scales(k_cache, k_scale, v_scale)
-    if not _triton_ok(qkv):
+    if not triton_runs_on(qkv):
         return rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads,
                                 k_scale, v_scale)
     m = qkv.shape[0]
@@ -213,7 +205,7 @@ if triton is not None:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of the fused projection [M, 2I] (gate first) -> [M, I]."""
-    if not _triton_ok(gate_up):
+    if not triton_runs_on(gate_up):
         return silu_mul_torch(gate_up)
     m, n2 = gate_up.shape
     n = n2 // 2

@@ -16,11 +16,10 @@ torch.manual_seed and every graph replay draws afresh.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from transformers import GenerationConfig, TemperatureLogitsWarper
 
+from qerl.pdl import triton_runs_on
 from qerl.rollout.transformers import sampling_warpers
 
 try:  # Triton is Linux-only; the torch path serves everywhere else.
@@ -29,23 +28,28 @@ try:  # Triton is Linux-only; the torch path serves everywhere else.
 except ImportError:  # pragma: no cover - depends on the platform
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 VOCAB_CHUNK = 4096  # vocabulary entries per program of the first kernel: 38 programs per row at Qwen2.5's 152k
+
+
+def _temperature_alone(warpers) -> float | None:
+    """The temperature when it is the only filter (1.0 when there is none): what the fused kernels apply."""
+    if not warpers:
+        return 1.0
+    if len(warpers) == 1 and isinstance(warpers[0], TemperatureLogitsWarper):
+        return warpers[0].temperature
+    return None
 
 
 class Sampler:
     def __init__(self, generation_config: GenerationConfig, vocab_chunk: int = VOCAB_CHUNK):
         self.greedy = not generation_config.do_sample
         self.warpers = sampling_warpers(generation_config)
-        # The fused kernels apply a temperature and nothing else.
-        self.temperature = (1.0 if not self.warpers else self.warpers[0].temperature
-                            if len(self.warpers) == 1 and isinstance(self.warpers[0], TemperatureLogitsWarper)
-                            else None)  # fmt: skip
+        self.temperature = _temperature_alone(self.warpers)
         self.vocab_chunk = vocab_chunk
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids [B], their log-probs [B]) for FP32 logits [B, V]."""
-        if not self.greedy and self.temperature is not None and _triton_ok(logits):
+        if not self.greedy and self.temperature is not None and triton_runs_on(logits):
             return sample_fused(logits, self.temperature, self.vocab_chunk)
         logprobs = torch.log_softmax(self.warpers(None, logits), dim=-1)
         if self.greedy:
@@ -54,10 +58,6 @@ class Sampler:
             race = torch.empty_like(logprobs).exponential_()
             tokens = (logprobs.exp() / race).argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _triton_ok(t: torch.Tensor) -> bool:
-    return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
 
 if triton is not None:
