@@ -1,10 +1,11 @@
-"""The CUDA decode GEMM (qerl/nvfp4/decode_gemm.cu) against float64 references, on the GPU; its build, on CPU.
+"""The CUDA GEMMs (qerl/nvfp4/decode_gemm.cu: mma.sync for 1-16 rows, wgmma for 17-64) against float64 references, on
+the GPU; their build, on CPU.
 
-  * CPU: the source builds for sm_90 with nvcc where one is installed (NVRTC builds it the same way on the GPU), with
-    no register spills in the instances the dispatch picks and no x load above the PDL wait in their SASS; the
-    dispatch refuses what the kernel cannot take.
-  * GPU: real and odd shapes, 1-16 rows, every tile / warp / ring / split variant, bias, a LoRA in the same launch,
-    the split-K and LoRA counters left zeroed across calls, CUDA-graph replay bit-equal to eager.
+  * CPU: the source builds for sm_90 / sm_90a with nvcc where one is installed (NVRTC builds it the same way on the
+    GPU), with no register spills in the decode instances the dispatch picks, no wgmma serialized by ptxas, and no x
+    load above the PDL wait in their SASS; the dispatch refuses what the kernels cannot take.
+  * GPU: real and odd shapes, 1-64 rows, every tile / warp / ring / split variant, bias, a LoRA in the same launch,
+    the split-K and LoRA counters left as they were across calls, CUDA-graph replay bit-equal to eager.
 """
 
 from __future__ import annotations
@@ -45,28 +46,48 @@ def _rel_err(out, ref):
 
 
 INSTANCES = sorted({(2, mt, w, 2, 1) for mt in (1, 2) for w in (4, 8)})  # what default_config picks
+WGMMA_INSTANCES = [(8, 2, 2, 1), (8, 2, 3, 2)]  # what wgmma_config picks
+
+
+def _nvcc_build(out_dir, arch, instances):
+    """The instances built with nvcc (NVRTC builds them the same way on the GPU): ptxas's report and the cubin."""
+    src = out_dir / "instances.cu"
+    src.write_text(f'#include "{cuda_gemm.SOURCE}"\n'
+                   + "".join(f"template __global__ void {i}(Args);\n" for i in instances))
+    cubin = out_dir / "k.cubin"
+    report = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-Xptxas", "-v", "-o", str(cubin), str(src)],
+                            capture_output=True, text=True, check=True).stderr
+    return report, cubin
 
 
 @pytest.fixture(scope="module")
 def sm90_build(tmp_path_factory):
-    """The default instances built for sm_90 with nvcc (NVRTC builds them the same way on the GPU): ptxas's report and
-    the cubin."""
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
-    out_dir = tmp_path_factory.mktemp("sm90")
-    src = out_dir / "instances.cu"
-    src.write_text(f'#include "{cuda_gemm.SOURCE}"\n' + "".join(
-        f"template __global__ void nvfp4_decode_gemm<{a}, {b}, {c}, {d}, {e}>(Args);\n" for a, b, c, d, e in INSTANCES))
-    cubin = out_dir / "k.cubin"
-    report = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(cubin), str(src)],
-                            capture_output=True, text=True, check=True).stderr
-    return report, cubin
+    return _nvcc_build(tmp_path_factory.mktemp("sm90"), "sm_90",
+                       [f"nvfp4_decode_gemm<{a}, {b}, {c}, {d}, {e}>" for a, b, c, d, e in INSTANCES])
+
+
+@pytest.fixture(scope="module")
+def sm90a_build(tmp_path_factory):
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
+    return _nvcc_build(tmp_path_factory.mktemp("sm90a"), "sm_90a",
+                       [f"nvfp4_wgmma_gemm<{a}, {b}, {c}, {d}>" for a, b, c, d in WGMMA_INSTANCES])
 
 
 def test_builds_for_sm90_without_spills(sm90_build):
     report, _ = sm90_build
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert len(spills) == len(INSTANCES) and all(s == "0" for s in spills), report
+
+
+def test_wgmma_kernel_builds_unserialized(sm90a_build):
+    """ptxas serializes every wgmma (a wait after each, C7513/C7515) when it cannot prove the A registers and
+    accumulators untouched while one is in flight; the kernel's keep_until_here and per-chunk wait prevent it."""
+    report, _ = sm90a_build
+    assert "Potential Performance Loss" not in report, report
+    assert len(re.findall(r"Used (\d+) registers", report)) == len(WGMMA_INSTANCES)
 
 
 def _cuobjdump():
@@ -103,21 +124,32 @@ def x_loads_above_the_wait(sass: str) -> list[str]:
     return bad
 
 
+def _sass(cubin):
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump here")
+    return subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
 def test_x_is_read_only_after_the_pdl_wait(sm90_build):
     """The weight loads may run ahead of griddepcontrol.wait, x must not: with PDL the previous kernel may still be
     writing it (a hoisted x load once made CUDA-graph decode sample NaN log-probs). Checked in the SASS, with the
     trigger that lets the next kernel start. The source before the fix (commit 74da21c) fails this check: 24 x loads
     above the wait across these 4 instances."""
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump here")
-    _, cubin = sm90_build
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = _sass(sm90_build[1])
     assert sass.count("ACQBULK") == 2 * len(INSTANCES)  # the GEMM's wait and the LoRA CTAs'
     assert not x_loads_above_the_wait(sass)
     # griddepcontrol.launch_dependents (PREEXIT) after the main loop: without it the next kernel of the decode step
     # cannot start early (a lost one once cost 3% of the 7B step and 5% per GEMM call without failing any test).
     assert sass.count("PREEXIT") == len(INSTANCES)
+
+
+def test_wgmma_kernel_reads_x_only_after_the_pdl_wait(sm90a_build):
+    sass = _sass(sm90a_build[1])
+    assert sass.count("ACQBULK") == 2 * len(WGMMA_INSTANCES)  # the GEMM's wait and the LoRA CTAs'
+    assert not x_loads_above_the_wait(sass)
+    assert sass.count("PREEXIT") == len(WGMMA_INSTANCES)
+    assert sass.count("HGMMA.64x64x16.F32.BF16") >= 8 * len(WGMMA_INSTANCES)  # a chunk's 8 k16 steps
 
 
 def test_dispatch_refuses_what_the_kernel_cannot_take():
@@ -126,7 +158,11 @@ def test_dispatch_refuses_what_the_kernel_cannot_take():
     if torch.cuda.is_available():
         cuda = torch.zeros(8, 256, dtype=torch.bfloat16, device="cuda")
         assert not cuda_gemm.supported(cuda.half(), 256)
-        assert not cuda_gemm.supported(torch.zeros(17, 256, dtype=torch.bfloat16, device="cuda"), 256)
+        assert not cuda_gemm.supported(torch.zeros(17, 256, dtype=torch.bfloat16, device="cuda"), 256)  # Triton's
+        assert not cuda_gemm.supported(torch.zeros(65, 256, dtype=torch.bfloat16, device="cuda"), 256)
+        rows_48 = torch.zeros(48, 256, dtype=torch.bfloat16, device="cuda")
+        assert not cuda_gemm.supported(rows_48, 256, lora=True)  # the wgmma kernel's LoRA is slower than Triton's
+        assert cuda_gemm.supported(rows_48, 256) == (torch.cuda.get_device_capability() == (9, 0))
         assert not cuda_gemm.supported(cuda[:, :192], 192)  # K % 128
 
 
@@ -209,3 +245,82 @@ def test_gpu_dispatch_and_graph_replay_equal_eager(seed):
         graph.replay()
         torch.testing.assert_close(out, step(), rtol=0, atol=0)
     assert torch.equal(counters, at_rest)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma kernel needs sm_90")
+@pytest.mark.parametrize("n,k", [(1001, 384), (77, 1280), (4608, 3584), (3584, 18944)])
+def test_gpu_wgmma_matches_float64_every_variant(seed, n, k):
+    q = _weight(n, k, "cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    counters = kernels.splitk_counters(n, "cuda")
+    configs = [None, cuda_gemm.WgmmaConfig(1, 2, 1, 4), cuda_gemm.WgmmaConfig(2, 3, 3, 2),
+               cuda_gemm.WgmmaConfig(2, 2, 5, 1), cuda_gemm.WgmmaConfig(1, 3, 2, 2)]
+    for m in (17, 33, 61, 64):
+        x = torch.randn(m + 1, k, device="cuda", dtype=torch.bfloat16)[1:]
+        for with_bias in (False, True):
+            ref = _reference(x, q, bias if with_bias else None)
+            for cfg in configs:
+                for _ in range(2):
+                    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias if with_bias else None, out=y,
+                                   counters=counters, config=cfg)
+                    torch.cuda.synchronize()
+                    assert not y.isnan().any() and not counters.any(), (m, cfg)
+                    assert _rel_err(y, ref) < 4e-3, (m, cfg)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma kernel needs sm_90")
+@pytest.mark.parametrize("rank", [16, 64, 96])
+def test_gpu_wgmma_lora_in_the_same_launch(seed, rank):
+    for m in (33, 64):
+        for n, k in ((1037, 3584), (4608, 640)):
+            q = _weight(n, k, "cuda")
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            lora = (torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
+                    torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05)
+            bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            ref = _reference(x, q, bias, lora)
+            counters = kernels.splitk_counters(n, "cuda", lora_rank=rank)
+            at_rest = counters.clone()
+            for cfg in (None, cuda_gemm.WgmmaConfig(2, 2, 5, 2)):
+                for _ in range(2):
+                    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias, out=y, counters=counters, lora=lora,
+                                   config=cfg)
+                    torch.cuda.synchronize()
+                    assert not y.isnan().any() and torch.equal(counters, at_rest), (m, cfg)
+                    assert _rel_err(y, ref) < 4e-3, (m, cfg)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma kernel needs sm_90")
+def test_gpu_wgmma_dispatch_and_graph_replay_equal_eager(seed):
+    n, k = 4608, 3584
+    q = _weight(n, k, "cuda")
+    counters = kernels.splitk_counters(n, "cuda")
+    x = torch.randn(48, k, device="cuda", dtype=torch.bfloat16)
+    assert cuda_gemm.supported(x, k)
+
+    def step():
+        return kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=counters)
+
+    eager = step()
+    assert _rel_err(eager, _reference(x, q)) < 4e-3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, step(), rtol=0, atol=0)
+    assert not counters.any()

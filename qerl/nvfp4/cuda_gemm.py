@@ -1,15 +1,16 @@
-"""The NVFP4 x BF16 decode GEMM in CUDA (decode_gemm.cu) for 1-16 rows: built by NVRTC at first use, launched
-through the driver with programmatic dependent launch, captured by CUDA graphs like any kernel on the stream.
+"""The NVFP4 x BF16 GEMMs in CUDA (decode_gemm.cu) for 1-64 rows: built by NVRTC at first use, launched through the
+driver with programmatic dependent launch, captured by CUDA graphs like any kernel on the stream.
 
 Why CUDA here and Triton elsewhere: at decode shapes the GEMM must stream the packed weight at memory speed, and
 the Triton kernel's loop spends ~4.5 instructions per weight around the decode (shared-memory staging, operand
-layouts, K permutations; docs/kernel_notes.md). Written by hand, each thread keeps its own codes and x values in
-registers from a coalesced 16-byte load to the tensor-core instruction, ~3 instructions per weight.
+layouts, K permutations; docs/kernel_notes.md). Written by hand, each thread keeps its own codes in registers from a
+coalesced 16-byte load to the tensor-core instruction, ~3 instructions per weight.
 
-`gemm` takes what `triton_kernels.gemm` takes (bias, split-K counters, a LoRA adapter in the same launch) for a BF16
-x of at most MAX_M rows on a GPU of compute capability 8.9+ with K a multiple of 128 (`supported`). NVRTC ships
-with the CUDA runtime that torch loads; no compiler or headers are needed beyond it. Nothing here runs on CPU:
-the Triton kernel (and its interpreter path) serves everything `supported` refuses.
+Two kernels: `nvfp4_decode_gemm` (mma.sync, x in registers) for 1-16 rows on compute capability 8.9+, and
+`nvfp4_wgmma_gemm` (wgmma, x from shared memory, sm_90a only) for 17-64 rows on compute capability 9.0. `gemm` takes
+what `triton_kernels.gemm` takes (bias, split-K counters, a LoRA adapter in the same launch) for a BF16 x with K a
+multiple of 128 (`supported`). NVRTC ships with the CUDA runtime that torch loads; no compiler or headers are needed
+beyond it. Nothing here runs on CPU: the Triton kernel (and its interpreter path) serves everything `supported` refuses.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from qerl.pdl import pdl_enabled
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 ENABLED = os.environ.get("QERL_CUDA_GEMM", "1") != "0"  # "0": the Triton kernel at every row count
 CHUNK = 128  # K codes per warp step (decode_gemm.cu's CHUNK)
-MAX_M = 16
+DECODE_MAX_M = 16  # nvfp4_decode_gemm's rows
+WGMMA_MIN_M = 33  # nvfp4_wgmma_gemm's, up to MAX_M (its 64 columns of x; at 17-32 rows the Triton kernel is faster)
+MAX_M = 64
 LORA_PARTS = 8  # K ranges of the LoRA shrink, as in the Triton kernel
 
 
@@ -42,6 +45,17 @@ class CudaGemmConfig(NamedTuple):
     stages: int = 2
     split: int = 1
     l2_prefetch: int = 1
+
+
+class WgmmaConfig(NamedTuple):
+    """nvfp4_wgmma_gemm's launch: warpgroups: per CTA (64 weight rows each, sharing the CTA's copy of x); stages:
+    chunks of weight each thread has in flight (register ring); split: K ranges across CTAs; occupancy: CTAs per SM
+    the registers are capped for (__launch_bounds__)."""
+
+    warpgroups: int = 2
+    stages: int = 2
+    split: int = 1
+    occupancy: int = 2
 
 
 class _Args(ctypes.Structure):  # decode_gemm.cu's Args, field for field
@@ -81,39 +95,65 @@ def new_counters(n: int, lora_rank: int = 0, device=None) -> torch.Tensor:
     return counters
 
 
-def supported(x: torch.Tensor, k: int) -> bool:
-    """Whether `gemm` takes this x: BF16 on a CUDA device of compute capability 8.9+ (FP8 conversions), at most MAX_M
-    rows, K a multiple of 128, QERL_CUDA_GEMM not "0", and the kernel builds there."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= MAX_M and k % CHUNK == 0 and ENABLED):
+def supported(x: torch.Tensor, k: int, lora: bool = False) -> bool:
+    """Whether `gemm` takes this x: BF16 on a CUDA device, K a multiple of 128, QERL_CUDA_GEMM not "0", and a kernel for
+    its row count builds there: 1-16 rows on compute capability 8.9+ (FP8 conversions); 33-64 rows without a LoRA on
+    9.0 (wgmma), where it beats the Triton kernel (docs/kernel_notes.md; with a LoRA it does not yet)."""
+    m = x.shape[0]
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and 0 < m <= MAX_M and k % CHUNK == 0 and ENABLED):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _capability_ok(index) and available(index)
+    capability = torch.cuda.get_device_capability(index)
+    if m <= DECODE_MAX_M:
+        return capability >= (8, 9) and available(index)
+    return m >= WGMMA_MIN_M and not lora and capability == (9, 0) and available(index, wgmma=True)
+
+
+def _wgmma_shared_bytes(mt: int, warpgroups: int) -> int:
+    """nvfp4_wgmma_gemm's dynamic shared memory: three x buffers of 8 mt rows x 128 K, or the LoRA CTAs' reduction."""
+    return max(3 * mt * 2048, (4 * warpgroups - 1) * mt * 4 * 32 * 4)
 
 
 @functools.cache
-def _capability_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
-@functools.cache
-def _kernel(nt: int, mt: int, warps: int, stages: int, l2_prefetch: int, device_index: int):
+def _kernel(name: str, arch: str, shared_bytes: int, device_index: int):
     """The compiled kernel (a driver function handle) for one template instance on one device."""
     from torch.cuda._utils import _cuda_load_module, _nvrtc_compile  # torch's NVRTC wrapper (private, no copy)
 
-    major, minor = torch.cuda.get_device_capability(device_index)
-    name = f"nvfp4_decode_gemm<{nt}, {mt}, {warps}, {stages}, {l2_prefetch}>"
     with torch.cuda.device(device_index):
-        cubin, mangled = _nvrtc_compile(SOURCE.read_text(), name, f"{major}{minor}", nvcc_options=["-std=c++17"])
-        return _cuda_load_module(cubin, [mangled])[mangled].func
+        cubin, mangled = _nvrtc_compile(SOURCE.read_text(), name, arch, nvcc_options=["-std=c++17"])
+        func = _cuda_load_module(cubin, [mangled])[mangled].func
+    if shared_bytes:  # past 48 KB with the static shared memory, dynamic shared memory must be asked for
+        err = _libcuda().cuFuncSetAttribute(func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes)
+        if err:
+            raise RuntimeError(f"decode_gemm.cu: cuFuncSetAttribute failed with CUDA error {err}")
+    return func
+
+
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def _decode_kernel(nt: int, mt: int, warps: int, stages: int, l2_prefetch: int, device_index: int):
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return _kernel(f"nvfp4_decode_gemm<{nt}, {mt}, {warps}, {stages}, {l2_prefetch}>", f"{major}{minor}", 0,
+                   device_index)
+
+
+def _wgmma_kernel(mt: int, cfg: WgmmaConfig, device_index: int):
+    return _kernel(f"nvfp4_wgmma_gemm<{mt}, {cfg.warpgroups}, {cfg.stages}, {cfg.occupancy}>", "90a",
+                   _wgmma_shared_bytes(mt, cfg.warpgroups), device_index)
 
 
 @functools.cache
-def available(device_index: int) -> bool:
+def available(device_index: int, wgmma: bool = False) -> bool:
     """Whether the kernel builds here (NVRTC and CUDA's headers found by torch); said once when it does not."""
     try:
-        _kernel(2, 1, 4, 2, 1, device_index)
+        if wgmma:
+            _wgmma_kernel(8, WgmmaConfig(), device_index)
+        else:
+            _decode_kernel(2, 1, 4, 2, 1, device_index)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the Triton kernel
-        warnings.warn(f"qerl: the CUDA decode GEMM ({SOURCE.name}) did not build ({e}); using the Triton kernel",
+        which = "wgmma GEMM (17-64 rows)" if wgmma else "decode GEMM (1-16 rows)"
+        warnings.warn(f"qerl: the CUDA {which} ({SOURCE.name}) did not build ({e}); using the Triton kernel",
                       stacklevel=2)
         return False
     return True
@@ -148,9 +188,25 @@ def default_config(m: int, n: int, k: int, device_index: int) -> CudaGemmConfig:
     return CudaGemmConfig(32, warps, 2, split, 1)
 
 
+@functools.lru_cache(maxsize=4096)  # called on every launch
+def wgmma_config(n: int, k: int, device_index: int) -> WgmmaConfig:
+    """From the H100 sweep at 64 rows (docs/kernel_notes.md): 128 weight rows per CTA. Weights with a tile per SM or
+    more (the MLP up-projections) run 2 CTAs per SM at registers capped to 128, a 3-deep ring, no split; the rest 1 CTA
+    per SM, uncapped, K split in up to 3 so that the CTAs come close to one per SM (fewer CTAs than SMs beat more
+    splits: each split adds 64 x N FP32 partials and a serial sum)."""
+    n_tiles = -(-n // 128)
+    sms = _sm_count(device_index)
+    if n_tiles >= sms:
+        return WgmmaConfig(2, 3, 1, 2)
+    split = min(3, max(1, sms // n_tiles), k // CHUNK)
+    return WgmmaConfig(2, 2, split, 1)
+
+
 def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lora=None,
-         config: CudaGemmConfig | None = None):
-    """y = x @ W^T (+ bias) (+ (x @ A^T) @ B^T), arguments as for `triton_kernels.gemm` (check `supported` first)."""
+         config: CudaGemmConfig | WgmmaConfig | None = None):
+    """y = x @ W^T (+ bias) (+ (x @ A^T) @ B^T), arguments as for `triton_kernels.gemm` (check `supported` first).
+    `config`: a CudaGemmConfig for 1-16 rows, a WgmmaConfig for 17-64 (sm_90; any row count there runs, `supported`
+    says where it pays)."""
     m, k = x.shape
     n = packed.shape[0]
     if packed.shape[1] * 2 != k:
@@ -162,13 +218,20 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
     if n == 0:
         return out
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    cfg = config or default_config(m, n, k, dev)
-    nt = cfg.tile_n // 16
-    mt = 1 if m <= 8 else 2
     chunks = k // CHUNK
+    if m <= DECODE_MAX_M:
+        cfg = config or default_config(m, n, k, dev)
+        mt = 1 if m <= 8 else 2
+        func, block, tile_n, shared = _decode_kernel(cfg.tile_n // 16, mt, cfg.warps, cfg.stages, cfg.l2_prefetch,
+                                                     dev), 32 * cfg.warps, cfg.tile_n, 0
+    else:
+        cfg = config or wgmma_config(n, k, dev)
+        mt = 8
+        func, block, tile_n = _wgmma_kernel(mt, cfg, dev), 128 * cfg.warpgroups, 64 * cfg.warpgroups
+        shared = _wgmma_shared_bytes(mt, cfg.warpgroups)
     split_chunks = -(-chunks // cfg.split)
     split = -(-chunks // split_chunks)  # no split without chunks
-    n_tiles = -(-n // cfg.tile_n)
+    n_tiles = -(-n // tile_n)
     lora_r = lora_parts = lora_chunks = 0
     lora_a = lora_b = None
     if lora is not None:
@@ -195,14 +258,14 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
                  counters.data_ptr() + 4 * lora_s_offset(n) if lora_r else None,
                  x.stride(0), out.stride(0), m, n, k, split, split_chunks, lora_r, lora_parts, lora_chunks)
     grid = lora_parts * (lora_r // 16) + n_tiles * split
-    _launch(_kernel(nt, mt, cfg.warps, cfg.stages, cfg.l2_prefetch, dev), grid, 32 * cfg.warps, args, x.device)
+    _launch(func, grid, block, shared, args, x.device)
     return out
 
 
-def _launch(func, grid: int, block: int, args: _Args, device: torch.device) -> None:
+def _launch(func, grid: int, block: int, shared_bytes: int, args: _Args, device: torch.device) -> None:
     attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, b"", (1).to_bytes(4, "little"))
     use_pdl = pdl_enabled(device)
-    config = _LaunchConfig((grid, 1, 1), (block, 1, 1), 0, torch.cuda.current_stream(device).cuda_stream,
+    config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared_bytes, torch.cuda.current_stream(device).cuda_stream,
                            ctypes.pointer(attr) if use_pdl else None, 1 if use_pdl else 0)
     params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
     err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), func, params, None)
@@ -217,4 +280,6 @@ def _libcuda():
     lib = _get_gpu_runtime_library()
     lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.cuFuncSetAttribute.restype = ctypes.c_int
     return lib

@@ -247,6 +247,16 @@ __device__ __forceinline__ bool reduce_warps(float (&acc)[E], float (*red)[E][32
   return true;
 }
 
+// One x row's 32 BF16 of a chunk (the thread's k range), paired up as mma.sync's B operand wants them.
+__device__ __forceinline__ void load_x_tile(const u16* row, u32 (&xb)[4][4]) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    u32 v[4];
+    ld_16B(row + 8 * w, v);
+    pair_up(v, xb[w]);
+  }
+}
+
 // LoRA CTA: 16 ranks of s = x @ A^T over one K range, FP32 partial to lws[part, M, R], then one arrival.
 template <int MT, int WK>
 __device__ void lora_shrink(const Args& p, int cta, float (*red)[MT * 4][32]) {
@@ -263,7 +273,7 @@ __device__ void lora_shrink(const Args& p, int cta, float (*red)[MT * 4][32]) {
   for (int j = 0; j < MT; ++j) xrow[j] = p.x + (u64)imin(8 * j + g, p.M - 1) * p.sx + 32 * t;
   float acc[MT][4] = {};
   for (int c = part * p.lora_chunks + warp + after_wait; c < c_end; c += WK) {  // loads below the wait: pdl_wait
-    u32 lo[4][4], hi[4][4], xb[MT][4][4];
+    u32 lo[4][4], hi[4][4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       u32 v[4];
@@ -271,13 +281,20 @@ __device__ void lora_shrink(const Args& p, int cta, float (*red)[MT * 4][32]) {
       pair_up(v, lo[w]);
       ld_16B(arow[1] + c * CHUNK + 8 * w, v);
       pair_up(v, hi[w]);
+    }
+    if constexpr (MT <= 2) {  // all x tiles' loads in flight at once
+      u32 xb[MT][4][4];
+#pragma unroll
+      for (int j = 0; j < MT; ++j) load_x_tile(xrow[j] + c * CHUNK, xb[j]);
+      mma_chunk<MT>(acc, lo, hi, xb);
+    } else {  // the wgmma kernel's 4-8 x tiles: one at a time, or their registers would cost the GEMM occupancy
 #pragma unroll
       for (int j = 0; j < MT; ++j) {
-        ld_16B(xrow[j] + c * CHUNK + 8 * w, v);
-        pair_up(v, xb[j][w]);
+        u32 xb[1][4][4];
+        load_x_tile(xrow[j] + c * CHUNK, xb[0]);
+        mma_chunk<1>(*reinterpret_cast<float(*)[1][4]>(&acc[j][0]), lo, hi, xb);
       }
     }
-    mma_chunk<MT>(acc, lo, hi, xb);
   }
   float* flat = &acc[0][0];
   __shared__ int last;
@@ -318,11 +335,11 @@ __device__ void lora_shrink(const Args& p, int cta, float (*red)[MT * 4][32]) {
 #define LORA_G 4  // rank tiles of 16 whose B fragments are loaded together: ranks up to 64 in one round trip
 
 // The tile's B fragments for ranks r0 .. r0 + 16 LORA_G (rows as mma.sync's A operand lays them out).
-template <int NT>
-__device__ __forceinline__ void lora_b_fragments(const Args& p, u32 (&a)[LORA_G][NT][4], int n0, int r0) {
+template <int NT, int G = LORA_G>
+__device__ __forceinline__ void lora_b_fragments(const Args& p, u32 (&a)[G][NT][4], int n0, int r0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int q = 0; q < LORA_G; ++q) {
+  for (int q = 0; q < G; ++q) {
     if (r0 + 16 * q >= p.lora_r) continue;
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
@@ -338,12 +355,12 @@ __device__ __forceinline__ void lora_b_fragments(const Args& p, u32 (&a)[LORA_G]
 
 // The tile's s words for ranks r0 .. r0 + 16 LORA_G as mma.sync's B operand lays them out (s[m][r + 2t, +1] and
 // s[m][r + 2t + 8, +9]); false while any is still empty.
-template <int MT>
-__device__ __forceinline__ bool lora_s_fragments(const Args& p, u32 (&b)[LORA_G][MT][2], int r0) {
+template <int MT, int G = LORA_G>
+__device__ __forceinline__ bool lora_s_fragments(const Args& p, u32 (&b)[G][MT][2], int r0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   bool ready = true;
 #pragma unroll
-  for (int q = 0; q < LORA_G; ++q) {
+  for (int q = 0; q < G; ++q) {
     if (r0 + 16 * q >= p.lora_r) continue;
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
@@ -359,20 +376,20 @@ __device__ __forceinline__ bool lora_s_fragments(const Args& p, u32 (&b)[LORA_G]
 // acc (this tile's y^T, FP32, scaled) += (s @ B^T)^T, s = x @ A^T in BF16 from the last LoRA CTA. `a` and `b` hold the
 // first ranks' B fragments and s words, loaded by warp 0 right after the main loop, so their round trip overlaps the
 // warps' reduction; `ready` says whether every s word had been written by then.
-template <int NT, int MT>
-__device__ void lora_expand(const Args& p, float (&acc)[NT][MT][4], int n0, u32 (&a)[LORA_G][NT][4],
-                            u32 (&b)[LORA_G][MT][2], bool ready) {
-  for (int r0 = 0; r0 < p.lora_r; r0 += 16 * LORA_G) {
+template <int NT, int MT, int G = LORA_G>
+__device__ void lora_expand(const Args& p, float (&acc)[NT][MT][4], int n0, u32 (&a)[G][NT][4], u32 (&b)[G][MT][2],
+                            bool ready) {
+  for (int r0 = 0; r0 < p.lora_r; r0 += 16 * G) {
     if (r0 > 0) {
-      lora_b_fragments<NT>(p, a, n0, r0);
-      ready = lora_s_fragments<MT>(p, b, r0);
+      lora_b_fragments<NT, G>(p, a, n0, r0);
+      ready = lora_s_fragments<MT, G>(p, b, r0);
     }
     while (!ready) {
       __nanosleep(64);
-      ready = lora_s_fragments<MT>(p, b, r0);
+      ready = lora_s_fragments<MT, G>(p, b, r0);
     }
 #pragma unroll
-    for (int q = 0; q < LORA_G; ++q) {
+    for (int q = 0; q < G; ++q) {
       if (r0 + 16 * q >= p.lora_r) continue;
 #pragma unroll
       for (int i = 0; i < NT; ++i) {
@@ -540,4 +557,252 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
     if (n < p.N && m < p.M) p.y[(u64)m * p.sy + n] = f32_to_bf16(v);
   });
   if (p.lora_r) lora_arrive(p, n_tiles);
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// 17-64 rows on sm_90a: wgmma with the weight decoded into its register A operand and x read from shared memory.
+//
+// Why a second kernel: at 64 rows every weight meets 64 columns of x, so mma.sync with x in registers either keeps
+// 8 x fragments per warp (255 registers, 2 CTAs per SM, the decode's dependent chains unhidden: 0.74-1.23x of the
+// Triton kernel, kernel_notes.md) or stages x per warp (7x the weight's bytes). wgmma reads x from shared memory
+// itself, asynchronously: a warpgroup decodes the next 32 K of its weight while the tensor cores run this one's.
+//
+// A warpgroup owns 64 weight rows (warp w: 16 rows, as an m64 A operand lays them out), a CTA WG warpgroups. Each
+// thread loads and decodes its codes exactly as the decode kernel does (same K permutation, decode8, scales): the
+// BF16 pairs land in wgmma's A fragment, which for 16 rows of one warp is mma.sync's. x goes the other way: the CTA
+// copies each 128-K chunk of its rows into shared memory, pair_up applied on the way so that x follows the codes'
+// K order, in the no-swizzle K-major layout (8 x rows by 16 bytes per 128-byte core matrix; cores along K 128
+// bytes apart, row groups of 8 XS_ROWGROUP bytes apart); a warp's 32 stores of one word go to 32 banks.
+// Three x buffers rotate: the chunk being multiplied, the next one being stored, and the one before, which wgmmas may
+// still read until every warpgroup has waited on them; one barrier per chunk.
+//
+// The epilogue is per warp: its 16 rows x the x rows are mma.sync's C fragments (wgmma's D fragment has that layout),
+// so split-K (one arrival counter per 16 rows), bias, the LoRA up-projection and the stores reuse the helpers above.
+
+#define XS_ROWGROUP 2048  // bytes per 8 x rows of one chunk in shared memory: 16 core matrices of 8 x 16 bytes
+#define X_BUFFERS 3
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// wgmma's matrix descriptor for B: no swizzle, K-major cores of 8 rows x 16 bytes; the two cores of a 16-K step are
+// 128 bytes apart (leading byte offset), row groups XS_ROWGROUP bytes (stride byte offset).
+__device__ __forceinline__ u64 x_descriptor(u32 addr) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(XS_ROWGROUP >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+// Shared-memory writes by this thread (generic proxy) become visible to wgmma's reads (async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Keep the compiler from reading or writing accumulators across a wgmma wait (it cannot see wgmma's asynchrony).
+template <int MT>
+__device__ __forceinline__ void fence_accumulators(float (&d)[MT][4]) {
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e]) :: "memory");
+}
+
+// wgmma reads its A registers until a wait covers it; ptxas only sees the asm's inputs consumed at issue, so a value
+// "used" here stays in its register up to this point (otherwise ptxas serializes every wgmma, C7513).
+__device__ __forceinline__ void keep_until_here(u32 (&r)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
+
+// d[64 x 8MT] += A[64 x 16] (registers, mma.sync's A fragment per warp) @ B[16 x 8MT] (shared memory, descriptor).
+template <int MT>
+__device__ __forceinline__ void wgmma_step(float (&d)[MT][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc);
+
+template <>
+__device__ __forceinline__ void wgmma_step<8>(float (&d)[8][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+      : "memory");
+}
+
+template <int MT, int WG, int STAGES, int OCC>
+__global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
+  constexpr int X_BUFFER = MT * XS_ROWGROUP;  // bytes of one chunk of x: MT row groups of 8 rows
+  extern __shared__ __align__(128) u8 smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  int cta = blockIdx.x;
+  const int lora_ctas = p.lora_r ? p.lora_parts * (p.lora_r / 16) : 0;
+  if (cta < lora_ctas) {
+    lora_shrink<MT, WG * 4>(p, cta, reinterpret_cast<float(*)[MT * 4][32]>(smem));
+    return;
+  }
+  cta -= lora_ctas;
+  const int n_tiles = (p.N + 64 * WG - 1) / (64 * WG);
+  const int tile = cta % n_tiles, split_idx = cta / n_tiles;
+  const int n0 = tile * 64 * WG + 16 * warp;  // this warp's 16 weight rows
+  const int K2 = p.K / 2, KS = p.K / 16;
+  const u8* prow[2];
+  const u8* srow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int n = imin(n0 + 8 * h + g, p.N - 1);
+    prow[h] = p.packed + (u64)n * K2 + 16 * t;
+    srow[h] = p.scale + (u64)n * KS + 2 * t;
+  }
+  const int c_begin = split_idx * p.split_chunks;
+  const int c_end = imin(c_begin + p.split_chunks, p.K / CHUNK);
+
+  // x copy: unit u = (row group u / 32, row (u % 32) / 4 of it, 32-K quarter u % 4 of the chunk); its thread loads the
+  // quarter's 64 bytes and stores word q of each 8-K pair_up group into core 4w + q, word u % 4 of the row.
+  constexpr int X_UNITS = (32 * MT + WG * 128 - 1) / (WG * 128);
+  u32 xr[X_UNITS][4][4];
+  const u16* xsrc[X_UNITS];
+  u32 xdst[X_UNITS];
+  const u32 xs_base = smem_addr(smem);
+
+  Stage<1, 1> st[STAGES];  // weight words and scales only (x goes through shared memory)
+  auto load_weights = [&](Stage<1, 1>& s, int c) {
+    if (c >= c_end) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ld_stream<1>(prow[h] + (u64)c * (CHUNK / 2), s.w[0][h]);
+      s.s[0][h] = ld_u16(srow[h] + c * (CHUNK / 16));
+    }
+  };
+  auto unit_ok = [&](int i) { return X_UNITS * WG * 128 == 32 * MT || threadIdx.x + i * WG * 128 < 32 * MT; };
+  auto load_x = [&](int c) {
+    if (c >= c_end) return;
+#pragma unroll
+    for (int i = 0; i < X_UNITS; ++i) {
+      if (unit_ok(i)) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) ld_16B(xsrc[i] + (u64)c * CHUNK + 8 * w, xr[i][w]);
+      }
+    }
+  };
+  auto store_x = [&](int c) {
+    if (c >= c_end) return;
+    const u32 buf = ((c - c_begin) % X_BUFFERS) * X_BUFFER;
+#pragma unroll
+    for (int i = 0; i < X_UNITS; ++i) {
+      if (unit_ok(i)) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          u32 b[4];
+          pair_up(xr[i][w], b);
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            asm volatile("st.shared.b32 [%0], %1;" :: "r"(xs_base + buf + xdst[i] + (4 * w + q) * 128), "r"(b[q])
+                         : "memory");
+        }
+      }
+    }
+    fence_proxy_async();
+  };
+
+  int c = c_begin;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) load_weights(st[s], c + s);
+  if (p.lora_r && split_idx == 0 && lane == 0 && n0 < p.N)  // the warp's rows of B, read at its tail
+    prefetch_l2(p.lora_b + (u64)n0 * p.lora_r, imin(16, p.N - n0) * p.lora_r * 2);
+  const u32 after_wait = pdl_wait();
+#pragma unroll
+  for (int i = 0; i < X_UNITS; ++i) {
+    const int u = threadIdx.x + i * WG * 128, row = 8 * (u / 32) + (u % 32) / 4;
+    xsrc[i] = p.x + after_wait + (u64)imin(row, p.M - 1) * p.sx + 32 * (u % 4);
+    xdst[i] = (u / 32) * XS_ROWGROUP + ((u % 32) / 4) * 16 + 4 * (u % 4);
+  }
+  load_x(c);
+  store_x(c);
+  load_x(c + 1);
+  __syncthreads();
+
+  float acc[1][MT][4] = {};
+  for (; c < c_end; c += STAGES) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      const int cs = c + s;
+      if (cs < c_end) {
+        store_x(cs + 1);  // its buffer's last reader, chunk cs - 2, is done in every warpgroup (barrier below)
+        load_x(cs + 2);
+        load_weights(st[(s + STAGES - 1) % STAGES], cs + STAGES - 1);
+        const u32 xs = xs_base + ((cs - c_begin) % X_BUFFERS) * X_BUFFER;
+        u32 sl0, sl1, sh0, sh1;
+        scales_bf16x2(st[s].s[0][0], sl0, sl1);
+        scales_bf16x2(st[s].s[0][1], sh0, sh1);
+        u32 a[4][8];  // each round's A fragments: rows g (words 0-3) and g + 8 (words 4-7)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {  // 32 K per round: decode, then two k16 steps on the tensor cores
+          decode8(st[s].w[0][0][w], w < 2 ? sl0 : sl1, *reinterpret_cast<u32(*)[4]>(&a[w][0]));
+          decode8(st[s].w[0][1][w], w < 2 ? sh0 : sh1, *reinterpret_cast<u32(*)[4]>(&a[w][4]));
+          wgmma_fence();
+          wgmma_step<MT>(acc[0], a[w][0], a[w][4], a[w][1], a[w][5], x_descriptor(xs + (4 * w) * 128));
+          wgmma_step<MT>(acc[0], a[w][2], a[w][6], a[w][3], a[w][7], x_descriptor(xs + (4 * w + 2) * 128));
+          wgmma_commit();
+          if (w > 0) {
+            wgmma_wait<1>();
+            keep_until_here(a[w - 1]);  // the previous round's A registers are free only now
+          }
+        }
+        wgmma_wait<0>();  // nothing in flight across chunks (ptxas would serialize every wgmma)
+        keep_until_here(a[3]);
+        __syncthreads();  // x of chunk cs + 1 is stored; every warpgroup is done with chunk cs - 1
+      }
+    }
+  }
+  wgmma_wait<0>();
+  fence_accumulators<MT>(acc[0]);
+  if (n0 >= p.N) return;
+
+  constexpr int G = 16 / MT;  // rank tiles per round of LoRA loads: the s words of 64 x rows take 32 registers
+  u32 lora_b[G][1][4], lora_s[G][MT][2];
+  bool lora_ready = false;
+  if (p.lora_r) {
+    lora_b_fragments<1, G>(p, lora_b, n0, 0);
+    lora_ready = lora_s_fragments<MT, G>(p, lora_s, 0);
+  }
+  pdl_launch_dependents();
+
+  const int unit = n0 / 16;  // this warp's split-K counter
+  if (p.split > 1) {
+    for_each_output<1, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
+      if (n < p.N && m < p.M) p.ws[((u64)split_idx * p.M + m) * p.N + n] = v;
+    });
+    __threadfence();
+    __syncwarp();
+    int arrived = 0;
+    if (lane == 0) arrived = atomicAdd(p.counters + 2 + unit, 1);
+    arrived = __shfl_sync(0xffffffffu, arrived, 0);
+    if (arrived != p.split - 1) return;
+    __threadfence();
+    for_each_output<1, MT>(acc, n0, g, t, [&](float& v, int, int) { v = 0.f; });
+    for (int s = 0; s < p.split; ++s) {
+      for_each_output<1, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
+        if (n < p.N && m < p.M) v += ld_cg(p.ws + ((u64)s * p.M + m) * p.N + n);
+      });
+    }
+    if (lane == 0) p.counters[2 + unit] = 0;
+  }
+  const float gs = *p.gs;
+  for_each_output<1, MT>(acc, n0, g, t, [&](float& v, int n, int) {
+    v = v * 65536.0f / gs;
+    if (p.bias) v += bf16_to_f32(p.bias[imin(n, p.N - 1)]);
+  });
+  if (p.lora_r) lora_expand<1, MT, G>(p, acc, n0, lora_b, lora_s, lora_ready);
+  for_each_output<1, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
+    if (n < p.N && m < p.M) p.y[(u64)m * p.sy + n] = f32_to_bf16(v);
+  });
+  if (p.lora_r) lora_arrive(p, (p.N + 15) / 16);
 }
