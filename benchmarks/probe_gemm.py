@@ -4,6 +4,7 @@
     python -m benchmarks.probe_gemm splits            # every split-K on the shapes where wave count matters
     python -m benchmarks.probe_gemm host              # host time per eager call (what bounds eager decode)
     python -m benchmarks.probe_gemm cuda              # CUDA vs Triton decode GEMM, with the engine's LoRA ranks
+    python -m benchmarks.probe_gemm wgmma             # CUDA wgmma vs Triton GEMM and cuBLAS BF16 at 40 and 64 rows
     ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probe_gemm ncu
 
 `stream` runs a kernel with the GEMM's grid, tiles, split-K and TMA ring that only XORs the bytes it
@@ -178,6 +179,37 @@ def cuda_vs_triton():
             torch.cuda.empty_cache()
 
 
+def wgmma_vs_triton():
+    """The CUDA wgmma GEMM (cuda_gemm.py, 33-64 rows without a LoRA) against the Triton kernel it replaces there and
+    cuBLAS BF16, at 40 and 64 rows, each with its default config; "dispatch" is nvfp4_linear, which picks one."""
+    from qerl.nvfp4 import cuda_gemm
+
+    dev = torch.device("cuda")
+    idx = torch.cuda.current_device()
+    copy_gbs, _ = measure_ceilings(dev)
+    print(f"copy {copy_gbs:.0f} GB/s; us per call (CUDA graph, weights rotated past L2); % = bytes / time of copy")
+    print("| shape | M | cuBLAS BF16 | Triton | wgmma | Triton / wgmma | wgmma % of copy | dispatch | wgmma config |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model in ("7B", "14B", "32B"):
+        for name, (n, k) in shapes(model).items():
+            c = Copies(n, k, dev)
+            for m in (40, 64):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                times = [graph_time_us([lambda w=w, x=x: x @ w.t() for w in c.bf16])]
+                for gemm in (tk.gemm, cuda_gemm.gemm, None):
+                    times.append(graph_time_us([
+                        lambda q=q, cn=cn, gemm=gemm, x=x: gemm(x, q.packed, q.scale, q.global_scale, counters=cn)
+                        if gemm else kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=cn)
+                        for q, cn in zip(c.fp4, c.counters, strict=True)]))
+                bf16, triton_us, wgmma_us, dispatch = times
+                pct = nvfp4_bytes(n, k) / wgmma_us / 1e3 / copy_gbs * 100
+                print(f"| {model}.{name} | {m} | {bf16:.1f} | {triton_us:.1f} | {wgmma_us:.1f} | "
+                      f"{triton_us / wgmma_us:.2f}x | {pct:.0f}% | {dispatch:.1f} | "
+                      f"{tuple(cuda_gemm.wgmma_config(n, k, idx))} |", flush=True)
+            del c
+            torch.cuda.empty_cache()
+
+
 def main(mode):
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -213,4 +245,5 @@ def main(mode):
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "stream"
-    {"splits": split_sweep, "host": host_cost, "cuda": cuda_vs_triton}.get(mode, lambda: main(mode))()
+    {"splits": split_sweep, "host": host_cost, "cuda": cuda_vs_triton, "wgmma": wgmma_vs_triton}.get(
+        mode, lambda: main(mode))()
