@@ -171,15 +171,27 @@ def test_dispatch_refuses_what_the_kernel_cannot_take():
 gpu = pytest.mark.gpu
 
 
+DECODE_CONFIGS = [None, cuda_gemm.CudaGemmConfig(32, 4, 2, 1, 0), cuda_gemm.CudaGemmConfig(16, 8, 3, 3, 1),
+                  cuda_gemm.CudaGemmConfig(64, 2, 2, 7, 1), cuda_gemm.CudaGemmConfig(32, 8, 2, 2, 1)]
+WGMMA_CONFIGS = [None, cuda_gemm.WgmmaConfig(1, 2, 1, 4), cuda_gemm.WgmmaConfig(2, 3, 3, 2),
+                 cuda_gemm.WgmmaConfig(2, 2, 5, 1), cuda_gemm.WgmmaConfig(1, 3, 2, 2)]
+sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="the wgmma kernel needs sm_90")
+KERNELS = {  # rows and configs per kernel (None: the dispatch's default config)
+    "decode": ((1, 5, 8, 13, 16), DECODE_CONFIGS),
+    "wgmma": pytest.param(((17, 33, 61, 64), WGMMA_CONFIGS), marks=sm90),
+}
+
+
 @gpu
+@pytest.mark.parametrize("rows_configs", KERNELS.values(), ids=KERNELS.keys())
 @pytest.mark.parametrize("n,k", [(1001, 384), (77, 1280), (4608, 3584), (3584, 18944)])
-def test_gpu_matches_float64_every_variant(seed, n, k):
+def test_gpu_matches_float64_every_variant(seed, n, k, rows_configs):
+    rows, configs = rows_configs
     q = _weight(n, k, "cuda")
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     counters = kernels.splitk_counters(n, "cuda")
-    configs = [None, cuda_gemm.CudaGemmConfig(32, 4, 2, 1, 0), cuda_gemm.CudaGemmConfig(16, 8, 3, 3, 1),
-               cuda_gemm.CudaGemmConfig(64, 2, 2, 7, 1), cuda_gemm.CudaGemmConfig(32, 8, 2, 2, 1)]
-    for m in (1, 5, 8, 13, 16):
+    for m in rows:
         x = torch.randn(m + 1, k, device="cuda", dtype=torch.bfloat16)[1:]  # misaligned rows: the kernel copies x
         for with_bias in (False, True):
             ref = _reference(x, q, bias if with_bias else None)
@@ -193,27 +205,35 @@ def test_gpu_matches_float64_every_variant(seed, n, k):
                     assert _rel_err(y, ref) < 4e-3, (m, cfg)
 
 
+LORA_CASES = {  # rows and a split config per kernel
+    "decode": ((1, 8, 16), cuda_gemm.CudaGemmConfig(32, 4, 2, 5, 1)),
+    "wgmma": pytest.param(((33, 64), cuda_gemm.WgmmaConfig(2, 2, 5, 2)), marks=sm90),
+}
+
+
 @gpu
+@pytest.mark.parametrize("rows_config", LORA_CASES.values(), ids=LORA_CASES.keys())
 @pytest.mark.parametrize("rank", [16, 48, 64, 96])  # 96: the s and B fragments in two rounds of loads
-@pytest.mark.parametrize("m", [1, 8, 16])
-def test_gpu_lora_in_the_same_launch(seed, m, rank):
-    for n, k in ((1037, 3584), (4608, 640)):
-        q = _weight(n, k, "cuda")
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        lora = (torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
-                torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05)
-        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        ref = _reference(x, q, bias, lora)
-        counters = kernels.splitk_counters(n, "cuda", lora_rank=rank)
-        at_rest = counters.clone()  # zeros, then the s slots' empty marks
-        for cfg in (None, cuda_gemm.CudaGemmConfig(32, 4, 2, 5, 1)):
-            for _ in range(2):
-                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias, out=y, counters=counters, lora=lora,
-                               config=cfg)
-                torch.cuda.synchronize()
-                assert not y.isnan().any() and torch.equal(counters, at_rest), cfg
-                assert _rel_err(y, ref) < 4e-3, cfg
+def test_gpu_lora_in_the_same_launch(seed, rank, rows_config):
+    rows, split_config = rows_config
+    for m in rows:
+        for n, k in ((1037, 3584), (4608, 640)):
+            q = _weight(n, k, "cuda")
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            lora = (torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
+                    torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05)
+            bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            ref = _reference(x, q, bias, lora)
+            counters = kernels.splitk_counters(n, "cuda", lora_rank=rank)
+            at_rest = counters.clone()  # zeros, then the s slots' empty marks
+            for cfg in (None, split_config):
+                for _ in range(2):
+                    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias, out=y, counters=counters, lora=lora,
+                                   config=cfg)
+                    torch.cuda.synchronize()
+                    assert not y.isnan().any() and torch.equal(counters, at_rest), (m, cfg)
+                    assert _rel_err(y, ref) < 4e-3, (m, cfg)
 
 
 @gpu
@@ -230,8 +250,13 @@ def test_gpu_dispatch_and_graph_replay_equal_eager(seed):
     def step():
         return kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, None, counters, *lora)
 
-    eager = step()
-    assert _rel_err(eager, _reference(x, q, lora=lora)) < 4e-3
+    assert _rel_err(step(), _reference(x, q, lora=lora)) < 4e-3
+    _assert_graph_replay_equals_eager(step, x)
+    assert torch.equal(counters, at_rest)
+
+
+def _assert_graph_replay_equals_eager(step, x):
+    """`step` captured in a CUDA graph (after a warm-up on a side stream) and replayed on fresh x gives eager's bits."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -244,61 +269,10 @@ def test_gpu_dispatch_and_graph_replay_equal_eager(seed):
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.testing.assert_close(out, step(), rtol=0, atol=0)
-    assert torch.equal(counters, at_rest)
 
 
 @gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the wgmma kernel needs sm_90")
-@pytest.mark.parametrize("n,k", [(1001, 384), (77, 1280), (4608, 3584), (3584, 18944)])
-def test_gpu_wgmma_matches_float64_every_variant(seed, n, k):
-    q = _weight(n, k, "cuda")
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    counters = kernels.splitk_counters(n, "cuda")
-    configs = [None, cuda_gemm.WgmmaConfig(1, 2, 1, 4), cuda_gemm.WgmmaConfig(2, 3, 3, 2),
-               cuda_gemm.WgmmaConfig(2, 2, 5, 1), cuda_gemm.WgmmaConfig(1, 3, 2, 2)]
-    for m in (17, 33, 61, 64):
-        x = torch.randn(m + 1, k, device="cuda", dtype=torch.bfloat16)[1:]
-        for with_bias in (False, True):
-            ref = _reference(x, q, bias if with_bias else None)
-            for cfg in configs:
-                for _ in range(2):
-                    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                    cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias if with_bias else None, out=y,
-                                   counters=counters, config=cfg)
-                    torch.cuda.synchronize()
-                    assert not y.isnan().any() and not counters.any(), (m, cfg)
-                    assert _rel_err(y, ref) < 4e-3, (m, cfg)
-
-
-@gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the wgmma kernel needs sm_90")
-@pytest.mark.parametrize("rank", [16, 64, 96])
-def test_gpu_wgmma_lora_in_the_same_launch(seed, rank):
-    for m in (33, 64):
-        for n, k in ((1037, 3584), (4608, 640)):
-            q = _weight(n, k, "cuda")
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            lora = (torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
-                    torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05)
-            bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-            ref = _reference(x, q, bias, lora)
-            counters = kernels.splitk_counters(n, "cuda", lora_rank=rank)
-            at_rest = counters.clone()
-            for cfg in (None, cuda_gemm.WgmmaConfig(2, 2, 5, 2)):
-                for _ in range(2):
-                    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                    cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias, out=y, counters=counters, lora=lora,
-                                   config=cfg)
-                    torch.cuda.synchronize()
-                    assert not y.isnan().any() and torch.equal(counters, at_rest), (m, cfg)
-                    assert _rel_err(y, ref) < 4e-3, (m, cfg)
-
-
-@gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the wgmma kernel needs sm_90")
+@sm90
 def test_gpu_wgmma_dispatch_and_graph_replay_equal_eager(seed):
     n, k = 4608, 3584
     q = _weight(n, k, "cuda")
@@ -309,18 +283,6 @@ def test_gpu_wgmma_dispatch_and_graph_replay_equal_eager(seed):
     def step():
         return kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=counters)
 
-    eager = step()
-    assert _rel_err(eager, _reference(x, q)) < 4e-3
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.testing.assert_close(out, step(), rtol=0, atol=0)
+    assert _rel_err(step(), _reference(x, q)) < 4e-3
+    _assert_graph_replay_equals_eager(step, x)
     assert not counters.any()

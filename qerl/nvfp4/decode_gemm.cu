@@ -413,6 +413,48 @@ __device__ __forceinline__ void lora_arrive(const Args& p, int n_tiles) {
   if (lane == 0) p.counters[1] = 0;
 }
 
+// The end of a tile, in the warp that holds its accumulators (rows n0 + ...): with split-K, this split's FP32 partials
+// and an arrival on counters[2 + counter], the last to arrive summing every split's and re-arming the counter; then
+// the global scale and bias, the LoRA up-projection (`b`, `s`: its first round's fragments, loaded after the main
+// loop), the stores, and the LoRA arrival (`lora_arrivals` of them per call).
+template <int NT, int MT, int G>
+__device__ __forceinline__ void finish_tile(const Args& p, float (&acc)[NT][MT][4], int n0, int split_idx, int counter,
+                                            u32 (&b)[G][NT][4], u32 (&s)[G][MT][2], bool lora_ready,
+                                            int lora_arrivals) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if (p.split > 1) {
+    for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
+      if (n < p.N && m < p.M) p.ws[((u64)split_idx * p.M + m) * p.N + n] = v;
+    });
+    __threadfence();
+    __syncwarp();
+    int arrived = 0;
+    if (lane == 0) arrived = atomicAdd(p.counters + 2 + counter, 1);
+    arrived = __shfl_sync(0xffffffffu, arrived, 0);
+    if (arrived != p.split - 1) return;
+    __threadfence();
+    // Split outermost: all of one split's loads are in flight together (a split loop per output waited out one L2
+    // round trip per output and split: the downs, which split, were ~10% slower).
+    for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int, int) { v = 0.f; });
+    for (int q = 0; q < p.split; ++q) {
+      for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
+        if (n < p.N && m < p.M) v += ld_cg(p.ws + ((u64)q * p.M + m) * p.N + n);
+      });
+    }
+    if (lane == 0) p.counters[2 + counter] = 0;  // every other split has arrived: re-armed
+  }
+  const float gs = *p.gs;
+  for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int) {
+    v = v * 65536.0f / gs;  // undo the decode's 2^-16, then the global scale
+    if (p.bias) v += bf16_to_f32(p.bias[imin(n, p.N - 1)]);
+  });
+  if (p.lora_r) lora_expand<NT, MT, G>(p, acc, n0, b, s, lora_ready);
+  for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
+    if (n < p.N && m < p.M) p.y[(u64)m * p.sy + n] = f32_to_bf16(v);
+  });
+  if (p.lora_r) lora_arrive(p, lora_arrivals);
+}
+
 template <int NT, int MT, int WK, int STAGES, int L2PF>
 __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
   constexpr int E = NT * MT * 4;
@@ -524,39 +566,7 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
   float* flat = &acc[0][0][0];
   if (!reduce_warps<E, WK>(*reinterpret_cast<float(*)[E]>(flat), red, warp, lane)) return;
 
-  // Warp 0 holds the CTA's tile.
-  if (p.split > 1) {
-    for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
-      if (n < p.N && m < p.M) p.ws[((u64)split_idx * p.M + m) * p.N + n] = v;
-    });
-    __threadfence();
-    __syncwarp();
-    int arrived = 0;
-    if (lane == 0) arrived = atomicAdd(p.counters + 2 + tile, 1);
-    arrived = __shfl_sync(0xffffffffu, arrived, 0);
-    if (arrived != p.split - 1) return;
-    __threadfence();
-    // Split outermost: all of one split's loads are in flight together (a split loop per output waited out one L2
-    // round trip per output and split: the downs, which split, were ~10% slower).
-    for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int, int) { v = 0.f; });
-    for (int s = 0; s < p.split; ++s) {
-      for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
-        if (n < p.N && m < p.M) v += ld_cg(p.ws + ((u64)s * p.M + m) * p.N + n);
-      });
-    }
-    if (lane == 0) p.counters[2 + tile] = 0;  // every other CTA of this tile has arrived: re-armed
-  }
-
-  const float gs = *p.gs;
-  for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int) {
-    v = v * 65536.0f / gs;  // undo the decode's 2^-16, then the global scale
-    if (p.bias) v += bf16_to_f32(p.bias[imin(n, p.N - 1)]);
-  });
-  if (p.lora_r) lora_expand<NT, MT>(p, acc, n0, lora_b, lora_s, lora_ready);
-  for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
-    if (n < p.N && m < p.M) p.y[(u64)m * p.sy + n] = f32_to_bf16(v);
-  });
-  if (p.lora_r) lora_arrive(p, n_tiles);
+  finish_tile<NT, MT, LORA_G>(p, acc, n0, split_idx, tile, lora_b, lora_s, lora_ready, n_tiles);  // warp 0: the tile
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -775,34 +785,6 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
   }
   pdl_launch_dependents();
 
-  const int unit = n0 / 16;  // this warp's split-K counter
-  if (p.split > 1) {
-    for_each_output<1, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
-      if (n < p.N && m < p.M) p.ws[((u64)split_idx * p.M + m) * p.N + n] = v;
-    });
-    __threadfence();
-    __syncwarp();
-    int arrived = 0;
-    if (lane == 0) arrived = atomicAdd(p.counters + 2 + unit, 1);
-    arrived = __shfl_sync(0xffffffffu, arrived, 0);
-    if (arrived != p.split - 1) return;
-    __threadfence();
-    for_each_output<1, MT>(acc, n0, g, t, [&](float& v, int, int) { v = 0.f; });
-    for (int s = 0; s < p.split; ++s) {
-      for_each_output<1, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
-        if (n < p.N && m < p.M) v += ld_cg(p.ws + ((u64)s * p.M + m) * p.N + n);
-      });
-    }
-    if (lane == 0) p.counters[2 + unit] = 0;
-  }
-  const float gs = *p.gs;
-  for_each_output<1, MT>(acc, n0, g, t, [&](float& v, int n, int) {
-    v = v * 65536.0f / gs;
-    if (p.bias) v += bf16_to_f32(p.bias[imin(n, p.N - 1)]);
-  });
-  if (p.lora_r) lora_expand<1, MT, G>(p, acc, n0, lora_b, lora_s, lora_ready);
-  for_each_output<1, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
-    if (n < p.N && m < p.M) p.y[(u64)m * p.sy + n] = f32_to_bf16(v);
-  });
-  if (p.lora_r) lora_arrive(p, (p.N + 15) / 16);
+  // Per warp: its 16 rows have their own split-K counter, and every warp of the weight arrives on the LoRA counter.
+  finish_tile<1, MT, G>(p, acc, n0, split_idx, n0 / 16, lora_b, lora_s, lora_ready, (p.N + 15) / 16);
 }
