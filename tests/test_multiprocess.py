@@ -221,6 +221,10 @@ FSDP2_HARNESS = textwrap.dedent("""
     q_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
     result["tracks_training"] = torch.equal(qkv.lora_a[: q_a.shape[0]], sharding.whole(q_a).to(qkv.lora_a.dtype))
     torch.save(result, f"{out}/rank{state.process_index}.pt")
+    # Tear gloo down before the interpreter does: left to exit, its threads were once destroyed unjoined ("terminate
+    # called without an active exception", exit -6) after every result had been saved.
+    state.wait_for_everyone()
+    state.destroy_process_group()
 """)
 
 
