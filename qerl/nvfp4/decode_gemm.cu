@@ -1,4 +1,5 @@
-// NVFP4 x BF16 decode GEMM, y[M, N] = x[M, K] @ W^T for 1-16 rows of x (rollout decode), W packed NVFP4.
+// NVFP4 x BF16 GEMMs for few rows, y[M, N] = x[M, K] @ W^T, W packed NVFP4: nvfp4_decode_gemm (mma.sync) for 1-16 rows
+// of x (rollout decode), and below it nvfp4_wgmma_gemm (sm_90a) for 17-64.
 // Built at first use by NVRTC (qerl/nvfp4/cuda_gemm.py), so: no headers, PTX for every specific instruction.
 //
 // Reads compressed-tensors' layout as it is in memory (no re-layout, no second copy): packed [N, K/2] bytes, two
