@@ -55,7 +55,7 @@ class WgmmaConfig(NamedTuple):
     warpgroups: int = 2
     stages: int = 2
     split: int = 1
-    occupancy: int = 2
+    occupancy: int = 1
 
 
 class _Args(ctypes.Structure):  # decode_gemm.cu's Args, field for field
@@ -103,10 +103,15 @@ def supported(x: torch.Tensor, k: int, lora: bool = False) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and 0 < m <= MAX_M and k % CHUNK == 0 and ENABLED):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    capability = torch.cuda.get_device_capability(index)
+    capability = _capability(index)
     if m <= DECODE_MAX_M:
         return capability >= (8, 9) and available(index)
     return m >= WGMMA_MIN_M and not lora and capability == (9, 0) and available(index, wgmma=True)
+
+
+@functools.cache  # on every eager call: torch's query costs microseconds of host time
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _wgmma_shared_bytes(mt: int, warpgroups: int) -> int:
@@ -133,7 +138,7 @@ _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_
 
 
 def _decode_kernel(nt: int, mt: int, warps: int, stages: int, l2_prefetch: int, device_index: int):
-    major, minor = torch.cuda.get_device_capability(device_index)
+    major, minor = _capability(device_index)
     return _kernel(f"nvfp4_decode_gemm<{nt}, {mt}, {warps}, {stages}, {l2_prefetch}>", f"{major}{minor}", 0,
                    device_index)
 
@@ -148,7 +153,7 @@ def available(device_index: int, wgmma: bool = False) -> bool:
     """Whether the kernel builds here (NVRTC and CUDA's headers found by torch); said once when it does not."""
     try:
         if wgmma:
-            _wgmma_kernel(8, WgmmaConfig(), device_index)
+            _wgmma_kernel(8, WgmmaConfig(), device_index)  # the instance wgmma_config picks below a tile per SM
         else:
             _decode_kernel(2, 1, 4, 2, 1, device_index)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the Triton kernel

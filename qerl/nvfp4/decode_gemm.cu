@@ -677,7 +677,8 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
 
   // x copy: unit u = (row group u / 32, row (u % 32) / 4 of it, 32-K quarter u % 4 of the chunk); its thread loads the
   // quarter's 64 bytes and stores word q of each 8-K pair_up group into core 4w + q, word u % 4 of the row.
-  constexpr int X_UNITS = (32 * MT + WG * 128 - 1) / (WG * 128);
+  static_assert(32 * MT % (WG * 128) == 0, "every thread copies the same number of x units");
+  constexpr int X_UNITS = 32 * MT / (WG * 128);
   u32 xr[X_UNITS][4][4];
   const u16* xsrc[X_UNITS];
   u32 xdst[X_UNITS];
@@ -692,15 +693,12 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
       s.s[0][h] = ld_u16(srow[h] + c * (CHUNK / 16));
     }
   };
-  auto unit_ok = [&](int i) { return X_UNITS * WG * 128 == 32 * MT || threadIdx.x + i * WG * 128 < 32 * MT; };
   auto load_x = [&](int c) {
     if (c >= c_end) return;
 #pragma unroll
     for (int i = 0; i < X_UNITS; ++i) {
-      if (unit_ok(i)) {
 #pragma unroll
-        for (int w = 0; w < 4; ++w) ld_16B(xsrc[i] + (u64)c * CHUNK + 8 * w, xr[i][w]);
-      }
+      for (int w = 0; w < 4; ++w) ld_16B(xsrc[i] + (u64)c * CHUNK + 8 * w, xr[i][w]);
     }
   };
   auto store_x = [&](int c) {
@@ -708,16 +706,14 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
     const u32 buf = ((c - c_begin) % X_BUFFERS) * X_BUFFER;
 #pragma unroll
     for (int i = 0; i < X_UNITS; ++i) {
-      if (unit_ok(i)) {
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          u32 b[4];
-          pair_up(xr[i][w], b);
+      for (int w = 0; w < 4; ++w) {
+        u32 b[4];
+        pair_up(xr[i][w], b);
 #pragma unroll
-          for (int q = 0; q < 4; ++q)
-            asm volatile("st.shared.b32 [%0], %1;" :: "r"(xs_base + buf + xdst[i] + (4 * w + q) * 128), "r"(b[q])
-                         : "memory");
-        }
+        for (int q = 0; q < 4; ++q)
+          asm volatile("st.shared.b32 [%0], %1;" :: "r"(xs_base + buf + xdst[i] + (4 * w + q) * 128), "r"(b[q])
+                       : "memory");
       }
     }
     fence_proxy_async();
