@@ -226,7 +226,7 @@ struct Stage {
 
 struct Args {
   const u16* x; const u8* packed; const u8* scale; const float* gs; const u16* bias; u16* y;
-  float* ws; int* counters; const u16* lora_a; const u16* lora_b; float* lws; u32* lora_s;
+  float* ws; int* counters; const u16* lora_a; const u16* lora_b; float* lws; u32* lora_s; u16* xp;
   int sx, sy, M, N, K, split, split_chunks, lora_r, lora_parts, lora_chunks;
 };
 
@@ -784,4 +784,224 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
 
   // Per warp: its 16 rows have their own split-K counter, and every warp of the weight arrives on the LoRA counter.
   finish_tile<1, MT, G>(p, acc, n0, split_idx, n0 / 16, lora_b, lora_s, lora_ready, (p.N + 15) / 16);
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Warp-specialized, persistent variant for 33-64 rows (sm_90a), in two launches.
+//
+// nvfp4_wgmma_prep pairs x up once per call into `xp`, chunk by chunk in the very byte order the wgmma kernels keep x in
+// shared memory (every CTA of the GEMM had paired its own copy of each chunk), and computes the LoRA shrink
+// s = x @ A^T (lora_shrink: the last LoRA CTA writes s into the slots). Then nvfp4_wgmma_ws_gemm: warpgroup 0
+// produces, warpgroups 1 and 2 consume, and they meet only at a STAGES-deep shared-memory ring (mbarriers: `full` when
+// a stage is written, `empty` when its wgmmas are done). The producer copies each chunk's weight codes and scales (the
+// tile's rows in natural order: a consumer thread's 16 bytes of a row sit where the decode kernel's load would read
+// them) and its 16 KB of paired x with cp.async, AHEAD chunks ahead of the consumers, straight across the CTA's
+// (tile, split) units: the grid is at most one CTA per SM, and a unit's epilogue runs while the next one streams in.
+// A consumer warpgroup owns 64 weight rows of the 128-row tile; x, the wgmma B operand, is shared by both.
+
+#define XP_CHUNK (8 * XS_ROWGROUP)  // bytes of one chunk of paired x: 64 rows x 128 K
+
+// x item (one per thread): row 8 rg + r, 8-K group w of each of the chunk's four 32-K quarters. Word qq of the four
+// quarters' pair_up is one 16-byte row of core 4w + qq of the wgmma layout (nvfp4_wgmma_gemm's store_x, by rows).
+__device__ __forceinline__ void pair_x_item(const Args& p, int item, int c, u32 after_wait) {
+  const int rg = item / 32, w = (item / 8) % 4, r = item % 8;
+  const u16* src = p.x + after_wait + (u64)imin(8 * rg + r, p.M - 1) * p.sx + (u64)c * CHUNK + 8 * w;
+  u32 b[4][4];
+#pragma unroll
+  for (int qq = 0; qq < 4; ++qq) {
+    u32 v[4];
+    ld_16B(src + 32 * qq, v);
+    pair_up(v, b[qq]);
+  }
+  u8* dst = reinterpret_cast<u8*>(p.xp) + (u64)c * XP_CHUNK + rg * XS_ROWGROUP + 4 * w * 128 + r * 16;
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    *reinterpret_cast<uint4*>(dst + q * 128) = make_uint4(b[0][q], b[1][q], b[2][q], b[3][q]);
+}
+
+// Grid: [LoRA CTAs] then one CTA per chunk of K, 256 threads (an item each).
+__global__ void __launch_bounds__(256) nvfp4_wgmma_prep(Args p) {
+  __shared__ float red[7][8 * 4][32];
+  int cta = blockIdx.x;
+  const int lora_ctas = p.lora_r ? p.lora_parts * (p.lora_r / 16) : 0;
+  pdl_launch_dependents();  // the GEMM's producers may start on the weights (they wait for this grid before xp, s)
+  if (cta < lora_ctas) {
+    lora_shrink<8, 8>(p, cta, red);
+    return;
+  }
+  pair_x_item(p, threadIdx.x, cta - lora_ctas, pdl_wait());
+}
+
+template <int CW, int STAGES>
+struct WsLayout {
+  static constexpr int ROWS = 64 * CW;          // weight rows per tile: 64 per consumer warpgroup
+  static constexpr int W = 0;                   // codes: ROWS x 64 bytes
+  static constexpr int S = W + ROWS * 64;       // scales: ROWS x 8 bytes
+  static constexpr int X = S + ROWS * 8;        // paired x: XP_CHUNK
+  static constexpr int STAGE = X + XP_CHUNK;
+  static constexpr int BARRIERS = STAGES * STAGE;  // full[STAGES], then empty[STAGES], 8 bytes each
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+template <int BYTES>
+__device__ __forceinline__ void cp_async(u32 dst, const void* src) {
+  if (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(dst), "l"(src), "n"(BYTES) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+// The CTA's units, in order: u = blockIdx.x + j gridDim.x over (tile, split), tile fastest; chunk c of unit u.
+struct WsCursor {
+  int u, c, c_end;
+  __device__ void start(const Args& p, int n_tiles, int u0) {
+    u = u0;
+    c = (u / n_tiles) * p.split_chunks;
+    c_end = imin(c + p.split_chunks, p.K / CHUNK);
+  }
+  __device__ void next(const Args& p, int n_tiles) {
+    if (++c == c_end) start(p, n_tiles, u + gridDim.x);
+  }
+};
+
+template <int CW, int STAGES>
+__global__ void __launch_bounds__(128 * (CW + 1), 1) nvfp4_wgmma_ws_gemm(Args p) {
+  using L = WsLayout<CW, STAGES>;
+  constexpr int MT = 8, AHEAD = STAGES - 1;
+  extern __shared__ __align__(128) u8 smem[];
+  const u32 base = smem_addr(smem), full = base + L::BARRIERS, empty = full + 8 * STAGES;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int n_tiles = (p.N + L::ROWS - 1) / L::ROWS, n_units = n_tiles * p.split;
+  int total = 0;  // this CTA's chunks over all its units
+  for (int u = blockIdx.x; u < n_units; u += gridDim.x)
+    total += imin((u / n_tiles + 1) * p.split_chunks, p.K / CHUNK) - (u / n_tiles) * p.split_chunks;
+  if (threadIdx.x < STAGES) {
+    mbar_init(full + 8 * threadIdx.x, 128);  // every producer thread
+    mbar_init(empty + 8 * threadIdx.x, 4 * CW);  // every consumer warp
+  }
+  __syncthreads();
+
+  if (warp < 4) {  // producer: few registers, so that the consumers get more
+    if (CW == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    const int tid = threadIdx.x, K2 = p.K / 2, KS = p.K / 16;
+    WsCursor at;
+    at.start(p, n_tiles, blockIdx.x);
+    auto issue_weights = [&](int i) {
+      const u32 st = base + (i % STAGES) * L::STAGE;
+      const int n0 = (at.u % n_tiles) * L::ROWS;
+#pragma unroll
+      for (int j = 0; j < 2 * CW; ++j) {  // 16-byte quarter q of row r's 64 bytes
+        const int o = tid + 128 * j, r = o / 4, q = o % 4, n = imin(n0 + r, p.N - 1);
+        cp_async<16>(st + L::W + r * 64 + q * 16, p.packed + (u64)n * K2 + at.c * (CHUNK / 2) + q * 16);
+      }
+#pragma unroll
+      for (int r = tid; r < L::ROWS; r += 128)
+        cp_async<8>(st + L::S + r * 8, p.scale + (u64)imin(n0 + r, p.N - 1) * KS + at.c * (CHUNK / 16));
+    };
+    auto issue_x = [&](int i, int c) {
+      const u32 st = base + (i % STAGES) * L::STAGE;
+      const u8* src = reinterpret_cast<const u8*>(p.xp) + (u64)c * XP_CHUNK;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) cp_async<16>(st + L::X + (tid + 128 * j) * 16, src + (tid + 128 * j) * 16);
+    };
+    // No kernel writes the weights: the first chunks' copies start before the wait; xp (the prep's) after it.
+    int c_first[AHEAD];
+    for (int i = 0; i < AHEAD && i < total; ++i) {
+      issue_weights(i);
+      c_first[i] = at.c;
+      at.next(p, n_tiles);
+    }
+    const u32 after_wait = pdl_wait();
+    for (int i = 0; i < AHEAD; ++i) {
+      if (i < total) issue_x(i, c_first[i] + after_wait);
+      cp_async_commit();
+    }
+    for (int i = 0; i < total; ++i) {
+      cp_async_wait<AHEAD - 1>();  // chunk i's copies, this thread's (one group per chunk, AHEAD - 1 younger)
+      fence_proxy_async();         // cp.async writes x through the generic proxy; wgmma reads it through the async one
+      mbar_arrive(full + 8 * (i % STAGES));
+      const int ahead = i + AHEAD;  // its stage's last chunk, i - 1, is the consumers' before the one just handed over
+      if (ahead < total) {
+        mbar_wait(empty + 8 * (ahead % STAGES), ((ahead / STAGES) & 1) ^ 1);
+        issue_weights(ahead);
+        issue_x(ahead, at.c);
+        at.next(p, n_tiles);
+      }
+      cp_async_commit();
+    }
+    return;
+  }
+
+  // Consumers: warpgroup cg (0, 1), warp cw of it: tile rows 64 cg + 16 cw + (g, g + 8).
+  if (CW == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  else if (CW == 3) asm volatile("setmaxnreg.inc.sync.aligned.u32 152;");
+  else asm volatile("setmaxnreg.inc.sync.aligned.u32 104;");  // the pool: 640 x 96 launched, the producer gives back 56 x 128
+  pdl_wait();  // before the bias, B, s, the partials and y: every earlier kernel has finished
+  const int cg = warp / 4 - 1, cw = warp % 4, row = 64 * cg + 16 * cw + g;
+  constexpr int G = 16 / MT;  // rank tiles per round of LoRA loads: the s words of 64 x rows take 32 registers
+  int i = 0;
+  for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+    const int tile = u % n_tiles, split_idx = u / n_tiles, n0 = tile * L::ROWS + 16 * (cw + 4 * cg);
+    const int chunks = imin((split_idx + 1) * p.split_chunks, p.K / CHUNK) - split_idx * p.split_chunks;
+    float acc[1][MT][4] = {};
+    for (int end = i + chunks; i < end; ++i) {
+      const u32 st = base + (i % STAGES) * L::STAGE;
+      mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
+      u32 words[2][4], sc[2][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row + 8 * h;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(words[h][0]), "=r"(words[h][1]), "=r"(words[h][2]), "=r"(words[h][3])
+                     : "r"(st + L::W + r * 64 + t * 16) : "memory");
+        u16 two;
+        asm volatile("ld.shared.u16 %0, [%1];" : "=h"(two) : "r"(st + L::S + r * 8 + 2 * t) : "memory");
+        scales_bf16x2(two, sc[h][0], sc[h][1]);
+      }
+      const u32 xs = st + L::X;
+      u32 a[4][8];  // each round's A fragments: rows g (words 0-3) and g + 8 (words 4-7)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {  // 32 K per round: decode, then two k16 steps on the tensor cores
+        decode8(words[0][w], sc[0][w >> 1], *reinterpret_cast<u32(*)[4]>(&a[w][0]));
+        decode8(words[1][w], sc[1][w >> 1], *reinterpret_cast<u32(*)[4]>(&a[w][4]));
+        wgmma_fence();
+        wgmma_step<MT>(acc[0], a[w][0], a[w][4], a[w][1], a[w][5], x_descriptor(xs + (4 * w) * 128));
+        wgmma_step<MT>(acc[0], a[w][2], a[w][6], a[w][3], a[w][7], x_descriptor(xs + (4 * w + 2) * 128));
+        wgmma_commit();
+        if (w > 0) {
+          wgmma_wait<1>();
+          keep_until_here(a[w - 1]);
+        }
+      }
+      wgmma_wait<0>();
+      keep_until_here(a[3]);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + 8 * (i % STAGES));
+    }
+    fence_accumulators<MT>(acc[0]);
+    if (u + (int)gridDim.x >= n_units) pdl_launch_dependents();
+    if (n0 >= p.N) continue;
+    u32 lora_b[G][1][4], lora_s[G][MT][2];
+    bool lora_ready = false;
+    if (p.lora_r) {
+      lora_b_fragments<1, G>(p, lora_b, n0, 0);
+      lora_ready = lora_s_fragments<MT, G>(p, lora_s, 0);
+    }
+    finish_tile<1, MT, G>(p, acc, n0, split_idx, n0 / 16, lora_b, lora_s, lora_ready, (p.N + 15) / 16);
+  }
 }
