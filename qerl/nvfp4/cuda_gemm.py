@@ -58,18 +58,9 @@ class WgmmaConfig(NamedTuple):
     occupancy: int = 1
 
 
-class WgmmaWsConfig(NamedTuple):
-    """nvfp4_wgmma_ws_gemm's launch: stages: the shared-memory ring's depth; split: K ranges per tile;
-    consumers: warpgroups of 64 weight rows each (the tile)."""
-
-    stages: int = 4
-    split: int = 1
-    consumers: int = 2
-
-
 class _Args(ctypes.Structure):  # decode_gemm.cu's Args, field for field
     _fields_ = [(f, ctypes.c_void_p) for f in ("x", "packed", "scale", "gs", "bias", "y", "ws", "counters",
-                                                "lora_a", "lora_b", "lws", "lora_s", "xp")] + [
+                                                "lora_a", "lora_b", "lws", "lora_s")] + [
         (f, ctypes.c_int) for f in ("sx", "sy", "M", "N", "K", "split", "split_chunks", "lora_r", "lora_parts",
                                     "lora_chunks")]
 
@@ -150,19 +141,6 @@ def _decode_kernel(nt: int, mt: int, warps: int, stages: int, l2_prefetch: int, 
     major, minor = _capability(device_index)
     return _kernel(f"nvfp4_decode_gemm<{nt}, {mt}, {warps}, {stages}, {l2_prefetch}>", f"{major}{minor}", 0,
                    device_index)
-
-
-XP_CHUNK = 64 * CHUNK * 2  # bytes of one chunk of paired x (decode_gemm.cu's XP_CHUNK)
-
-
-def _ws_shared_bytes(cfg: WgmmaWsConfig) -> int:
-    """nvfp4_wgmma_ws_gemm's dynamic shared memory (WsLayout): per stage 128 rows of codes and scales and a chunk of
-    paired x; then two mbarriers per stage."""
-    return cfg.stages * (64 * cfg.consumers * 72 + XP_CHUNK) + 16 * cfg.stages
-
-
-def _ws_kernel(cfg: WgmmaWsConfig, device_index: int):
-    return _kernel(f"nvfp4_wgmma_ws_gemm<{cfg.consumers}, {cfg.stages}>", "90a", _ws_shared_bytes(cfg), device_index)
 
 
 def _wgmma_kernel(mt: int, cfg: WgmmaConfig, device_index: int):
@@ -251,9 +229,6 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
         mt = 1 if m <= 8 else 2
         func, block, tile_n, shared = _decode_kernel(cfg.tile_n // 16, mt, cfg.warps, cfg.stages, cfg.l2_prefetch,
                                                      dev), 32 * cfg.warps, cfg.tile_n, 0
-    elif isinstance(config, WgmmaWsConfig):
-        cfg = config
-        func, block, tile_n, shared = _ws_kernel(cfg, dev), 128 * (cfg.consumers + 1), 64 * cfg.consumers, _ws_shared_bytes(cfg)
     else:
         cfg = config or wgmma_config(n, k, dev)
         mt = 8
@@ -285,16 +260,10 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
 
     args = _Args(ptr(x), ptr(packed), ptr(scale), ptr(global_scale), ptr(bias), ptr(out), ptr(ws), ptr(counters),
                  ptr(lora_a), ptr(lora_b), None if ws is None else ws.data_ptr() + 4 * split * m * n,
-                 counters.data_ptr() + 4 * lora_s_offset(n) if lora_r else None, None,
+                 counters.data_ptr() + 4 * lora_s_offset(n) if lora_r else None,
                  x.stride(0), out.stride(0), m, n, k, split, split_chunks, lora_r, lora_parts, lora_chunks)
-    lora_ctas = lora_parts * (lora_r // 16)
-    if isinstance(cfg, WgmmaWsConfig):
-        xp = torch.empty(chunks * XP_CHUNK // 2, dtype=torch.int16, device=x.device)
-        args.xp = xp.data_ptr()
-        _launch(_kernel("nvfp4_wgmma_prep", "90a", 0, dev), lora_ctas + chunks, 256, 0, args, x.device)
-        _launch(func, min(n_tiles * split, _sm_count(dev)), block, shared, args, x.device)
-        return out
-    _launch(func, lora_ctas + n_tiles * split, block, shared, args, x.device)
+    grid = lora_parts * (lora_r // 16) + n_tiles * split
+    _launch(func, grid, block, shared, args, x.device)
     return out
 
 
