@@ -5,15 +5,19 @@
     python -m benchmarks.probe_gemm host              # host time per eager call (what bounds eager decode)
     python -m benchmarks.probe_gemm cuda              # CUDA vs Triton decode GEMM, with the engine's LoRA ranks
     python -m benchmarks.probe_gemm wgmma             # CUDA wgmma vs Triton GEMM and cuBLAS BF16 at 40 and 64 rows
+    python -m benchmarks.probe_gemm wgmma-ceiling     # the 64-row wgmma loop without DRAM, built up part by part
     ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probe_gemm ncu
 
 `stream` runs a kernel with the GEMM's grid, tiles, split-K and TMA ring that only XORs the bytes it
 receives: the bandwidth the access pattern allows with no decode and no MMA. `ncu` calls the GEMM on a
-few 7B shapes (weights rotated so they stream from HBM) for the profiler to sample.
+few 7B shapes (weights rotated so they stream from HBM) for the profiler to sample. `wgmma-ceiling` runs the
+chunk loop of nvfp4_wgmma_gemm with no global memory at all: how many weight bytes per second its tensor-core and
+decode work could keep up with (docs/kernel_notes.md, "Ninth session").
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -210,6 +214,162 @@ def wgmma_vs_triton():
             torch.cuda.empty_cache()
 
 
+# One chunk per iteration (128 K; per warpgroup 64 weight rows: 4 rounds of 2 m64n64k16, as in nvfp4_wgmma_gemm), on
+# whatever shared memory holds. STAGE 0: A from registers, rewritten every round; 1: + each thread's codes and scales
+# read from shared memory; 2: + the real decode (scales_bf16x2, decode8); 3: + a ring handshake per chunk with a
+# producer warpgroup that copies nothing (mbarriers full/empty, 4 stages); 4: as 0 with A from shared memory.
+CEILING_SOURCE = r"""
+struct CeilingArgs { float* out; int iters; };
+
+__device__ __forceinline__ void wgmma_step_ss(float (&d)[8][4], u64 a_desc, u64 b_desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(a_desc), "l"(b_desc) : "memory");
+}
+
+__device__ __forceinline__ void ceiling_mbar_wait(u32 bar, u32 parity) {
+  asm volatile("{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               "@!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void ceiling_mbar_arrive(u32 bar) {
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" :: "r"(bar) : "memory");
+}
+
+// Shared memory (64 KB): codes of 64 WG rows at 0 (64 bytes a row), their scales at 16 KB, two x buffers at 32 KB,
+// A for STAGE 4 at 24 KB, the mbarriers in the last 64 bytes.
+template <int STAGE, int WG>
+__global__ void __launch_bounds__(128 * (WG + 1), 1) wgmma_ceiling(CeilingArgs p) {
+  extern __shared__ __align__(128) u8 smem[];
+  const u32 base = smem_addr(smem), full = base + 65536 - 64, empty = full + 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  if (threadIdx.x < 4) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 128;" :: "r"(full + 8 * threadIdx.x) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(empty + 8 * threadIdx.x), "r"(4 * WG) : "memory");
+  }
+  __syncthreads();
+  if (warp < 4) {  // the producer warpgroup: hands over a stage per chunk once it is released, copies nothing
+    if (STAGE == 3) {
+      for (int i = 0; i < p.iters; ++i) {
+        if (i >= 4) ceiling_mbar_wait(empty + 8 * (i % 4), ((i / 4) & 1) ^ 1);
+        ceiling_mbar_arrive(full + 8 * (i % 4));
+      }
+    }
+    return;
+  }
+  const int row = 16 * (warp - 4) + g;  // warpgroup (warp - 4) / 4 owns rows 64 of them
+  float acc[8][4] = {};
+  u32 words[2][4] = {{0x12345678u ^ threadIdx.x, 0x9abcdef0u, 0x0f1e2d3cu, 0x4b5a6978u}, {1u, 2u, 3u, 4u}};
+  u32 sc[2][2] = {{0x3f803f80u, 0x3f803f80u}, {0x3f803f80u, 0x3f803f80u}};
+  for (int it = 0; it < p.iters; ++it) {
+    if (STAGE == 3) ceiling_mbar_wait(full + 8 * (it % 4), (it / 4) & 1);
+    if (STAGE >= 1 && STAGE <= 3) {
+      const u32 st = base + (it & 3) * 256;  // addresses that move like a ring's
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(words[h][0]), "=r"(words[h][1]), "=r"(words[h][2]), "=r"(words[h][3])
+                     : "r"(st + (row + 8 * h) * 64 + t * 16) : "memory");
+        u16 two;
+        asm volatile("ld.shared.u16 %0, [%1];" : "=h"(two) : "r"(st + 16384 + (row + 8 * h) * 8 + 2 * t) : "memory");
+        if (STAGE >= 2) scales_bf16x2(two | 0x3030u, sc[h][0], sc[h][1]);
+        else sc[h][0] ^= two;
+      }
+    }
+    const u32 xs = base + 32768 + (it & 1) * 16384;
+    u32 a[4][8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      if (STAGE >= 2) {
+        decode8(words[0][w], sc[0][w >> 1], *reinterpret_cast<u32(*)[4]>(&a[w][0]));
+        decode8(words[1][w], sc[1][w >> 1], *reinterpret_cast<u32(*)[4]>(&a[w][4]));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          a[w][e] = words[0][w] ^ (sc[0][0] + e + it);
+          a[w][4 + e] = words[1][w] ^ (e + it);
+        }
+      }
+      wgmma_fence();
+      if (STAGE == 4) {
+        const u64 ad = x_descriptor(base + 24576 + (4 * w) * 128) & ~(0x3FFFull << 32) | ((u64)(256 >> 4) << 32);
+        wgmma_step_ss(acc, ad, x_descriptor(xs + (4 * w) * 128));
+        wgmma_step_ss(acc, ad + 16, x_descriptor(xs + (4 * w + 2) * 128));
+      } else {
+        wgmma_step<8>(acc, a[w][0], a[w][4], a[w][1], a[w][5], x_descriptor(xs + (4 * w) * 128));
+        wgmma_step<8>(acc, a[w][2], a[w][6], a[w][3], a[w][7], x_descriptor(xs + (4 * w + 2) * 128));
+      }
+      wgmma_commit();
+      if (w > 0) {
+        wgmma_wait<1>();
+        keep_until_here(a[w - 1]);
+      }
+    }
+    wgmma_wait<0>();
+    keep_until_here(a[3]);
+    if (STAGE == 3) {
+      __syncwarp();
+      if (lane == 0) ceiling_mbar_arrive(empty + 8 * (it % 4));
+    }
+  }
+  fence_accumulators<8>(acc);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s += acc[j][e];
+  p.out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+"""
+CEILING_STAGES = ("A in registers (bare wgmma)", "+ codes and scales from shared memory", "+ decode",
+                  "+ ring handshake with a producer", "A in shared memory (bare wgmma)")
+
+
+class _CeilingArgs(ctypes.Structure):
+    _fields_ = [("out", ctypes.c_void_p), ("iters", ctypes.c_int)]
+
+
+def wgmma_ceiling(iters: int = 4000):
+    """nvfp4_wgmma_gemm's chunk loop with no global memory (CEILING_SOURCE), one CTA per SM: time per chunk, and the
+    NVFP4 weight bandwidth (72 bytes per row and chunk: codes and scales) that rate would keep up with."""
+    from qerl.nvfp4 import cuda_gemm
+
+    dev = torch.device("cuda")
+    idx = torch.cuda.current_device()
+    if torch.cuda.get_device_capability(idx) != (9, 0):
+        raise SystemExit("wgmma-ceiling: needs compute capability 9.0 (wgmma)")
+    sms = cuda_gemm._sm_count(idx)
+    copy_gbs, _ = measure_ceilings(dev)
+    print(f"{torch.cuda.get_device_name(idx)}, copy {copy_gbs:.0f} GB/s; {sms} CTAs, one per SM; per chunk: 128 K x "
+          "64 weight rows per warpgroup (8 m64n64k16)")
+    print("| loop | consumer warpgroups | us per chunk | TFLOPS | weight bytes it keeps up with, GB/s | % of copy |")
+    print("|---|---|---|---|---|---|")
+    for stage, label in enumerate(CEILING_STAGES):
+        for wg in (1, 2, 3, 4):
+            func = cuda_gemm._kernel(f"wgmma_ceiling<{stage}, {wg}>", "90a", 65536, idx, CEILING_SOURCE)
+            out = torch.empty(sms * 128 * (wg + 1), device=dev)
+            args = _CeilingArgs(out.data_ptr(), iters)
+            cuda_gemm._launch(func, sms, 128 * (wg + 1), 65536, args, dev)  # warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                cuda_gemm._launch(func, sms, 128 * (wg + 1), 65536, args, dev)
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 3 / 1e3
+            per_chunk = seconds / iters
+            flops = 2 * 64 * 64 * 128 * wg * sms / per_chunk
+            weight_gbs = 64 * wg * 72 * sms / per_chunk / 1e9
+            print(f"| {label} | {wg} | {per_chunk * 1e6:.3f} | {flops / 1e12:.0f} | {weight_gbs:.0f} | "
+                  f"{weight_gbs / copy_gbs * 100:.0f}% |", flush=True)
+
+
 def main(mode):
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -245,5 +405,5 @@ def main(mode):
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "stream"
-    {"splits": split_sweep, "host": host_cost, "cuda": cuda_vs_triton, "wgmma": wgmma_vs_triton}.get(
-        mode, lambda: main(mode))()
+    {"splits": split_sweep, "host": host_cost, "cuda": cuda_vs_triton, "wgmma": wgmma_vs_triton,
+     "wgmma-ceiling": wgmma_ceiling}.get(mode, lambda: main(mode))()

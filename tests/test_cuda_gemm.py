@@ -49,11 +49,12 @@ INSTANCES = sorted({(2, mt, w, 2, 1) for mt in (1, 2) for w in (4, 8)})  # what 
 WGMMA_INSTANCES = [(8, 2, 2, 1), (8, 2, 3, 2)]  # what wgmma_config picks
 
 
-def _nvcc_build(out_dir, arch, instances):
-    """The instances built with nvcc (NVRTC builds them the same way on the GPU): ptxas's report and the cubin."""
+def _nvcc_build(out_dir, arch, instances, extra_source="", params="Args"):
+    """The instances built with nvcc (NVRTC builds them the same way on the GPU): ptxas's report and the cubin.
+    `extra_source` follows decode_gemm.cu, as cuda_gemm._kernel appends it."""
     src = out_dir / "instances.cu"
-    src.write_text(f'#include "{cuda_gemm.SOURCE}"\n'
-                   + "".join(f"template __global__ void {i}(Args);\n" for i in instances))
+    src.write_text(f'#include "{cuda_gemm.SOURCE}"\n' + extra_source
+                   + "".join(f"template __global__ void {i}({params});\n" for i in instances))
     cubin = out_dir / "k.cubin"
     report = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-Xptxas", "-v", "-o", str(cubin), str(src)],
                             capture_output=True, text=True, check=True).stderr
@@ -88,6 +89,20 @@ def test_wgmma_kernel_builds_unserialized(sm90a_build):
     report, _ = sm90a_build
     assert "Potential Performance Loss" not in report, report
     assert len(re.findall(r"Used (\d+) registers", report)) == len(WGMMA_INSTANCES)
+
+
+def test_wgmma_ceiling_probe_builds_unserialized(tmp_path):
+    """benchmarks/probe_gemm.py's wgmma-ceiling kernels time the wgmma kernel's chunk loop: they must build the way it
+    does, with no wgmma serialized and no spills, or they would time something else."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
+    from benchmarks.probe_gemm import CEILING_SOURCE, CEILING_STAGES
+
+    instances = [f"wgmma_ceiling<{s}, {w}>" for s in range(len(CEILING_STAGES)) for w in (1, 2, 3, 4)]
+    report, _ = _nvcc_build(tmp_path, "sm_90a", instances, CEILING_SOURCE, "CeilingArgs")
+    assert "Potential Performance Loss" not in report, report
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert len(spills) == len(instances) and all(s == "0" for s in spills), report
 
 
 def _cuobjdump():

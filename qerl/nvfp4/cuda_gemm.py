@@ -120,12 +120,13 @@ def _wgmma_shared_bytes(mt: int, warpgroups: int) -> int:
 
 
 @functools.cache
-def _kernel(name: str, arch: str, shared_bytes: int, device_index: int):
-    """The compiled kernel (a driver function handle) for one template instance on one device."""
+def _kernel(name: str, arch: str, shared_bytes: int, device_index: int, extra_source: str = ""):
+    """The compiled kernel (a driver function handle) for one template instance on one device. `extra_source` is
+    appended to decode_gemm.cu: probe kernels of benchmarks/probe_gemm.py that reuse its helpers."""
     from torch.cuda._utils import _cuda_load_module, _nvrtc_compile  # torch's NVRTC wrapper (private, no copy)
 
     with torch.cuda.device(device_index):
-        cubin, mangled = _nvrtc_compile(SOURCE.read_text(), name, arch, nvcc_options=["-std=c++17"])
+        cubin, mangled = _nvrtc_compile(SOURCE.read_text() + extra_source, name, arch, nvcc_options=["-std=c++17"])
         func = _cuda_load_module(cubin, [mangled])[mangled].func
     if shared_bytes:  # past 48 KB with the static shared memory, dynamic shared memory must be asked for
         err = _libcuda().cuFuncSetAttribute(func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes)
