@@ -176,8 +176,11 @@ def test_dispatch_refuses_what_the_kernel_cannot_take():
         assert not cuda_gemm.supported(torch.zeros(17, 256, dtype=torch.bfloat16, device="cuda"), 256)  # Triton's
         assert not cuda_gemm.supported(torch.zeros(65, 256, dtype=torch.bfloat16, device="cuda"), 256)
         rows_48 = torch.zeros(48, 256, dtype=torch.bfloat16, device="cuda")
-        assert not cuda_gemm.supported(rows_48, 256, lora=True)  # the wgmma kernel's LoRA is slower than Triton's
-        assert cuda_gemm.supported(rows_48, 256) == (torch.cuda.get_device_capability() == (9, 0))
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert cuda_gemm.supported(rows_48, 256) == hopper
+        assert cuda_gemm.supported(rows_48, 256, lora_rank=32, n=5120) == hopper
+        assert not cuda_gemm.supported(rows_48, 256, lora_rank=64, n=5120)  # there the wgmma kernel's LoRA loses
+        assert not cuda_gemm.supported(rows_48, 256, lora_rank=16, n=3584)
         assert not cuda_gemm.supported(cuda[:, :192], 192)  # K % 128
 
 
@@ -251,16 +254,23 @@ def test_gpu_lora_in_the_same_launch(seed, rank, rows_config):
                     assert _rel_err(y, ref) < 4e-3, (m, cfg)
 
 
+LORA_DISPATCH_CASES = {  # rows, weight shape and rank of a rollout engine's call that the CUDA kernels take
+    "decode": (8, 4608, 3584, 64),  # a 7B qkv projection with its fused rank
+    "wgmma": pytest.param((64, 5120, 13824, 16), marks=sm90),  # a 14B down projection at batch 64
+}
+
+
 @gpu
-def test_gpu_dispatch_and_graph_replay_equal_eager(seed):
-    n, k = 4608, 3584
+@pytest.mark.parametrize("case", LORA_DISPATCH_CASES.values(), ids=LORA_DISPATCH_CASES.keys())
+def test_gpu_lora_dispatch_and_graph_replay_equal_eager(seed, case):
+    m, n, k, rank = case
     q = _weight(n, k, "cuda")
-    counters = kernels.splitk_counters(n, "cuda", lora_rank=64)
+    counters = kernels.splitk_counters(n, "cuda", lora_rank=rank)
     at_rest = counters.clone()
-    lora = (torch.randn(64, k, device="cuda", dtype=torch.bfloat16) * 0.05,
-            torch.randn(n, 64, device="cuda", dtype=torch.bfloat16) * 0.05)
-    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
-    assert cuda_gemm.supported(x, k)
+    lora = (torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
+            torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert cuda_gemm.supported(x, k, rank, n)
 
     def step():
         return kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, None, counters, *lora)

@@ -32,6 +32,11 @@ CHUNK = 128  # K codes per warp step (decode_gemm.cu's CHUNK)
 DECODE_MAX_M = 16  # nvfp4_decode_gemm's rows
 WGMMA_MIN_M = 33  # nvfp4_wgmma_gemm's, up to MAX_M (its 64 columns of x; at 17-32 rows the Triton kernel is faster)
 MAX_M = 64
+# With a LoRA in the launch the wgmma kernel beats Triton's only within these (H100, 64 rows, docs/benchmarks.md): rank
+# 64 costs it 12-22 us at any K split (Triton: 7 us or less), and on 3584-row weights (28 tiles of 128 rows) it loses
+# with any LoRA.
+WGMMA_LORA_MAX_RANK = 32
+WGMMA_LORA_MIN_N = 5120
 LORA_PARTS = 8  # K ranges of the LoRA shrink, as in the Triton kernel
 
 
@@ -95,10 +100,11 @@ def new_counters(n: int, lora_rank: int = 0, device=None) -> torch.Tensor:
     return counters
 
 
-def supported(x: torch.Tensor, k: int, lora: bool = False) -> bool:
-    """Whether `gemm` takes this x: BF16 on a CUDA device, K a multiple of 128, QERL_CUDA_GEMM not "0", and a kernel for
-    its row count builds there: 1-16 rows on compute capability 8.9+ (FP8 conversions); 33-64 rows without a LoRA on
-    9.0 (wgmma), where it beats the Triton kernel (docs/kernel_notes.md; with a LoRA it does not yet)."""
+def supported(x: torch.Tensor, k: int, lora_rank: int = 0, n: int = 0) -> bool:
+    """Whether `gemm` takes this x (on a weight of n rows, with a LoRA of `lora_rank` or none): BF16 on a CUDA device,
+    K a multiple of 128, QERL_CUDA_GEMM not "0", and a kernel for its row count builds there: 1-16 rows on compute
+    capability 8.9+ (FP8 conversions); 33-64 rows on 9.0 (wgmma), where it beats the Triton kernel: without a LoRA, or
+    with one of rank <= 32 on a weight of >= 5120 rows (docs/benchmarks.md, "the wgmma GEMM's LoRA")."""
     m = x.shape[0]
     if not (x.is_cuda and x.dtype == torch.bfloat16 and 0 < m <= MAX_M and k % CHUNK == 0 and ENABLED):
         return False
@@ -106,7 +112,8 @@ def supported(x: torch.Tensor, k: int, lora: bool = False) -> bool:
     capability = _capability(index)
     if m <= DECODE_MAX_M:
         return capability >= (8, 9) and available(index)
-    return m >= WGMMA_MIN_M and not lora and capability == (9, 0) and available(index, wgmma=True)
+    lora_pays = not lora_rank or (lora_rank <= WGMMA_LORA_MAX_RANK and n >= WGMMA_LORA_MIN_N)
+    return m >= WGMMA_MIN_M and lora_pays and capability == (9, 0) and available(index, wgmma=True)
 
 
 @functools.cache  # on every eager call: torch's query costs microseconds of host time

@@ -10,7 +10,7 @@ linear, a registered autograd formula, so torch.compile traces them without grap
 capture them. In eager mode without autograd (rollouts) nvfp4_linear calls the same implementation directly,
 skipping the op's dispatch (host time). Dispatch, inside the ops:
   * BF16 CUDA x of 1-16 rows, K a multiple of 128 (decode): the CUDA decode GEMM (cuda_gemm.py, decode_gemm.cu);
-    33-64 rows without a LoRA on an H100/H200: the CUDA wgmma GEMM (same files).
+    33-64 rows on an H100/H200 (with a LoRA only where it pays: cuda_gemm.supported): the CUDA wgmma GEMM.
   * CUDA tensors (or CPU tensors under TRITON_INTERPRET=1): Triton kernels (triton_kernels.py);
     rows <= FUSED_MAX_M: the fused W4A16 GEMM (reads the packed weight once);
     more rows: the dequant kernel, then cuBLAS (compute bound there; the dequant is ~10% at M=2048).
@@ -144,7 +144,7 @@ def nvfp4_linear_lora(x, packed, scale, global_scale, bias, splitk_counters, lor
     computes the adapter in the same launch; other rows add it after the GEMM."""
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    if cuda_gemm.supported(x, x.shape[1], lora=True):
+    if cuda_gemm.supported(x, x.shape[1], lora_a.shape[0], packed.shape[0]):
         return cuda_gemm.gemm(x, packed, scale, global_scale, bias, counters=splitk_counters, lora=(lora_a, lora_b))
     if _triton_ok(x) and x.dtype in _tk.GEMM_DTYPES and x.shape[0] <= FUSED_MAX_M:
         return _tk.gemm(x, packed, scale, global_scale, bias, counters=splitk_counters, lora=(lora_a, lora_b))
