@@ -5,6 +5,7 @@
     python -m benchmarks.probe_gemm host              # host time per eager call (what bounds eager decode)
     python -m benchmarks.probe_gemm cuda              # CUDA vs Triton decode GEMM, with the engine's LoRA ranks
     python -m benchmarks.probe_gemm wgmma             # CUDA wgmma vs Triton GEMM and cuBLAS BF16 at 40 and 64 rows
+    python -m benchmarks.probe_gemm wgmma-lora        # the same with the rollout engine's LoRA in the same launch
     python -m benchmarks.probe_gemm wgmma-ceiling     # the 64-row wgmma loop without DRAM, built up part by part
     ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probe_gemm ncu
 
@@ -154,13 +155,16 @@ def host_cost():
         print(f"host {name:30s} {(time.perf_counter() - t0) / 2000 * 1e6:7.1f} us/call", flush=True)
 
 
+ENGINE_LORA_RANKS = {"qkv": 64, "o": 16, "gate_up": 32, "down": 16}  # as the engine's fused groups pad r16 adapters
+
+
 def cuda_vs_triton():
     """The CUDA decode GEMM (cuda_gemm.py) against the Triton one at 1 and 8 rows, bare and with the rollout engine's
     LoRA in the same launch (ranks as its fused groups pad them: q/k/v 64, gate/up 32, o and down 16)."""
     from qerl.nvfp4 import cuda_gemm
 
     dev = torch.device("cuda")
-    ranks = {"qkv": 64, "o": 16, "gate_up": 32, "down": 16}
+    ranks = ENGINE_LORA_RANKS
     copy_gbs, _ = measure_ceilings(dev)
     print(f"copy {copy_gbs:.0f} GB/s; us per call (CUDA graph, weights rotated past L2); % = bytes / time of copy")
     for model in ("7B", "14B", "32B"):
@@ -183,32 +187,48 @@ def cuda_vs_triton():
             torch.cuda.empty_cache()
 
 
-def wgmma_vs_triton():
-    """The CUDA wgmma GEMM (cuda_gemm.py, 33-64 rows without a LoRA) against the Triton kernel it replaces there and
-    cuBLAS BF16, at 40 and 64 rows, each with its default config; "dispatch" is nvfp4_linear, which picks one."""
+def _dispatch(x, q, counters, lora=None):
+    """What a projection's call picks: nvfp4_linear, or with an adapter the rollout engine's nvfp4_linear_lora."""
+    if lora is None:
+        return kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=counters)
+    return kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, None, counters, *lora)
+
+
+def wgmma_vs_triton(lora: bool = False):
+    """The CUDA wgmma GEMM (cuda_gemm.py, 33-64 rows) against the Triton kernel and cuBLAS BF16, at 40 and 64 rows,
+    each with its default config; "dispatch" is what nvfp4_linear picks. With `lora`: both GEMMs with the engine's
+    LoRA in the same launch (cuBLAS stays bare), and the dispatch is nvfp4_linear_lora (cuda_gemm.supported decides
+    per shape and rank)."""
     from qerl.nvfp4 import cuda_gemm
 
     dev = torch.device("cuda")
     idx = torch.cuda.current_device()
     copy_gbs, _ = measure_ceilings(dev)
     print(f"copy {copy_gbs:.0f} GB/s; us per call (CUDA graph, weights rotated past L2); % = bytes / time of copy")
-    print("| shape | M | cuBLAS BF16 | Triton | wgmma | Triton / wgmma | wgmma % of copy | dispatch | wgmma config |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | M | LoRA rank | cuBLAS BF16 | Triton | wgmma | Triton / wgmma | wgmma % of copy | dispatch | "
+          "dispatch takes | wgmma config |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in ("7B", "14B", "32B"):
         for name, (n, k) in shapes(model).items():
             c = Copies(n, k, dev)
+            rank = ENGINE_LORA_RANKS[name] if lora else 0
+            counters = [kernels.splitk_counters(n, dev, rank) for _ in c.fp4]
+            adapter = {"lora": (torch.randn(rank, k, device=dev, dtype=torch.bfloat16) * 0.05,
+                                torch.randn(n, rank, device=dev, dtype=torch.bfloat16) * 0.05)} if lora else {}
             for m in (40, 64):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 times = [graph_time_us([lambda w=w, x=x: x @ w.t() for w in c.bf16])]
                 for gemm in (tk.gemm, cuda_gemm.gemm, None):
                     times.append(graph_time_us([
-                        lambda q=q, cn=cn, gemm=gemm, x=x: gemm(x, q.packed, q.scale, q.global_scale, counters=cn)
-                        if gemm else kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=cn)
-                        for q, cn in zip(c.fp4, c.counters, strict=True)]))
-                bf16, triton_us, wgmma_us, dispatch = times
+                        lambda q=q, cn=cn, gemm=gemm, x=x, a=adapter: gemm(x, q.packed, q.scale, q.global_scale,
+                                                                           counters=cn, **a)
+                        if gemm else _dispatch(x, q, cn, **a)
+                        for q, cn in zip(c.fp4, counters, strict=True)]))
+                bf16, triton_us, wgmma_us, dispatch_us = times
+                takes = "wgmma" if cuda_gemm.supported(x, k, rank, n) else "Triton"
                 pct = nvfp4_bytes(n, k) / wgmma_us / 1e3 / copy_gbs * 100
-                print(f"| {model}.{name} | {m} | {bf16:.1f} | {triton_us:.1f} | {wgmma_us:.1f} | "
-                      f"{triton_us / wgmma_us:.2f}x | {pct:.0f}% | {dispatch:.1f} | "
+                print(f"| {model}.{name} | {m} | {rank or '-'} | {bf16:.1f} | {triton_us:.1f} | {wgmma_us:.1f} | "
+                      f"{triton_us / wgmma_us:.2f}x | {pct:.0f}% | {dispatch_us:.1f} | {takes} | "
                       f"{tuple(cuda_gemm.wgmma_config(n, k, idx))} |", flush=True)
             del c
             torch.cuda.empty_cache()
@@ -406,4 +426,4 @@ def main(mode):
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "stream"
     {"splits": split_sweep, "host": host_cost, "cuda": cuda_vs_triton, "wgmma": wgmma_vs_triton,
-     "wgmma-ceiling": wgmma_ceiling}.get(mode, lambda: main(mode))()
+     "wgmma-lora": lambda: wgmma_vs_triton(lora=True), "wgmma-ceiling": wgmma_ceiling}.get(mode, lambda: main(mode))()
