@@ -33,8 +33,7 @@ DECODE_MAX_M = 16  # nvfp4_decode_gemm's rows
 WGMMA_MIN_M = 33  # nvfp4_wgmma_gemm's, up to MAX_M (its 64 columns of x; at 17-32 rows the Triton kernel is faster)
 MAX_M = 64
 # With a LoRA in the launch the wgmma kernel beats Triton's only within these (H100, 64 rows, docs/benchmarks.md): rank
-# 64 costs it 12-22 us at any K split (Triton: 7 us or less), and on 3584-row weights (28 tiles of 128 rows) it loses
-# with any LoRA.
+# 64 costs it 12-14 us (Triton: 7 us or less), and on 3584-row weights (28 tiles of 128 rows) it loses with any LoRA.
 WGMMA_LORA_MAX_RANK = 32
 WGMMA_LORA_MIN_N = 5120
 LORA_PARTS = 8  # K ranges of the LoRA shrink, as in the Triton kernel
