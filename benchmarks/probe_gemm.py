@@ -158,13 +158,19 @@ def host_cost():
 ENGINE_LORA_RANKS = {"qkv": 64, "o": 16, "gate_up": 32, "down": 16}  # as the engine's fused groups pad r16 adapters
 
 
+def _engine_lora(name, n, k, dev):
+    """A random adapter (A, B) of the rank the rollout engine gives projection `name`."""
+    rank = ENGINE_LORA_RANKS[name]
+    return (torch.randn(rank, k, device=dev, dtype=torch.bfloat16) * 0.05,
+            torch.randn(n, rank, device=dev, dtype=torch.bfloat16) * 0.05)
+
+
 def cuda_vs_triton():
     """The CUDA decode GEMM (cuda_gemm.py) against the Triton one at 1 and 8 rows, bare and with the rollout engine's
-    LoRA in the same launch (ranks as its fused groups pad them: q/k/v 64, gate/up 32, o and down 16)."""
+    LoRA in the same launch (ENGINE_LORA_RANKS)."""
     from qerl.nvfp4 import cuda_gemm
 
     dev = torch.device("cuda")
-    ranks = ENGINE_LORA_RANKS
     copy_gbs, _ = measure_ceilings(dev)
     print(f"copy {copy_gbs:.0f} GB/s; us per call (CUDA graph, weights rotated past L2); % = bytes / time of copy")
     for model in ("7B", "14B", "32B"):
@@ -172,8 +178,7 @@ def cuda_vs_triton():
             c = Copies(n, k, dev)
             for m in (1, 8):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                lora = (torch.randn(ranks[name], k, device=dev, dtype=torch.bfloat16) * 0.05,
-                        torch.randn(n, ranks[name], device=dev, dtype=torch.bfloat16) * 0.05)
+                lora = _engine_lora(name, n, k, dev)
                 row = []
                 for kw in ({}, {"lora": lora}):
                     for gemm in (tk.gemm, cuda_gemm.gemm):
@@ -182,7 +187,7 @@ def cuda_vs_triton():
                             for q, cn in zip(c.fp4, c.counters, strict=True)]))
                 pct = nvfp4_bytes(n, k) / row[1] / 1e3 / copy_gbs * 100
                 print(f"{model}.{name:8s} M={m}: triton {row[0]:6.1f} cuda {row[1]:6.1f} ({pct:3.0f}%) | with LoRA "
-                      f"r{ranks[name]}: triton {row[2]:6.1f} cuda {row[3]:6.1f}", flush=True)
+                      f"r{ENGINE_LORA_RANKS[name]}: triton {row[2]:6.1f} cuda {row[3]:6.1f}", flush=True)
             del c
             torch.cuda.empty_cache()
 
@@ -213,8 +218,7 @@ def wgmma_vs_triton(lora: bool = False):
             c = Copies(n, k, dev)
             rank = ENGINE_LORA_RANKS[name] if lora else 0
             counters = [kernels.splitk_counters(n, dev, rank) for _ in c.fp4]
-            adapter = {"lora": (torch.randn(rank, k, device=dev, dtype=torch.bfloat16) * 0.05,
-                                torch.randn(n, rank, device=dev, dtype=torch.bfloat16) * 0.05)} if lora else {}
+            adapter = {"lora": _engine_lora(name, n, k, dev)} if lora else {}
             for m in (40, 64):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 times = [graph_time_us([lambda w=w, x=x: x @ w.t() for w in c.bf16])]
