@@ -6,14 +6,15 @@
     python -m benchmarks.probe_gemm cuda              # CUDA vs Triton decode GEMM, with the engine's LoRA ranks
     python -m benchmarks.probe_gemm wgmma             # CUDA wgmma vs Triton GEMM and cuBLAS BF16 at 40 and 64 rows
     python -m benchmarks.probe_gemm wgmma-lora        # the same with the rollout engine's LoRA in the same launch
-    python -m benchmarks.probe_gemm wgmma-ceiling     # the 64-row wgmma loop without DRAM, built up part by part
+    python -m benchmarks.probe_gemm wgmma-ceiling     # the 64-row wgmma loop, built up part by part
     ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probe_gemm ncu
 
 `stream` runs a kernel with the GEMM's grid, tiles, split-K and TMA ring that only XORs the bytes it
 receives: the bandwidth the access pattern allows with no decode and no MMA. `ncu` calls the GEMM on a
 few 7B shapes (weights rotated so they stream from HBM) for the profiler to sample. `wgmma-ceiling` runs the
 chunk loop of nvfp4_wgmma_gemm with no global memory at all: how many weight bytes per second its tensor-core and
-decode work could keep up with (docs/kernel_notes.md, "Ninth session").
+decode work could keep up with (docs/kernel_notes.md, "Ninth session"); then the same loop fed from L2 or DRAM by
+each thread's own loads, as the kernel feeds it (docs/kernel_notes.md, "Eleventh session").
 """
 
 from __future__ import annotations
@@ -350,7 +351,118 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) wgmma_ceiling(CeilingArgs p
     for (int e = 0; e < 4; ++e) s += acc[j][e];
   p.out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
+
+// The same loop with each thread's codes and scales loaded from global memory into a 3-chunk register ring, as
+// nvfp4_wgmma_gemm loads them (the loads of chunk i + 2 issued before chunk i's decode). SRC 0: every CTA reads the
+// same 4 chunks of the same rows (L2 hits); 1: each CTA streams its own rows of a buffer larger than L2 (DRAM);
+// 2: as 1 with the ring in shared memory instead (each thread's own slots, filled by cp.async, waited for with
+// cp.async.wait_group), RING chunks deep, so that no load into a register is in flight at a wgmma.fence (ptxas puts
+// one before every wgmma that reads registers, asked for or not); 3: as 1 without the wgmma (the decoded words are
+// summed): the loads and the decode alone.
+struct CeilingLdgArgs { float* out; int iters; const u8* codes; const u8* scales; int k2; int chunks; };
+
+template <int SRC, int WG, int RING>
+__global__ void __launch_bounds__(128 * WG, 1) wgmma_ceiling_ldg(CeilingLdgArgs p) {
+  extern __shared__ __align__(128) u8 smem[];
+  const u32 base = smem_addr(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int row = (SRC == 0 ? 0 : blockIdx.x * 64 * WG) + 16 * warp + g;
+  const u8* prow[2];
+  const u8* srow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    prow[h] = p.codes + (u64)(row + 8 * h) * p.k2 + 16 * t;
+    srow[h] = p.scales + (u64)(row + 8 * h) * (p.k2 / 8) + 2 * t;
+  }
+  const int wrap = SRC == 0 ? 4 : p.chunks;
+  Stage<1, 1> st[RING];
+  auto load = [&](Stage<1, 1>& s, int it) {
+    const int c = it % wrap;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ld_stream<1>(prow[h] + (u64)c * 64, s.w[0][h]);
+      s.s[0][h] = ld_u16(srow[h] + c * 8);
+    }
+  };
+  // SRC 2: per chunk 48 bytes a thread (two 16-byte code loads, two 8-byte scale loads), after the two x buffers
+  const u32 slot = base + 32768 + threadIdx.x * 48;
+  auto load_async = [&](int stage, int it) {
+    const int c = it % wrap;
+    const u32 dst = slot + stage * 128 * WG * 48;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + 16 * h), "l"(prow[h] + (u64)c * 64)
+                   : "memory");
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst + 32 + 8 * h), "l"(srow[h] - 2 * t + c * 8)
+                   : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  auto read_async = [&](Stage<1, 1>& s, int stage) {
+    asm volatile("cp.async.wait_group %0;" :: "n"(RING - 1) : "memory");  // the RING - 1 newer chunks may fly
+    const u32 src = slot + stage * 128 * WG * 48;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(s.w[0][h][0]), "=r"(s.w[0][h][1]), "=r"(s.w[0][h][2]), "=r"(s.w[0][h][3])
+                   : "r"(src + 16 * h) : "memory");
+      u16 two;
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(two) : "r"(src + 32 + 8 * h + 2 * t) : "memory");
+      s.s[0][h] = two;
+    }
+  };
+  float acc[8][4] = {};
+  u32 sink = 0;
+#pragma unroll
+  for (int s = 0; s < RING - 1; ++s) {
+    if (SRC == 2) load_async(s, s);
+    else load(st[s], s);
+  }
+  for (int it = 0; it < p.iters; it += RING) {
+#pragma unroll
+    for (int s = 0; s < RING; ++s) {
+      if (SRC == 2) {
+        load_async((s + RING - 1) % RING, it + s + RING - 1);
+        read_async(st[s], s);
+      } else {
+        load(st[(s + RING - 1) % RING], it + s + RING - 1);
+      }
+      const u32 xs = base + ((it + s) & 1) * 16384;
+      u32 sl0, sl1, sh0, sh1;
+      scales_bf16x2(st[s].s[0][0], sl0, sl1);
+      scales_bf16x2(st[s].s[0][1], sh0, sh1);
+      u32 a[4][8];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        decode8(st[s].w[0][0][w], w < 2 ? sl0 : sl1, *reinterpret_cast<u32(*)[4]>(&a[w][0]));
+        decode8(st[s].w[0][1][w], w < 2 ? sh0 : sh1, *reinterpret_cast<u32(*)[4]>(&a[w][4]));
+        if (SRC == 3) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) sink += a[w][e];
+          continue;
+        }
+        wgmma_round(acc, a, w, xs);
+      }
+      if (SRC != 3) {
+        wgmma_wait<0>();
+        keep_until_here(a[3]);
+      }
+    }
+  }
+  fence_accumulators<8>(acc);
+  float s = (float)sink;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s += acc[j][e];
+  p.out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
 """
+CEILING_LDG_SOURCES = (  # (source, ring depth, label)
+    (0, 3, "codes and scales from L2, register ring of 3, + decode"), (1, 3, "the same from DRAM"),
+    (2, 3, "from DRAM, ring of 3 in shared memory by cp.async"), (2, 4, "the same, ring of 4"),
+    (2, 6, "the same, ring of 6"), (3, 3, "from DRAM, register ring of 3, decode only (no wgmma)"))
+LDG_SHARED_BYTES = 32768 + 6 * 512 * 48  # x buffers, then the deepest cp.async ring of 4 warpgroups
 CEILING_STAGES = ("A in registers (bare wgmma)", "+ codes and scales from shared memory", "+ decode",
                   "+ ring handshake with a producer", "A in shared memory (bare wgmma)")
 
@@ -359,9 +471,16 @@ class _CeilingArgs(ctypes.Structure):
     _fields_ = [("out", ctypes.c_void_p), ("iters", ctypes.c_int)]
 
 
-def wgmma_ceiling(iters: int = 4000):
-    """nvfp4_wgmma_gemm's chunk loop with no global memory (CEILING_SOURCE), one CTA per SM: time per chunk, and the
-    NVFP4 weight bandwidth (72 bytes per row and chunk: codes and scales) that rate would keep up with."""
+class _CeilingLdgArgs(ctypes.Structure):
+    _fields_ = [("out", ctypes.c_void_p), ("iters", ctypes.c_int), ("codes", ctypes.c_void_p),
+                ("scales", ctypes.c_void_p), ("k2", ctypes.c_int), ("chunks", ctypes.c_int)]
+
+
+def wgmma_ceiling(iters: int = 4000, shared_only_loops: bool = True):
+    """nvfp4_wgmma_gemm's chunk loop (CEILING_SOURCE), one CTA per SM: time per chunk, and the NVFP4 weight bandwidth
+    (72 bytes per row and chunk: codes and scales) that rate keeps up with. First with no global memory
+    (CEILING_STAGES, unless `shared_only_loops` is off), then with the codes and scales loaded by each thread
+    (CEILING_LDG_SOURCES)."""
     from qerl.nvfp4 import cuda_gemm
 
     dev = torch.device("cuda")
@@ -374,24 +493,37 @@ def wgmma_ceiling(iters: int = 4000):
           "64 weight rows per warpgroup (8 m64n64k16)")
     print("| loop | consumer warpgroups | us per chunk | TFLOPS | weight bytes it keeps up with, GB/s | % of copy |")
     print("|---|---|---|---|---|---|")
-    for stage, label in enumerate(CEILING_STAGES):
+
+    def row(label, wg, name, threads, args, shared_bytes=65536):
+        chunks_run = args.iters
+        func = cuda_gemm._kernel(name, "90a", shared_bytes, idx, CEILING_SOURCE)
+        cuda_gemm._launch(func, sms, threads, shared_bytes, args, dev)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            cuda_gemm._launch(func, sms, threads, shared_bytes, args, dev)
+        end.record()
+        torch.cuda.synchronize()
+        per_chunk = start.elapsed_time(end) / 3 / 1e3 / chunks_run
+        flops = 2 * 64 * 64 * 128 * wg * sms / per_chunk
+        weight_gbs = 64 * wg * 72 * sms / per_chunk / 1e9
+        print(f"| {label} | {wg} | {per_chunk * 1e6:.3f} | {flops / 1e12:.0f} | {weight_gbs:.0f} | "
+              f"{weight_gbs / copy_gbs * 100:.0f}% |", flush=True)
+
+    for stage, label in enumerate(CEILING_STAGES if shared_only_loops else ()):
         for wg in (1, 2, 3, 4):
-            func = cuda_gemm._kernel(f"wgmma_ceiling<{stage}, {wg}>", "90a", 65536, idx, CEILING_SOURCE)
             out = torch.empty(sms * 128 * (wg + 1), device=dev)
-            args = _CeilingArgs(out.data_ptr(), iters)
-            cuda_gemm._launch(func, sms, 128 * (wg + 1), 65536, args, dev)  # warm-up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(3):
-                cuda_gemm._launch(func, sms, 128 * (wg + 1), 65536, args, dev)
-            end.record()
-            torch.cuda.synchronize()
-            seconds = start.elapsed_time(end) / 3 / 1e3
-            per_chunk = seconds / iters
-            flops = 2 * 64 * 64 * 128 * wg * sms / per_chunk
-            weight_gbs = 64 * wg * 72 * sms / per_chunk / 1e9
-            print(f"| {label} | {wg} | {per_chunk * 1e6:.3f} | {flops / 1e12:.0f} | {weight_gbs:.0f} | "
-                  f"{weight_gbs / copy_gbs * 100:.0f}% |", flush=True)
+            row(label, wg, f"wgmma_ceiling<{stage}, {wg}>", 128 * (wg + 1), _CeilingArgs(out.data_ptr(), iters))
+    weights = torch.randint(0, 256, (2**30,), dtype=torch.uint8, device=dev)  # past L2: streamed from DRAM
+    for src, ring, label in CEILING_LDG_SOURCES:
+        for wg in (1, 2, 3, 4):
+            rows = sms * 64 * wg
+            chunks = weights.numel() // (rows * 72)  # 64 code bytes + 8 scale bytes per row and chunk
+            codes, scales = weights.data_ptr(), weights.data_ptr() + rows * chunks * 64
+            out = torch.empty(sms * 128 * wg, device=dev)
+            row(label, wg, f"wgmma_ceiling_ldg<{src}, {wg}, {ring}>", 128 * wg,
+                _CeilingLdgArgs(out.data_ptr(), iters - iters % ring, codes, scales, chunks * 64, chunks),
+                LDG_SHARED_BYTES)
 
 
 def main(mode):

@@ -96,13 +96,16 @@ def test_wgmma_ceiling_probe_builds_unserialized(tmp_path):
     does, with no wgmma serialized and no spills, or they would time something else."""
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
-    from benchmarks.probe_gemm import CEILING_SOURCE, CEILING_STAGES
+    from benchmarks.probe_gemm import CEILING_LDG_SOURCES, CEILING_SOURCE, CEILING_STAGES
 
-    instances = [f"wgmma_ceiling<{s}, {w}>" for s in range(len(CEILING_STAGES)) for w in (1, 2, 3, 4)]
-    report, _ = _nvcc_build(tmp_path, "sm_90a", instances, CEILING_SOURCE, "CeilingArgs")
-    assert "Potential Performance Loss" not in report, report
-    spills = re.findall(r"(\d+) bytes spill stores", report)
-    assert len(spills) == len(instances) and all(s == "0" for s in spills), report
+    for instances, params in (([f"wgmma_ceiling<{s}, {w}>" for s in range(len(CEILING_STAGES)) for w in (1, 2, 3, 4)],
+                               "CeilingArgs"),
+                              ([f"wgmma_ceiling_ldg<{s}, {w}, {r}>" for s, r, _ in CEILING_LDG_SOURCES for w in (1, 4)],
+                               "CeilingLdgArgs")):
+        report, _ = _nvcc_build(tmp_path, "sm_90a", instances, CEILING_SOURCE, params)
+        assert "Potential Performance Loss" not in report, report
+        spills = re.findall(r"(\d+) bytes spill stores", report)
+        assert len(spills) == len(instances) and all(s == "0" for s in spills), report
 
 
 def _cuobjdump():

@@ -648,6 +648,19 @@ __device__ __forceinline__ void wgmma_step<8>(float (&d)[8][4], u32 a0, u32 a1, 
       : "memory");
 }
 
+// Round w of a chunk (32 K): the two k16 steps of its A fragments against x at xs, then the wait that frees round
+// w - 1's A registers.
+__device__ __forceinline__ void wgmma_round(float (&d)[8][4], u32 (&a)[4][8], int w, u32 xs) {
+  wgmma_fence();
+  wgmma_step<8>(d, a[w][0], a[w][4], a[w][1], a[w][5], x_descriptor(xs + (4 * w) * 128));
+  wgmma_step<8>(d, a[w][2], a[w][6], a[w][3], a[w][7], x_descriptor(xs + (4 * w + 2) * 128));
+  wgmma_commit();
+  if (w > 0) {
+    wgmma_wait<1>();
+    keep_until_here(a[w - 1]);  // the previous round's A registers are free only now
+  }
+}
+
 template <int MT, int WG, int STAGES, int OCC>
 __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
   constexpr int X_BUFFER = MT * XS_ROWGROUP;  // bytes of one chunk of x: MT row groups of 8 rows
@@ -754,14 +767,7 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
         for (int w = 0; w < 4; ++w) {  // 32 K per round: decode, then two k16 steps on the tensor cores
           decode8(st[s].w[0][0][w], w < 2 ? sl0 : sl1, *reinterpret_cast<u32(*)[4]>(&a[w][0]));
           decode8(st[s].w[0][1][w], w < 2 ? sh0 : sh1, *reinterpret_cast<u32(*)[4]>(&a[w][4]));
-          wgmma_fence();
-          wgmma_step<MT>(acc[0], a[w][0], a[w][4], a[w][1], a[w][5], x_descriptor(xs + (4 * w) * 128));
-          wgmma_step<MT>(acc[0], a[w][2], a[w][6], a[w][3], a[w][7], x_descriptor(xs + (4 * w + 2) * 128));
-          wgmma_commit();
-          if (w > 0) {
-            wgmma_wait<1>();
-            keep_until_here(a[w - 1]);  // the previous round's A registers are free only now
-          }
+          wgmma_round(acc[0], a, w, xs);
         }
         wgmma_wait<0>();  // nothing in flight across chunks (ptxas would serialize every wgmma)
         keep_until_here(a[3]);
