@@ -497,11 +497,11 @@ def wgmma_ceiling(iters: int = 4000, shared_only_loops: bool = True):
     def row(label, wg, name, threads, args, shared_bytes=65536):
         chunks_run = args.iters
         func = cuda_gemm._kernel(name, "90a", shared_bytes, idx, CEILING_SOURCE)
-        cuda_gemm._launch(func, sms, threads, shared_bytes, dev, args)  # warm-up
+        cuda_gemm._launch(func, sms, threads, shared_bytes, args, dev)  # warm-up
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(3):
-            cuda_gemm._launch(func, sms, threads, shared_bytes, dev, args)
+            cuda_gemm._launch(func, sms, threads, shared_bytes, args, dev)
         end.record()
         torch.cuda.synchronize()
         per_chunk = start.elapsed_time(end) / 3 / 1e3 / chunks_run

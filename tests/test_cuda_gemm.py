@@ -46,7 +46,7 @@ def _rel_err(out, ref):
 
 
 INSTANCES = sorted({(2, mt, w, 2, 1) for mt in (1, 2) for w in (4, 8)})  # what default_config picks
-WGMMA_INSTANCES = [(8, 2, 2, 1, 0), (8, 2, 3, 2, 0), (8, 2, 4, 1, 1)]  # what wgmma_config picks
+WGMMA_INSTANCES = [(8, 2, 2, 1), (8, 2, 3, 2)]  # what wgmma_config picks
 
 
 def _nvcc_build(out_dir, arch, instances, extra_source="", params="Args"):
@@ -74,8 +74,7 @@ def sm90a_build(tmp_path_factory):
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
     return _nvcc_build(tmp_path_factory.mktemp("sm90a"), "sm_90a",
-                       [f"nvfp4_wgmma_gemm<{a}, {b}, {c}, {d}, {e}>" for a, b, c, d, e in WGMMA_INSTANCES],
-                       params="Args, const __grid_constant__ WeightMaps")
+                       [f"nvfp4_wgmma_gemm<{a}, {b}, {c}, {d}>" for a, b, c, d in WGMMA_INSTANCES])
 
 
 def test_builds_for_sm90_without_spills(sm90_build):
@@ -196,8 +195,7 @@ gpu = pytest.mark.gpu
 DECODE_CONFIGS = [None, cuda_gemm.CudaGemmConfig(32, 4, 2, 1, 0), cuda_gemm.CudaGemmConfig(16, 8, 3, 3, 1),
                   cuda_gemm.CudaGemmConfig(64, 2, 2, 7, 1), cuda_gemm.CudaGemmConfig(32, 8, 2, 2, 1)]
 WGMMA_CONFIGS = [None, cuda_gemm.WgmmaConfig(1, 2, 1, 4), cuda_gemm.WgmmaConfig(2, 3, 3, 2),
-                 cuda_gemm.WgmmaConfig(2, 2, 5, 1), cuda_gemm.WgmmaConfig(1, 3, 2, 2),
-                 cuda_gemm.WgmmaConfig(2, 4, 1, 1, 1), cuda_gemm.WgmmaConfig(1, 3, 3, 2, 1)]
+                 cuda_gemm.WgmmaConfig(2, 2, 5, 1), cuda_gemm.WgmmaConfig(1, 3, 2, 2)]
 sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                           reason="the wgmma kernel needs sm_90")
 KERNELS = {  # rows and configs per kernel (None: the dispatch's default config)
@@ -218,7 +216,7 @@ def test_gpu_matches_float64_every_variant(seed, n, k, rows_configs):
         x = torch.randn(m + 1, k, device="cuda", dtype=torch.bfloat16)[1:]  # misaligned rows: the kernel copies x
         for with_bias in (False, True):
             ref = _reference(x, q, bias if with_bias else None)
-            for cfg in _usable(configs, k):
+            for cfg in configs:
                 for _ in range(2):  # the second call runs on the counters the first left behind
                     y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                     cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias if with_bias else None, out=y,
@@ -228,15 +226,9 @@ def test_gpu_matches_float64_every_variant(seed, n, k, rows_configs):
                     assert _rel_err(y, ref) < 4e-3, (m, cfg)
 
 
-def _usable(configs, k):
-    """The configs that can run at this K: the TMA ring's scale map needs K/16 bytes a multiple of 16."""
-    return [c for c in configs if not getattr(c, "tma", 0) or k % 256 == 0]
-
-
 LORA_CASES = {  # rows and a split config per kernel
     "decode": ((1, 8, 16), cuda_gemm.CudaGemmConfig(32, 4, 2, 5, 1)),
     "wgmma": pytest.param(((33, 64), cuda_gemm.WgmmaConfig(2, 2, 5, 2)), marks=sm90),
-    "wgmma-tma": pytest.param(((33, 64), cuda_gemm.WgmmaConfig(2, 4, 5, 1, 1)), marks=sm90),
 }
 
 
@@ -255,7 +247,7 @@ def test_gpu_lora_in_the_same_launch(seed, rank, rows_config):
             ref = _reference(x, q, bias, lora)
             counters = kernels.splitk_counters(n, "cuda", lora_rank=rank)
             at_rest = counters.clone()  # zeros, then the s slots' empty marks
-            for cfg in _usable((None, split_config), k):
+            for cfg in (None, split_config):
                 for _ in range(2):
                     y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                     cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias, out=y, counters=counters, lora=lora,

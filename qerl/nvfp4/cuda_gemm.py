@@ -53,15 +53,13 @@ class CudaGemmConfig(NamedTuple):
 
 class WgmmaConfig(NamedTuple):
     """nvfp4_wgmma_gemm's launch: warpgroups: per CTA (64 weight rows each, sharing the CTA's copy of x); stages:
-    chunks of weight in flight (each thread's register ring, or the TMA ring's); split: K ranges across CTAs;
-    occupancy: CTAs per SM the registers are capped for (__launch_bounds__); tma: the weight streamed by TMA into a
-    shared-memory ring (needs K a multiple of 256 and 16-byte aligned packed and scale tensors: `_tma_ok`)."""
+    chunks of weight each thread has in flight (register ring); split: K ranges across CTAs; occupancy: CTAs per SM
+    the registers are capped for (__launch_bounds__)."""
 
     warpgroups: int = 2
     stages: int = 2
     split: int = 1
     occupancy: int = 1
-    tma: int = 0
 
 
 class _Args(ctypes.Structure):  # decode_gemm.cu's Args, field for field
@@ -69,13 +67,6 @@ class _Args(ctypes.Structure):  # decode_gemm.cu's Args, field for field
                                                 "lora_a", "lora_b", "lws", "lora_s")] + [
         (f, ctypes.c_int) for f in ("sx", "sy", "M", "N", "K", "split", "split_chunks", "lora_r", "lora_parts",
                                     "lora_chunks")]
-
-
-class _WeightMaps(ctypes.Structure):  # decode_gemm.cu's WeightMaps: two CUtensorMap (128 opaque bytes each)
-    _fields_ = [("codes", ctypes.c_uint64 * 16), ("scales", ctypes.c_uint64 * 16)]
-
-
-_NO_MAPS = _WeightMaps()  # the register ring never reads them
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -129,11 +120,9 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _wgmma_shared_bytes(mt: int, cfg: WgmmaConfig) -> int:
-    """nvfp4_wgmma_gemm's dynamic shared memory: three x buffers of 8 mt rows x 128 K, then with TMA the weight ring
-    (per stage 64 rows x (64 code + 16 scale bytes) per warpgroup) and its mbarriers; or the LoRA CTAs' reduction."""
-    ring = cfg.tma * cfg.stages * (64 * cfg.warpgroups * 80 + 8)
-    return max(3 * mt * 2048 + ring, (4 * cfg.warpgroups - 1) * mt * 4 * 32 * 4)
+def _wgmma_shared_bytes(mt: int, warpgroups: int) -> int:
+    """nvfp4_wgmma_gemm's dynamic shared memory: three x buffers of 8 mt rows x 128 K, or the LoRA CTAs' reduction."""
+    return max(3 * mt * 2048, (4 * warpgroups - 1) * mt * 4 * 32 * 4)
 
 
 @functools.cache
@@ -162,8 +151,8 @@ def _decode_kernel(nt: int, mt: int, warps: int, stages: int, l2_prefetch: int, 
 
 
 def _wgmma_kernel(mt: int, cfg: WgmmaConfig, device_index: int):
-    return _kernel(f"nvfp4_wgmma_gemm<{mt}, {cfg.warpgroups}, {cfg.stages}, {cfg.occupancy}, {cfg.tma}>", "90a",
-                   _wgmma_shared_bytes(mt, cfg), device_index)
+    return _kernel(f"nvfp4_wgmma_gemm<{mt}, {cfg.warpgroups}, {cfg.stages}, {cfg.occupancy}>", "90a",
+                   _wgmma_shared_bytes(mt, cfg.warpgroups), device_index)
 
 
 @functools.cache
@@ -251,10 +240,7 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
         cfg = config or wgmma_config(n, k, dev)
         mt = 8
         func, block, tile_n = _wgmma_kernel(mt, cfg, dev), 128 * cfg.warpgroups, 64 * cfg.warpgroups
-        shared = _wgmma_shared_bytes(mt, cfg)
-        if cfg.tma and not _tma_ok(packed, scale, k):
-            raise ValueError(f"WgmmaConfig.tma needs K a multiple of 256 and 16-byte aligned packed and scale "
-                             f"tensors with contiguous rows (K={k})")
+        shared = _wgmma_shared_bytes(mt, cfg.warpgroups)
     split_chunks = -(-chunks // cfg.split)
     split = -(-chunks // split_chunks)  # no split without chunks
     n_tiles = -(-n // tile_n)
@@ -284,47 +270,16 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
                  counters.data_ptr() + 4 * lora_s_offset(n) if lora_r else None,
                  x.stride(0), out.stride(0), m, n, k, split, split_chunks, lora_r, lora_parts, lora_chunks)
     grid = lora_parts * (lora_r // 16) + n_tiles * split
-    if m <= DECODE_MAX_M:
-        _launch(func, grid, block, shared, x.device, args)
-    else:
-        maps = _weight_maps(packed.data_ptr(), scale.data_ptr(), n, k, tile_n) if cfg.tma else _NO_MAPS
-        _launch(func, grid, block, shared, x.device, args, maps)
+    _launch(func, grid, block, shared, args, x.device)
     return out
 
 
-def _tma_ok(packed: torch.Tensor, scale: torch.Tensor, k: int) -> bool:
-    """Whether the weight can be described by _weight_maps' tensor maps: row strides (K/2 and K/16 bytes) multiples
-    of 16, rows contiguous, 16-byte aligned starts."""
-    return (k % 256 == 0 and packed.stride() == (k // 2, 1) and scale.stride() == (k // 16, 1)
-            and packed.data_ptr() % 16 == 0 and scale.data_ptr() % 16 == 0)
-
-
-@functools.lru_cache(maxsize=4096)  # a map holds only the address, sizes and box: valid for any tensor there
-def _weight_maps(packed_ptr: int, scale_ptr: int, n: int, k: int, rows: int) -> _WeightMaps:
-    """The TMA descriptors of a packed NVFP4 weight: codes in boxes of `rows` x 64 bytes (a chunk), scales in boxes
-    of `rows` x 16 bytes; rows past n read as zeros."""
-    maps = _WeightMaps()
-    for out, ptr, width, box in ((maps.codes, packed_ptr, k // 2, CHUNK // 2), (maps.scales, scale_ptr, k // 16, 16)):
-        err = _libcuda().cuTensorMapEncodeTiled(
-            ctypes.byref(out), _TENSOR_MAP_UINT8, 2, ctypes.c_void_p(ptr), (ctypes.c_uint64 * 2)(width, n),
-            (ctypes.c_uint64 * 1)(width), (ctypes.c_uint32 * 2)(box, rows), (ctypes.c_uint32 * 2)(1, 1),
-            0, 0, _TENSOR_MAP_L2_256B, 0)  # no interleave, no swizzle, out-of-bounds zeros
-        if err:
-            raise RuntimeError(f"decode_gemm.cu: cuTensorMapEncodeTiled failed with CUDA error {err}")
-    return maps
-
-
-_TENSOR_MAP_UINT8 = 0  # CU_TENSOR_MAP_DATA_TYPE_UINT8
-_TENSOR_MAP_L2_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
-
-
-def _launch(func, grid: int, block: int, shared_bytes: int, device: torch.device, *kernel_args) -> None:
+def _launch(func, grid: int, block: int, shared_bytes: int, args: _Args, device: torch.device) -> None:
     attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, b"", (1).to_bytes(4, "little"))
     use_pdl = pdl_enabled(device)
     config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared_bytes, torch.cuda.current_stream(device).cuda_stream,
                            ctypes.pointer(attr) if use_pdl else None, 1 if use_pdl else 0)
-    params = (ctypes.c_void_p * len(kernel_args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
-                                                    for a in kernel_args])
+    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
     err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), func, params, None)
     if err:
         raise RuntimeError(f"decode_gemm.cu: cuLaunchKernelEx failed with CUDA error {err}")
@@ -339,8 +294,4 @@ def _libcuda():
     lib.cuLaunchKernelEx.restype = ctypes.c_int
     lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.cuFuncSetAttribute.restype = ctypes.c_int
-    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p,
-                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
     return lib

@@ -661,24 +661,8 @@ __device__ __forceinline__ void wgmma_round(float (&d)[8][4], u32 (&a)[4][8], in
   }
 }
 
-// The weight's tensor maps for the TMA ring (CUtensorMap, 128 opaque bytes each, built by cuda_gemm.py): the packed
-// codes [N, K/2] in boxes of 64 WG rows x 64 bytes (one chunk), the scales [N, K/16] in boxes of 64 WG rows x 16 bytes
-// (an even chunk and the next: a box row must hold 16 bytes and start 16-byte aligned, so each chunk of a pair loads the
-// pair's scales, the second time from L2).
-struct __align__(64) WeightMaps { u64 codes[16]; u64 scales[16]; };
-
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  asm volatile("{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               "@!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
-}
-
-__device__ __forceinline__ void tma_load_2d(u32 dst, const u64* map, int x, int y, u32 bar) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-               :: "r"(dst), "l"(map), "r"(x), "r"(y), "r"(bar) : "memory");
-}
-
-template <int MT, int WG, int STAGES, int OCC, int TMA>
-__global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p, const __grid_constant__ WeightMaps maps) {
+template <int MT, int WG, int STAGES, int OCC>
+__global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
   constexpr int X_BUFFER = MT * XS_ROWGROUP;  // bytes of one chunk of x: MT row groups of 8 rows
   extern __shared__ __align__(128) u8 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -722,37 +706,6 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p, const 
       s.s[0][h] = ld_u16(srow[h] + c * (CHUNK / 16));
     }
   };
-  // TMA: the weight ring in shared memory after the x buffers, STAGES chunks of the CTA's 64 WG rows (codes, then
-  // scales), one mbarrier each, filled by thread 0. Each thread's own loads of the weight, up to 2 chunks ahead in
-  // registers, reach 50-60% of copy bandwidth at one CTA per SM (probe_gemm wgmma-ceiling): the TMA ring keeps more
-  // bytes in flight with no thread's registers or issue slots.
-  constexpr u32 CODES_BYTES = 64 * WG * (CHUNK / 2), STAGE_BYTES = CODES_BYTES + 64 * WG * 16;
-  const u32 ring = smem_addr(smem) + X_BUFFERS * X_BUFFER, bars = ring + STAGES * STAGE_BYTES;
-  const int tile_row0 = tile * 64 * WG;
-  auto tma_issue = [&](int c) {  // thread 0: chunk c into its stage; the stage's previous chunk is read by everyone
-    if (c >= c_end) return;
-    const int s = (c - c_begin) % STAGES;
-    const u32 dst = ring + s * STAGE_BYTES, bar = bars + 8 * s;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(STAGE_BYTES) : "memory");
-    tma_load_2d(dst, maps.codes, c * (CHUNK / 2), tile_row0, bar);
-    tma_load_2d(dst + CODES_BYTES, maps.scales, (c & ~1) * (CHUNK / 16), tile_row0, bar);
-  };
-  auto tma_read = [&](Stage<1, 1>& s, int c) {  // every thread: its codes and scales of chunk c, once they landed
-    const int q = c - c_begin;
-    mbar_wait(bars + 8 * (q % STAGES), (q / STAGES) & 1);
-    const u32 src = ring + (q % STAGES) * STAGE_BYTES;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * warp + 8 * h + g;  // in the tile
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(s.w[0][h][0]), "=r"(s.w[0][h][1]), "=r"(s.w[0][h][2]), "=r"(s.w[0][h][3])
-                   : "r"(src + row * (CHUNK / 2) + 16 * t) : "memory");
-      u16 two;
-      asm volatile("ld.shared.u16 %0, [%1];"
-                   : "=h"(two) : "r"(src + CODES_BYTES + row * 16 + (c & 1) * (CHUNK / 16) + 2 * t) : "memory");
-      s.s[0][h] = two;
-    }
-  };
   auto load_x = [&](int c) {
     if (c >= c_end) return;
 #pragma unroll
@@ -780,19 +733,8 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p, const 
   };
 
   int c = c_begin;
-  if (TMA) {
-    if (threadIdx.x == 0) {  // no kernel writes the weights: the ring fills while the previous kernel runs
 #pragma unroll
-      for (int s = 0; s < STAGES; ++s)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bars + 8 * s) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the TMA unit's arrivals
-#pragma unroll
-      for (int s = 0; s < STAGES; ++s) tma_issue(c + s);
-    }
-  } else {
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) load_weights(st[s], c + s);
-  }
+  for (int s = 0; s < STAGES - 1; ++s) load_weights(st[s], c + s);
   if (p.lora_r && split_idx == 0 && lane == 0 && n0 < p.N)  // the warp's rows of B, read at its tail
     prefetch_l2(p.lora_b + (u64)n0 * p.lora_r, imin(16, p.N - n0) * p.lora_r * 2);
   const u32 after_wait = pdl_wait();
@@ -805,7 +747,7 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p, const 
   load_x(c);
   store_x(c);
   load_x(c + 1);
-  __syncthreads();  // x of the first chunk stored; with TMA, the mbarriers initialized
+  __syncthreads();
 
   float acc[1][MT][4] = {};
   for (; c < c_end; c += STAGES) {
@@ -815,8 +757,7 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p, const 
       if (cs < c_end) {
         store_x(cs + 1);  // its buffer's last reader, chunk cs - 2, is done in every warpgroup (barrier below)
         load_x(cs + 2);
-        if (TMA) tma_read(st[s], cs);
-        else load_weights(st[(s + STAGES - 1) % STAGES], cs + STAGES - 1);
+        load_weights(st[(s + STAGES - 1) % STAGES], cs + STAGES - 1);
         const u32 xs = xs_base + ((cs - c_begin) % X_BUFFERS) * X_BUFFER;
         u32 sl0, sl1, sh0, sh1;
         scales_bf16x2(st[s].s[0][0], sl0, sl1);
@@ -830,8 +771,7 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p, const 
         }
         wgmma_wait<0>();  // nothing in flight across chunks (ptxas would serialize every wgmma)
         keep_until_here(a[3]);
-        __syncthreads();  // x of chunk cs + 1 is stored; every warpgroup is done with chunk cs - 1 (and cs's weights)
-        if (TMA && threadIdx.x == 0) tma_issue(cs + STAGES);
+        __syncthreads();  // x of chunk cs + 1 is stored; every warpgroup is done with chunk cs - 1
       }
     }
   }
