@@ -195,8 +195,7 @@ gpu = pytest.mark.gpu
 DECODE_CONFIGS = [None, cuda_gemm.CudaGemmConfig(32, 4, 2, 1, 0), cuda_gemm.CudaGemmConfig(16, 8, 3, 3, 1),
                   cuda_gemm.CudaGemmConfig(64, 2, 2, 7, 1), cuda_gemm.CudaGemmConfig(32, 8, 2, 2, 1)]
 WGMMA_CONFIGS = [None, cuda_gemm.WgmmaConfig(1, 2, 1, 4), cuda_gemm.WgmmaConfig(2, 3, 3, 2),
-                 cuda_gemm.WgmmaConfig(2, 2, 5, 1), cuda_gemm.WgmmaConfig(1, 3, 2, 2),
-                 cuda_gemm.WgmmaConfig(2, 2, 1, 1, 1), cuda_gemm.WgmmaConfig(1, 3, 1, 2, 1)]  # stream-K
+                 cuda_gemm.WgmmaConfig(2, 2, 5, 1), cuda_gemm.WgmmaConfig(1, 3, 2, 2)]
 sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                           reason="the wgmma kernel needs sm_90")
 KERNELS = {  # rows and configs per kernel (None: the dispatch's default config)
@@ -230,7 +229,6 @@ def test_gpu_matches_float64_every_variant(seed, n, k, rows_configs):
 LORA_CASES = {  # rows and a split config per kernel
     "decode": ((1, 8, 16), cuda_gemm.CudaGemmConfig(32, 4, 2, 5, 1)),
     "wgmma": pytest.param(((33, 64), cuda_gemm.WgmmaConfig(2, 2, 5, 2)), marks=sm90),
-    "wgmma-stream-k": pytest.param(((33, 64), cuda_gemm.WgmmaConfig(2, 2, 1, 1, 1)), marks=sm90),
 }
 
 

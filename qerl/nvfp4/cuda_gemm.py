@@ -54,21 +54,19 @@ class CudaGemmConfig(NamedTuple):
 class WgmmaConfig(NamedTuple):
     """nvfp4_wgmma_gemm's launch: warpgroups: per CTA (64 weight rows each, sharing the CTA's copy of x); stages:
     chunks of weight each thread has in flight (register ring); split: K ranges across CTAs; occupancy: CTAs per SM
-    the registers are capped for (__launch_bounds__); stream_k: instead of tiles x splits, occupancy CTAs per SM share
-    all tiles' chunks evenly (a tile cut between CTAs is summed as K splits are), `split` unused."""
+    the registers are capped for (__launch_bounds__)."""
 
     warpgroups: int = 2
     stages: int = 2
     split: int = 1
     occupancy: int = 1
-    stream_k: int = 0
 
 
 class _Args(ctypes.Structure):  # decode_gemm.cu's Args, field for field
     _fields_ = [(f, ctypes.c_void_p) for f in ("x", "packed", "scale", "gs", "bias", "y", "ws", "counters",
                                                 "lora_a", "lora_b", "lws", "lora_s")] + [
         (f, ctypes.c_int) for f in ("sx", "sy", "M", "N", "K", "split", "split_chunks", "lora_r", "lora_parts",
-                                    "lora_chunks", "stream")]
+                                    "lora_chunks")]
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -243,15 +241,9 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
         mt = 8
         func, block, tile_n = _wgmma_kernel(mt, cfg, dev), 128 * cfg.warpgroups, 64 * cfg.warpgroups
         shared = _wgmma_shared_bytes(mt, cfg.warpgroups)
+    split_chunks = -(-chunks // cfg.split)
+    split = -(-chunks // split_chunks)  # no split without chunks
     n_tiles = -(-n // tile_n)
-    stream = pieces = 0
-    if isinstance(cfg, WgmmaConfig) and cfg.stream_k:
-        stream = min(_sm_count(dev) * cfg.occupancy, n_tiles * chunks)
-        split_chunks, split, pieces = chunks, 1, _stream_k_pieces(n_tiles, chunks, stream)
-    else:
-        split_chunks = -(-chunks // cfg.split)
-        split = -(-chunks // split_chunks)  # no split without chunks
-        pieces = split
     lora_r = lora_parts = lora_chunks = 0
     lora_a = lora_b = None
     if lora is not None:
@@ -265,8 +257,8 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
         lora_chunks = -(-chunks // min(LORA_PARTS, chunks))
         lora_parts = -(-chunks // lora_chunks)
     ws = None
-    if pieces > 1 or lora_r:
-        ws = torch.empty(pieces * m * n + lora_parts * m * lora_r, dtype=torch.float32, device=x.device)  # partials
+    if split > 1 or lora_r:
+        ws = torch.empty(split * m * n + lora_parts * m * lora_r, dtype=torch.float32, device=x.device)  # partials
         if counters is None or counters.numel() < counters_size(n, lora_r) or counters.device != x.device:
             counters = new_counters(n, lora_r, x.device)
 
@@ -274,24 +266,12 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
         return None if t is None else t.data_ptr()
 
     args = _Args(ptr(x), ptr(packed), ptr(scale), ptr(global_scale), ptr(bias), ptr(out), ptr(ws), ptr(counters),
-                 ptr(lora_a), ptr(lora_b), None if ws is None else ws.data_ptr() + 4 * pieces * m * n,
+                 ptr(lora_a), ptr(lora_b), None if ws is None else ws.data_ptr() + 4 * split * m * n,
                  counters.data_ptr() + 4 * lora_s_offset(n) if lora_r else None,
-                 x.stride(0), out.stride(0), m, n, k, split, split_chunks, lora_r, lora_parts, lora_chunks, stream)
-    grid = lora_parts * (lora_r // 16) + (stream or n_tiles * split)
+                 x.stride(0), out.stride(0), m, n, k, split, split_chunks, lora_r, lora_parts, lora_chunks)
+    grid = lora_parts * (lora_r // 16) + n_tiles * split
     _launch(func, grid, block, shared, args, x.device)
     return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _stream_k_pieces(n_tiles: int, chunks: int, ctas: int) -> int:
-    """The most CTAs that share one tile when `ctas` CTAs split n_tiles x chunks evenly (decode_gemm.cu's
-    stream_owner): how many FP32 partials of a tile the workspace must hold."""
-    work = n_tiles * chunks
-
-    def owner(w):
-        return ((w + 1) * ctas - 1) // work
-
-    return max(owner((t + 1) * chunks - 1) - owner(t * chunks) + 1 for t in range(n_tiles))
 
 
 def _launch(func, grid: int, block: int, shared_bytes: int, args: _Args, device: torch.device) -> None:

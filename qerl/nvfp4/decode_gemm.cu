@@ -228,7 +228,6 @@ struct Args {
   const u16* x; const u8* packed; const u8* scale; const float* gs; const u16* bias; u16* y;
   float* ws; int* counters; const u16* lora_a; const u16* lora_b; float* lws; u32* lora_s;
   int sx, sy, M, N, K, split, split_chunks, lora_r, lora_parts, lora_chunks;
-  int stream;  // nvfp4_wgmma_gemm: > 0 for stream-K over this many CTAs (split and split_chunks then unused)
 };
 
 // Sum the WK warps' accumulators into warp 0's through shared memory; returns false for the other warps.
@@ -415,36 +414,35 @@ __device__ __forceinline__ void lora_arrive(const Args& p, int n_tiles) {
   if (lane == 0) p.counters[1] = 0;
 }
 
-// The end of a tile, in the warp that holds its accumulators (rows n0 + ...): when the tile's K range is split in
-// `pieces` (K splits, or stream-K's pieces), this piece's FP32 partials and an arrival on counters[2 + counter], the last
-// to arrive summing every piece's in piece order and re-arming the counter; then
+// The end of a tile, in the warp that holds its accumulators (rows n0 + ...): with split-K, this split's FP32 partials
+// and an arrival on counters[2 + counter], the last to arrive summing every split's and re-arming the counter; then
 // the global scale and bias, the LoRA up-projection (`b`, `s`: its first round's fragments, loaded after the main
 // loop), the stores, and the LoRA arrival (`lora_arrivals` of them per call).
 template <int NT, int MT, int G>
-__device__ __forceinline__ void finish_tile(const Args& p, float (&acc)[NT][MT][4], int n0, int piece, int pieces,
-                                            int counter, u32 (&b)[G][NT][4], u32 (&s)[G][MT][2], bool lora_ready,
+__device__ __forceinline__ void finish_tile(const Args& p, float (&acc)[NT][MT][4], int n0, int split_idx, int counter,
+                                            u32 (&b)[G][NT][4], u32 (&s)[G][MT][2], bool lora_ready,
                                             int lora_arrivals) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  if (pieces > 1) {
+  if (p.split > 1) {
     for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
-      if (n < p.N && m < p.M) p.ws[((u64)piece * p.M + m) * p.N + n] = v;
+      if (n < p.N && m < p.M) p.ws[((u64)split_idx * p.M + m) * p.N + n] = v;
     });
     __threadfence();
     __syncwarp();
     int arrived = 0;
     if (lane == 0) arrived = atomicAdd(p.counters + 2 + counter, 1);
     arrived = __shfl_sync(0xffffffffu, arrived, 0);
-    if (arrived != pieces - 1) return;
+    if (arrived != p.split - 1) return;
     __threadfence();
     // Split outermost: all of one split's loads are in flight together (a split loop per output waited out one L2
     // round trip per output and split: the downs, which split, were ~10% slower).
     for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int, int) { v = 0.f; });
-    for (int q = 0; q < pieces; ++q) {
+    for (int q = 0; q < p.split; ++q) {
       for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int m) {
         if (n < p.N && m < p.M) v += ld_cg(p.ws + ((u64)q * p.M + m) * p.N + n);
       });
     }
-    if (lane == 0) p.counters[2 + counter] = 0;  // every other piece has arrived: re-armed
+    if (lane == 0) p.counters[2 + counter] = 0;  // every other split has arrived: re-armed
   }
   const float gs = *p.gs;
   for_each_output<NT, MT>(acc, n0, g, t, [&](float& v, int n, int) {
@@ -569,7 +567,7 @@ __global__ void __launch_bounds__(WK * 32) nvfp4_decode_gemm(Args p) {
   float* flat = &acc[0][0][0];
   if (!reduce_warps<E, WK>(*reinterpret_cast<float(*)[E]>(flat), red, warp, lane)) return;
 
-  finish_tile<NT, MT, LORA_G>(p, acc, n0, split_idx, p.split, tile, lora_b, lora_s, lora_ready, n_tiles);  // warp 0
+  finish_tile<NT, MT, LORA_G>(p, acc, n0, split_idx, tile, lora_b, lora_s, lora_ready, n_tiles);  // warp 0: the tile
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -663,12 +661,6 @@ __device__ __forceinline__ void wgmma_round(float (&d)[8][4], u32 (&a)[4][8], in
   }
 }
 
-// The stream-K CTA whose range holds item w of `work` items split evenly over `ctas` CTAs (CTA c: items c work / ctas
-// up to (c + 1) work / ctas).
-__device__ __forceinline__ int stream_owner(long long w, long long work, int ctas) {
-  return (int)(((w + 1) * ctas - 1) / work);
-}
-
 template <int MT, int WG, int STAGES, int OCC>
 __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
   constexpr int X_BUFFER = MT * XS_ROWGROUP;  // bytes of one chunk of x: MT row groups of 8 rows
@@ -681,8 +673,20 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
     return;
   }
   cta -= lora_ctas;
-  const int n_tiles = (p.N + 64 * WG - 1) / (64 * WG), chunks = p.K / CHUNK;
+  const int n_tiles = (p.N + 64 * WG - 1) / (64 * WG);
+  const int tile = cta % n_tiles, split_idx = cta / n_tiles;
+  const int n0 = tile * 64 * WG + 16 * warp;  // this warp's 16 weight rows
   const int K2 = p.K / 2, KS = p.K / 16;
+  const u8* prow[2];
+  const u8* srow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int n = imin(n0 + 8 * h + g, p.N - 1);
+    prow[h] = p.packed + (u64)n * K2 + 16 * t;
+    srow[h] = p.scale + (u64)n * KS + 2 * t;
+  }
+  const int c_begin = split_idx * p.split_chunks;
+  const int c_end = imin(c_begin + p.split_chunks, p.K / CHUNK);
 
   // x copy: unit u = (row group u / 32, row (u % 32) / 4 of it, 32-K quarter u % 4 of the chunk); its thread loads the
   // quarter's 64 bytes and stores word q of each 8-K pair_up group into core 4w + q, word u % 4 of the row.
@@ -693,132 +697,97 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
   u32 xdst[X_UNITS];
   const u32 xs_base = smem_addr(smem);
 
-  // The CTA's work, in chunks of the tiles laid end to end: one (tile, K split) unit, or with stream-K an even share of
-  // all of them, which may end one tile, hold whole ones and start another. Each tile's piece is a segment below.
-  const long long work = (long long)n_tiles * chunks;
-  long long w, w_end;
-  if (p.stream) {
-    w = cta * work / p.stream;
-    w_end = (cta + 1) * work / p.stream;
-  } else {
-    w = (long long)(cta % n_tiles) * chunks + (cta / n_tiles) * p.split_chunks;
-    w_end = w + imin(p.split_chunks, chunks - (cta / n_tiles) * p.split_chunks);
-  }
-  bool first = true;
-  while (w < w_end) {
-    const int tile = (int)(w / chunks), c_begin = (int)(w % chunks);
-    const int c_end = (int)imin(chunks, c_begin + (int)(w_end - w));
-    int piece = cta / n_tiles, pieces = p.split;
-    if (p.stream) {
-      const int owner0 = stream_owner((long long)tile * chunks, work, p.stream);
-      piece = cta - owner0;
-      pieces = stream_owner((long long)(tile + 1) * chunks - 1, work, p.stream) - owner0 + 1;
-    }
-    w += c_end - c_begin;
-    const int n0 = tile * 64 * WG + 16 * warp;  // this warp's 16 weight rows
-    const u8* prow[2];
-    const u8* srow[2];
+  Stage<1, 1> st[STAGES];  // weight words and scales only (x goes through shared memory)
+  auto load_weights = [&](Stage<1, 1>& s, int c) {
+    if (c >= c_end) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int n = imin(n0 + 8 * h + g, p.N - 1);
-      prow[h] = p.packed + (u64)n * K2 + 16 * t;
-      srow[h] = p.scale + (u64)n * KS + 2 * t;
+      ld_stream<1>(prow[h] + (u64)c * (CHUNK / 2), s.w[0][h]);
+      s.s[0][h] = ld_u16(srow[h] + c * (CHUNK / 16));
     }
-
-    Stage<1, 1> st[STAGES];  // weight words and scales only (x goes through shared memory)
-    auto load_weights = [&](Stage<1, 1>& s, int c) {
-      if (c >= c_end) return;
+  };
+  auto load_x = [&](int c) {
+    if (c >= c_end) return;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        ld_stream<1>(prow[h] + (u64)c * (CHUNK / 2), s.w[0][h]);
-        s.s[0][h] = ld_u16(srow[h] + c * (CHUNK / 16));
-      }
-    };
-    auto load_x = [&](int c) {
-      if (c >= c_end) return;
+    for (int i = 0; i < X_UNITS; ++i) {
 #pragma unroll
-      for (int i = 0; i < X_UNITS; ++i) {
-#pragma unroll
-        for (int v = 0; v < 4; ++v) ld_16B(xsrc[i] + (u64)c * CHUNK + 8 * v, xr[i][v]);
-      }
-    };
-    auto store_x = [&](int c) {
-      if (c >= c_end) return;
-      const u32 buf = ((c - c_begin) % X_BUFFERS) * X_BUFFER;
-#pragma unroll
-      for (int i = 0; i < X_UNITS; ++i) {
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          u32 b[4];
-          pair_up(xr[i][v], b);
-#pragma unroll
-          for (int q = 0; q < 4; ++q)
-            asm volatile("st.shared.b32 [%0], %1;" :: "r"(xs_base + buf + xdst[i] + (4 * v + q) * 128), "r"(b[q])
-                         : "memory");
-        }
-      }
-      fence_proxy_async();
-    };
-
-    int c = c_begin;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) load_weights(st[s], c + s);
-    if (p.lora_r && piece == 0 && lane == 0 && n0 < p.N)  // the warp's rows of B, read at its tail
-      prefetch_l2(p.lora_b + (u64)n0 * p.lora_r, imin(16, p.N - n0) * p.lora_r * 2);
-    if (first) {  // the first segment's weight loads run ahead of the PDL wait; nothing else does
-      const u32 after_wait = pdl_wait();
-#pragma unroll
-      for (int i = 0; i < X_UNITS; ++i) {
-        const int u = threadIdx.x + i * WG * 128, row = 8 * (u / 32) + (u % 32) / 4;
-        xsrc[i] = p.x + after_wait + (u64)imin(row, p.M - 1) * p.sx + 32 * (u % 4);
-        xdst[i] = (u / 32) * XS_ROWGROUP + ((u % 32) / 4) * 16 + 4 * (u % 4);
-      }
-      first = false;
+      for (int w = 0; w < 4; ++w) ld_16B(xsrc[i] + (u64)c * CHUNK + 8 * w, xr[i][w]);
     }
-    load_x(c);
-    store_x(c);  // the previous segment's last barrier: no warpgroup reads an x buffer any more
-    load_x(c + 1);
-    __syncthreads();
-
-    float acc[1][MT][4] = {};
-    for (; c < c_end; c += STAGES) {
+  };
+  auto store_x = [&](int c) {
+    if (c >= c_end) return;
+    const u32 buf = ((c - c_begin) % X_BUFFERS) * X_BUFFER;
 #pragma unroll
-      for (int s = 0; s < STAGES; ++s) {
-        const int cs = c + s;
-        if (cs < c_end) {
-          store_x(cs + 1);  // its buffer's last reader, chunk cs - 2, is done in every warpgroup (barrier below)
-          load_x(cs + 2);
-          load_weights(st[(s + STAGES - 1) % STAGES], cs + STAGES - 1);
-          const u32 xs = xs_base + ((cs - c_begin) % X_BUFFERS) * X_BUFFER;
-          u32 sl0, sl1, sh0, sh1;
-          scales_bf16x2(st[s].s[0][0], sl0, sl1);
-          scales_bf16x2(st[s].s[0][1], sh0, sh1);
-          u32 a[4][8];  // each round's A fragments: rows g (words 0-3) and g + 8 (words 4-7)
+    for (int i = 0; i < X_UNITS; ++i) {
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {  // 32 K per round: decode, then two k16 steps on the tensor cores
-            decode8(st[s].w[0][0][r], r < 2 ? sl0 : sl1, *reinterpret_cast<u32(*)[4]>(&a[r][0]));
-            decode8(st[s].w[0][1][r], r < 2 ? sh0 : sh1, *reinterpret_cast<u32(*)[4]>(&a[r][4]));
-            wgmma_round(acc[0], a, r, xs);
-          }
-          wgmma_wait<0>();  // nothing in flight across chunks (ptxas would serialize every wgmma)
-          keep_until_here(a[3]);
-          __syncthreads();  // x of chunk cs + 1 is stored; every warpgroup is done with chunk cs - 1
-        }
+      for (int w = 0; w < 4; ++w) {
+        u32 b[4];
+        pair_up(xr[i][w], b);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          asm volatile("st.shared.b32 [%0], %1;" :: "r"(xs_base + buf + xdst[i] + (4 * w + q) * 128), "r"(b[q])
+                       : "memory");
       }
     }
-    wgmma_wait<0>();
-    fence_accumulators<MT>(acc[0]);
-    if (w >= w_end) pdl_launch_dependents();  // the last segment's epilogue is all that is left
-    if (n0 >= p.N) continue;
+    fence_proxy_async();
+  };
 
-    constexpr int G = 16 / MT;  // rank tiles per round of LoRA loads: the s words of 64 x rows take 32 registers
-    u32 lora_b[G][1][4], lora_s[G][MT][2];
-    bool lora_ready = false;
-    if (p.lora_r) {
-      lora_b_fragments<1, G>(p, lora_b, n0, 0);
-      lora_ready = lora_s_fragments<MT, G>(p, lora_s, 0);
-    }
-    // Per warp: its 16 rows have their own split-K counter, and every warp of the weight arrives on the LoRA counter.
-    finish_tile<1, MT, G>(p, acc, n0, piece, pieces, n0 / 16, lora_b, lora_s, lora_ready, (p.N + 15) / 16);
+  int c = c_begin;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) load_weights(st[s], c + s);
+  if (p.lora_r && split_idx == 0 && lane == 0 && n0 < p.N)  // the warp's rows of B, read at its tail
+    prefetch_l2(p.lora_b + (u64)n0 * p.lora_r, imin(16, p.N - n0) * p.lora_r * 2);
+  const u32 after_wait = pdl_wait();
+#pragma unroll
+  for (int i = 0; i < X_UNITS; ++i) {
+    const int u = threadIdx.x + i * WG * 128, row = 8 * (u / 32) + (u % 32) / 4;
+    xsrc[i] = p.x + after_wait + (u64)imin(row, p.M - 1) * p.sx + 32 * (u % 4);
+    xdst[i] = (u / 32) * XS_ROWGROUP + ((u % 32) / 4) * 16 + 4 * (u % 4);
   }
+  load_x(c);
+  store_x(c);
+  load_x(c + 1);
+  __syncthreads();
+
+  float acc[1][MT][4] = {};
+  for (; c < c_end; c += STAGES) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      const int cs = c + s;
+      if (cs < c_end) {
+        store_x(cs + 1);  // its buffer's last reader, chunk cs - 2, is done in every warpgroup (barrier below)
+        load_x(cs + 2);
+        load_weights(st[(s + STAGES - 1) % STAGES], cs + STAGES - 1);
+        const u32 xs = xs_base + ((cs - c_begin) % X_BUFFERS) * X_BUFFER;
+        u32 sl0, sl1, sh0, sh1;
+        scales_bf16x2(st[s].s[0][0], sl0, sl1);
+        scales_bf16x2(st[s].s[0][1], sh0, sh1);
+        u32 a[4][8];  // each round's A fragments: rows g (words 0-3) and g + 8 (words 4-7)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {  // 32 K per round: decode, then two k16 steps on the tensor cores
+          decode8(st[s].w[0][0][w], w < 2 ? sl0 : sl1, *reinterpret_cast<u32(*)[4]>(&a[w][0]));
+          decode8(st[s].w[0][1][w], w < 2 ? sh0 : sh1, *reinterpret_cast<u32(*)[4]>(&a[w][4]));
+          wgmma_round(acc[0], a, w, xs);
+        }
+        wgmma_wait<0>();  // nothing in flight across chunks (ptxas would serialize every wgmma)
+        keep_until_here(a[3]);
+        __syncthreads();  // x of chunk cs + 1 is stored; every warpgroup is done with chunk cs - 1
+      }
+    }
+  }
+  wgmma_wait<0>();
+  fence_accumulators<MT>(acc[0]);
+  if (n0 >= p.N) return;
+
+  constexpr int G = 16 / MT;  // rank tiles per round of LoRA loads: the s words of 64 x rows take 32 registers
+  u32 lora_b[G][1][4], lora_s[G][MT][2];
+  bool lora_ready = false;
+  if (p.lora_r) {
+    lora_b_fragments<1, G>(p, lora_b, n0, 0);
+    lora_ready = lora_s_fragments<MT, G>(p, lora_s, 0);
+  }
+  pdl_launch_dependents();
+
+  // Per warp: its 16 rows have their own split-K counter, and every warp of the weight arrives on the LoRA counter.
+  finish_tile<1, MT, G>(p, acc, n0, split_idx, n0 / 16, lora_b, lora_s, lora_ready, (p.N + 15) / 16);
 }
