@@ -161,7 +161,9 @@ def decode_bytes(decoder, batch: int, prompt_len: int, new_tokens: int, kv_fp8: 
 # Substring of the kernel name -> family, first match wins. The NVFP4 GEMM includes the LoRA adapter it computes in
 # the same launch; the cuBLAS family is, on an NVFP4 base, the LM head alone.
 KERNEL_FAMILIES = (
-    ("_gemm_tc_kernel", "NVFP4 GEMM"), ("nvfp4_decode_gemm", "NVFP4 GEMM"),  # Triton's, the CUDA one (before "gemm")
+    ("_gemm_tc_kernel", "NVFP4 GEMM"), ("nvfp4_decode_gemm", "NVFP4 GEMM"),  # Triton's, the CUDA ones (before "gemm")
+    ("nvfp4_wgmma_gemm", "NVFP4 GEMM"),
+    ("_race_", "sampling"),  # the fused temperature sampler (before the attention's "_merge_kernel")
     ("_split_kernel", "attention"), ("_merge_kernel", "attention"),
     ("_rmsnorm", "add+RMSNorm"), ("_rope_cache", "rotary+KV write"), ("_silu_mul", "SiLU gate"),
     ("gemm", "cuBLAS GEMM (BF16 base, LoRA, LM head)"), ("gemv", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
