@@ -7,6 +7,7 @@
     python -m benchmarks.probe_gemm wgmma             # CUDA wgmma vs Triton GEMM and cuBLAS BF16 at 40 and 64 rows
     python -m benchmarks.probe_gemm wgmma-lora        # the same with the rollout engine's LoRA in the same launch
     python -m benchmarks.probe_gemm wgmma-ceiling     # the 64-row wgmma loop, built up part by part
+    python -m benchmarks.probe_gemm wgmma-by-k        # the 64-row wgmma GEMM's time against K: fixed cost and slope
     ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probe_gemm ncu
 
 `stream` runs a kernel with the GEMM's grid, tiles, split-K and TMA ring that only XORs the bytes it
@@ -526,6 +527,31 @@ def wgmma_ceiling(iters: int = 4000, shared_only_loops: bool = True):
                 LDG_SHARED_BYTES)
 
 
+def wgmma_by_k():
+    """The wgmma GEMM at 64 rows on two weights' row counts (7B gate_up, 7B qkv) at growing K, default config and
+    split 1: the intercept is what a call costs besides its chunks (launch, prologue, epilogue, last CTAs), the slope
+    what one chunk of every tile costs."""
+    from qerl.nvfp4 import cuda_gemm
+
+    dev = torch.device("cuda")
+    idx = torch.cuda.current_device()
+    print("| N | K | chunks | default config | us | split 1 | us |")
+    print("|---|---|---|---|---|---|---|")
+    for n in (37888, 4608):
+        for k in (256, 512, 1024, 2048, 3584, 7168):
+            c = Copies(n, k, dev)
+            x = torch.randn(64, k, device=dev, dtype=torch.bfloat16)
+            default = cuda_gemm.wgmma_config(n, k, idx)
+            row = [f"| {n} | {k} | {k // 128} |"]
+            for cfg in (default, default._replace(split=1)):
+                us = graph_time_us([lambda q=q, cfg=cfg, x=x: cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale,
+                                                                              config=cfg) for q in c.fp4])
+                row.append(f" {tuple(cfg)} | {us:.1f} |")
+            print("".join(row), flush=True)
+            del c
+            torch.cuda.empty_cache()
+
+
 def main(mode):
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -562,4 +588,5 @@ def main(mode):
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "stream"
     {"splits": split_sweep, "host": host_cost, "cuda": cuda_vs_triton, "wgmma": wgmma_vs_triton,
-     "wgmma-lora": lambda: wgmma_vs_triton(lora=True), "wgmma-ceiling": wgmma_ceiling}.get(mode, lambda: main(mode))()
+     "wgmma-lora": lambda: wgmma_vs_triton(lora=True), "wgmma-ceiling": wgmma_ceiling,
+     "wgmma-by-k": wgmma_by_k}.get(mode, lambda: main(mode))()
