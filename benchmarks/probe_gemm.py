@@ -429,14 +429,12 @@ __global__ void __launch_bounds__(128 * WG, 1) wgmma_ceiling_ldg(CeilingLdgArgs 
         load(st[(s + RING - 1) % RING], it + s + RING - 1);
       }
       const u32 xs = base + ((it + s) & 1) * 16384;
-      u32 sl0, sl1, sh0, sh1;
-      scales_bf16x2(st[s].s[0][0], sl0, sl1);
-      scales_bf16x2(st[s].s[0][1], sh0, sh1);
+      u32 sc[2][2];
+      chunk_scales(st[s], sc);
       u32 a[4][8];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        decode8(st[s].w[0][0][w], w < 2 ? sl0 : sl1, *reinterpret_cast<u32(*)[4]>(&a[w][0]));
-        decode8(st[s].w[0][1][w], w < 2 ? sh0 : sh1, *reinterpret_cast<u32(*)[4]>(&a[w][4]));
+        decode_round(st[s], sc, w, a);
         if (SRC == 3) {
 #pragma unroll
           for (int e = 0; e < 8; ++e) sink += a[w][e];

@@ -661,6 +661,18 @@ __device__ __forceinline__ void wgmma_round(float (&d)[8][4], u32 (&a)[4][8], in
   }
 }
 
+// A chunk's scales as BF16 pairs: sc[h] for row g + 8h, [0] for its words 0-1 (scale group 2t), [1] for words 2-3.
+__device__ __forceinline__ void chunk_scales(const Stage<1, 1>& s, u32 (&sc)[2][2]) {
+  scales_bf16x2(s.s[0][0], sc[0][0], sc[0][1]);
+  scales_bf16x2(s.s[0][1], sc[1][0], sc[1][1]);
+}
+
+// Round w's A fragments (32 K of the chunk): rows g (words 0-3) and g + 8 (words 4-7).
+__device__ __forceinline__ void decode_round(const Stage<1, 1>& s, const u32 (&sc)[2][2], int w, u32 (&a)[4][8]) {
+  decode8(s.w[0][0][w], sc[0][w >> 1], *reinterpret_cast<u32(*)[4]>(&a[w][0]));
+  decode8(s.w[0][1][w], sc[1][w >> 1], *reinterpret_cast<u32(*)[4]>(&a[w][4]));
+}
+
 template <int MT, int WG, int STAGES, int OCC>
 __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
   constexpr int X_BUFFER = MT * XS_ROWGROUP;  // bytes of one chunk of x: MT row groups of 8 rows
@@ -759,14 +771,12 @@ __global__ void __launch_bounds__(WG * 128, OCC) nvfp4_wgmma_gemm(Args p) {
         load_x(cs + 2);
         load_weights(st[(s + STAGES - 1) % STAGES], cs + STAGES - 1);
         const u32 xs = xs_base + ((cs - c_begin) % X_BUFFERS) * X_BUFFER;
-        u32 sl0, sl1, sh0, sh1;
-        scales_bf16x2(st[s].s[0][0], sl0, sl1);
-        scales_bf16x2(st[s].s[0][1], sh0, sh1);
-        u32 a[4][8];  // each round's A fragments: rows g (words 0-3) and g + 8 (words 4-7)
+        u32 sc[2][2];
+        chunk_scales(st[s], sc);
+        u32 a[4][8];  // each round's A fragments
 #pragma unroll
         for (int w = 0; w < 4; ++w) {  // 32 K per round: decode, then two k16 steps on the tensor cores
-          decode8(st[s].w[0][0][w], w < 2 ? sl0 : sl1, *reinterpret_cast<u32(*)[4]>(&a[w][0]));
-          decode8(st[s].w[0][1][w], w < 2 ? sh0 : sh1, *reinterpret_cast<u32(*)[4]>(&a[w][4]));
+          decode_round(st[s], sc, w, a);
           wgmma_round(acc[0], a, w, xs);
         }
         wgmma_wait<0>();  // nothing in flight across chunks (ptxas would serialize every wgmma)
