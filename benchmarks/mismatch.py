@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.arms import RECIPE, REPO, run_logged
+from experiments.arms import REPO, recipe_for, run_logged
 from qerl import plotting
 from qerl.models.fetch import bf16_and_nvfp4
 
@@ -36,7 +36,7 @@ METRICS = {
 
 def run(args, backend: str, precision: str, model: str, kv_dtype: str = "auto") -> dict:
     out = args.out / (f"{backend}-{precision}" if kv_dtype == "auto" else f"{backend}-{kv_dtype}kv-{precision}")
-    command = [sys.executable, "-m", "qerl.train", "--config", str(RECIPE), "--model-name", model,
+    command = [sys.executable, "-m", "qerl.train", "--config", str(recipe_for(args.model)), "--model-name", model,
                "--dataset", str(args.data), "--dataset-format", "gsm8k_hash", "--aqn", "false",
                "--rollout-backend", backend, "--max-steps", str(args.steps), "--seed", str(args.seed),
                "--output-dir", str(out), "--overwrite-output-dir", "true", "--rollout-kv-cache-dtype", kv_dtype,

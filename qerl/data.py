@@ -147,6 +147,11 @@ _FORMATTERS = {
 }
 
 
+def format_row(row: dict, fmt: str) -> dict:
+    """One raw row of format `fmt` as a training row: its prompt (chat messages) and gold answer."""
+    return _FORMATTERS[fmt](row)
+
+
 def _prompt_chars(row, fmt: str) -> int:
     if fmt == "bigmath":
         return len(row["prompt"])
