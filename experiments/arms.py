@@ -238,10 +238,11 @@ def prepare(args) -> None:
 
 
 def probe(args) -> None:
-    """Choose the prompt/reward format and the rollout temperature on training prompts: `--probe-prompts` GSM8K
-    train prompts x 8 samples of the BF16 base per candidate, scored by each format's training rewards. DAPO
-    learns only from prompt groups whose rewards differ, so the candidate with the largest share of such groups
-    wins. Formats that pose the same prompt (gsm8k_hash, gsm8k_lenient) share one set of samples."""
+    """Measure prompt/reward formats and rollout temperatures on training prompts: `--probe-prompts` GSM8K train
+    prompts x 8 samples of the BF16 base per candidate, scored by each format's training rewards. DAPO learns only
+    from prompt groups whose rewards differ, so the share of such groups is the first thing to compare; the other
+    is whether a format's reward pays what the evaluation scores (the recipe says which was taken and why).
+    Formats that pose the same prompt (gsm8k_hash, gsm8k_lenient) share one set of samples."""
     from eval.common import GENERATORS, ModelSpec, Sampling
     from qerl import data
 
@@ -274,15 +275,15 @@ def probe(args) -> None:
                 "mean_words": statistics.fmean(len(t.split()) for t in texts),
                 **{name: statistics.fmean(v or 0.0 for v in values) for name, values in per_func.items()},
             }  # fmt: skip
-    chosen = max(results, key=lambda k: results[k]["groups_with_signal"])
+    most = max(results, key=lambda k: results[k]["groups_with_signal"])
     with open(args.out / "probe.json", "w") as f:
         json.dump({"prompts": len(rows), "per_prompt": group, "max_new_tokens": args.probe_tokens, "results": results,
-                   "chosen": chosen}, f, indent=2)  # fmt: skip
+                   "most_signal": most}, f, indent=2)  # fmt: skip
     print(f"\nprobe: {len(rows)} train prompts x {group} samples of the BF16 base, {args.probe_tokens} new tokens")
     for name, r in results.items():
         extras = " ".join(f"{k} {v:.3f}" for k, v in r.items() if k.endswith("reward") and k != "mean_reward")
         print(f"  {name:<22} groups with signal {r['groups_with_signal']:.1%}, mean reward {r['mean_reward']:.3f} "
-              f"({extras}), {r['mean_words']:.0f} words{'   <- chosen' if name == chosen else ''}")  # fmt: skip
+              f"({extras}), {r['mean_words']:.0f} words{'   <- most signal' if name == most else ''}")  # fmt: skip
 
 
 def sweep(args) -> None:
