@@ -1,4 +1,4 @@
-"""A tiny Qwen2 causal LM and a character-level chat tokenizer, built in code (no downloads).
+"""A tiny Qwen2 (or Qwen3) causal LM and a character-level chat tokenizer, built in code (no downloads).
 
 Used by the tests and the demo. The tokenizer is a real `PreTrainedTokenizerFast` (tokenizers library) with a
 chat template, pad and eos tokens, so TRL treats it like any hub tokenizer.
@@ -10,7 +10,14 @@ import string
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<|end|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -57,9 +64,16 @@ def build_tiny_model(
     max_position_embeddings: int = 512,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2 whose projections are NVFP4-compatible (in_features % 16 == 0)."""
-    config = Qwen2Config(
+    architecture: str = "qwen2",
+    head_dim: int | None = None,
+) -> Qwen2ForCausalLM | Qwen3ForCausalLM:
+    """A randomly initialised Qwen2 (q/k/v biases) or Qwen3 (per-head q/k norms, no biases, its own head_dim)
+    whose projections are NVFP4-compatible (in_features % 16 == 0)."""
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
+        architecture
+    ]
+    extra = {"head_dim": head_dim} if head_dim is not None else {}
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -71,9 +85,10 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **extra,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(dtype)
+    model = model_class(config).to(dtype)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
     )

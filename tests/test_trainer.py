@@ -153,6 +153,29 @@ def test_rollout_logprobs_match_trl_at_the_sampling_temperature(checkpoints, tmp
     assert max(h["sampling/sampling_logp_difference/max"] for h in history) < 1e-2
 
 
+def test_qwen3_nvfp4_dapo_steps_perturb_only_the_layer_norms(tmp_path):
+    """A Qwen3 (per-head q/k norms, head_dim 32 on a hidden size of 64) quantized by our quantizer: DAPO steps at
+    the recipe's rate with AQN. The noise goes on the two hidden-size norms per layer only (the paper's rule: noise
+    that folds into the next projections' input channels); the per-head norms stay frozen and untouched."""
+    from qerl.tiny import build_tiny
+
+    model, tokenizer = build_tiny(architecture="qwen3", head_dim=32)
+    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "qwen3"), model, tokenizer)
+    trainer = make_trainer(nvfp4_dir, _config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3))
+    policy_model = trainer.model
+    head_norms = {n: p.detach().clone() for n, p in policy_model.named_parameters() if n.endswith(("q_norm.weight",
+                                                                                                "k_norm.weight"))}
+    assert len(head_norms) == 4 and not any(policy_model.get_parameter(n).requires_grad for n in head_norms)
+    sites = norms.find_norms(policy_model)
+    assert sorted(path.split(".")[-3] for path in sites.layer_norms) == ["input_layernorm"] * 2 + [
+        "post_attention_layernorm"] * 2  # fmt: skip
+    lora_b = {n: p for n, p in policy_model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    assert trainer.last_noise.num_norms == 4 and trainer.last_noise.sigma > 0
+    assert any(p.abs().max() > 0 for p in lora_b.values())
+    assert all(torch.equal(policy_model.get_parameter(n), v) for n, v in head_norms.items())
+
+
 def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
     args = _config(

@@ -1,6 +1,6 @@
 """The policy's decoder as the native engine runs it: a few fused steps per layer over the policy's own tensors.
 
-`Decoder` binds to a peft-wrapped (or plain) Llama/Qwen2/Mistral-style causal LM, NVFP4 or BF16, and computes
+`Decoder` binds to a peft-wrapped (or plain) Llama/Qwen2/Qwen3/Mistral-style causal LM, NVFP4 or BF16, and computes
 hidden states for any set of (sequence, position, token) rows against a KV cache, in a form that a CUDA graph
 can capture: no host syncs, no allocation that depends on data.
 
@@ -42,7 +42,8 @@ from qerl.rollout.native import ops
 from qerl.rollout.native.kv_cache import KVCache
 from qerl.sharding import whole
 
-SUPPORTED = "Llama/Qwen2/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, RMSNorms)"
+SUPPORTED = ("Llama/Qwen2/Qwen3/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, optional per-head "
+             "self_attn.{q,k}_norm, mlp.{gate,up,down}_proj, RMSNorms)")
 
 
 def _base_layer(module: nn.Module) -> nn.Module:
@@ -184,6 +185,23 @@ class NormScales(nn.Module):
             holder.weight.copy_(whole(norm.weight))
 
 
+class HeadNorms:
+    """A layer's per-head query and key RMSNorm scales (Qwen3), copied at every refresh from the policy's (frozen
+    there, but a sharded policy holds shards of them) into fixed buffers of the policy's dtype."""
+
+    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, head_dim: int, device: torch.device):
+        if q_norm.weight.numel() != head_dim or k_norm.weight.numel() != head_dim:
+            raise Unsupported(f"q/k norms of {q_norm.weight.numel()}/{k_norm.weight.numel()} elements, not one scale "
+                              f"per head dimension ({head_dim})")  # fmt: skip
+        self.modules = (q_norm, k_norm)
+        self.q, self.k = (torch.empty(head_dim, device=device, dtype=n.weight.dtype) for n in self.modules)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for buffer, module in zip((self.q, self.k), self.modules, strict=True):
+            buffer.copy_(whole(module.weight))
+
+
 @dataclass
 class Layer:
     qkv: Projection
@@ -192,6 +210,7 @@ class Layer:
     down: Projection
     input_norm: torch.Tensor
     post_norm: torch.Tensor
+    head_norms: HeadNorms | None = None  # Qwen3: queries and keys normalized per head before rotary
 
 
 # Attention of one layer: (layer index, rotated queries [M, Hq, D]) -> [M, Hq * D]; the engine supplies it
@@ -254,6 +273,8 @@ class Decoder:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.hidden = config.hidden_size
         self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.num_heads
+        if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
+            raise Unsupported(f"head_dim {self.head_dim}: the engine's attention takes powers of two >= 16")
         self.eps = float(config.rms_norm_eps)
         self.scaling = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5))
         self.rotary = inner.rotary_emb
@@ -262,7 +283,9 @@ class Decoder:
         self.layers = []
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            if hasattr(attn, "q_norm") or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            head_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+            if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or (
+                    (head_norms[0] is None) != (head_norms[1] is None)):  # fmt: skip
                 raise Unsupported(f"layer {i} attention is not supported; supported: {SUPPORTED}")
             if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 raise Unsupported(f"layer {i} MLP is not supported; supported: {SUPPORTED}")
@@ -274,6 +297,7 @@ class Decoder:
                 down=Projection([mlp.down_proj], device, self.dtype, gather_each_round),
                 input_norm=holders["input_layernorm"].weight,
                 post_norm=holders["post_attention_layernorm"].weight,
+                head_norms=HeadNorms(*head_norms, self.head_dim, device) if head_norms[0] is not None else None,
             ))  # fmt: skip
         self.cos = self.sin = torch.empty(0, device=device)
 
@@ -294,6 +318,9 @@ class Decoder:
             self._bind_embeddings()
         for projection in self.projections():
             projection.refresh()
+        for layer in self.layers:
+            if layer.head_norms is not None:
+                layer.head_norms.refresh()
         self.norms.refresh()
 
     def release(self) -> None:
@@ -323,8 +350,12 @@ class Decoder:
         h = ops.rmsnorm(residual, self.layers[0].input_norm, self.eps)
         for i, layer in enumerate(self.layers):
             k, v, k_scale, v_scale = cache.layer(i)
-            q = ops.rope_cache(layer.qkv(h), self.cos, self.sin, batch_idx, positions, k, v, self.num_heads,
-                               self.num_kv_heads, k_scale, v_scale)
+            qkv = layer.qkv(h)
+            if layer.head_norms is not None:
+                qkv = ops.qk_rmsnorm(qkv, layer.head_norms.q, layer.head_norms.k, self.num_heads, self.num_kv_heads,
+                                     self.eps)  # fmt: skip
+            q = ops.rope_cache(qkv, self.cos, self.sin, batch_idx, positions, k, v, self.num_heads, self.num_kv_heads,
+                               k_scale, v_scale)
             h = ops.rmsnorm(layer.o(attend(i, q)), layer.post_norm, self.eps, residual=residual)
             out = layer.down(ops.silu_mul(layer.gate_up(h)))
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norms.norm.weight
