@@ -267,24 +267,22 @@ def test_each_cli_as_a_process(world, tmp_path):
 
 
 def test_a_backend_that_cannot_run_the_model_is_named_with_the_one_auto_would_use(tmp_path, monkeypatch, capsys):
-    """--rollout-backend native on a Qwen3 checkpoint (per-head q/k norms, which the native engine does not run): one
-    line naming the architecture, why, and the backend that auto uses instead; no output folder is left. (The
+    """--rollout-backend native on a checkpoint with sliding-window attention (which the native engine does not run):
+    one line naming the architecture, why, and the backend that auto uses instead; no output folder is left. (The
     engine's check needs the loaded policy, so this one comes after the load.)"""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from qerl.tiny import build_tiny_model
 
     tokenizer = build_tiny_tokenizer()
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    ))  # fmt: skip
-    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path), qwen3, tokenizer)
+    model = build_tiny_model(tokenizer, num_layers=1)
+    model.config.use_sliding_window, model.config.sliding_window = True, 32
+    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path), model, tokenizer)
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
     argv = ["--model-name", nvfp4_dir, "--output-dir", str(tmp_path / "out"), "--use-cpu", "True", "--dataset",
             "arithmetic", "--num-examples", "8", "--rollout-backend", "native"]  # fmt: skip
     code = cli.run_cli(MAINS["qerl.train"], "qerl.train", argv)
     assert_one_line_error(code, capsys.readouterr().err, "qerl.train", "rollout_backend native: the native engine "
-                          "cannot run Qwen3ForCausalLM: layer 0 attention is not supported", "rollout_backend auto "
-                          "would use transformers")  # fmt: skip
+                          "cannot run Qwen2ForCausalLM: sliding-window attention (window 32) is not supported",
+                          "rollout_backend auto would use transformers")  # fmt: skip
     assert not (tmp_path / "out").exists()
 
 

@@ -6,6 +6,7 @@ would change the tokens."""
 
 import contextlib
 import logging
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from qerl.nvfp4.quantize import quantize_model
 from qerl.rollout.native.engine import NativeEngine
 from qerl.rollout.native.model import Decoder
 from qerl.rollout.native.sampling import Sampler
-from qerl.tiny import build_tiny
+from qerl.tiny import build_tiny, build_tiny_tokenizer
 
 QWEN3 = {"architecture": "qwen3", "head_dim": 32}  # 4 heads of 32 on a hidden size of 64
 ARCHITECTURES = pytest.mark.parametrize("arch", [{}, QWEN3], ids=["qwen2", "qwen3"])
@@ -100,6 +101,26 @@ def test_nvfp4_base_in_bf16_samples_close_to_the_trainer(seed, arch):
     ids, logprobs = engine.generate(prompts, 10)
     differences = _logprob_differences(model, prompts, ids, logprobs, 0.7)
     assert differences.mean() < 6e-3 and differences.max() < 3e-2
+
+
+def test_llama3_rope_scaling_is_the_models_own(seed):
+    """Llama-3.x's rope scaling (`llama3`: low frequencies stretched by 8 beyond the original context) comes from
+    the model's own rotary module: prompts past the original 64 positions sample the trainer's log-probs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_parameters=rope)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    assert model.model.rotary_emb.rope_type == "llama3"
+    prompts = _prompts(tokenizer, lengths=(70, 130, 5))
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=0.7)
+    engine.decoder.refresh()
+    ids, logprobs = engine.generate(prompts, 10)
+    assert _logprob_differences(model, prompts, ids, logprobs, 0.7).max() < 1e-4
 
 
 def test_fp8_kv_cache_takes_fewer_bytes_and_samples_close_to_the_trainer(seed):
@@ -220,6 +241,25 @@ def test_unsupported_models_are_refused_by_name():
     model.model.layers[0].self_attn.k_norm = torch.nn.RMSNorm(12)
     with pytest.raises(ValueError, match=r"q/k norms of 32/12 elements, not one scale per head dimension \(32\)"):
         Decoder(model)
+    from transformers import GemmaConfig, GemmaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    sizes = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)  # fmt: skip
+    with pytest.raises(ValueError, match="GemmaForCausalLM: model_type 'gemma'; the engine runs llama, mistral"):
+        Decoder(GemmaForCausalLM(GemmaConfig(**sizes)))  # same module names, but (1 + w) norms, GELU, scaled embeddings
+    from transformers import MistralConfig, MistralForCausalLM
+
+    mistral = {k: v for k, v in sizes.items() if k != "head_dim"}
+    with pytest.raises(ValueError, match=r"MistralForCausalLM: sliding-window attention \(window 48\)"):
+        Decoder(MistralForCausalLM(MistralConfig(**mistral, sliding_window=48)))  # Mistral-7B-v0.1's kind
+    Decoder(MistralForCausalLM(MistralConfig(**mistral, sliding_window=None)))  # v0.3's: full attention, runs
+    moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(**sizes, num_experts=4, moe_intermediate_size=32))
+    with pytest.raises(ValueError, match=r"model_type 'qwen2_moe' \(mixture of experts\)"):
+        Decoder(moe)
+    model, _ = build_tiny(num_layers=1)
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act 'gelu'; the engine's MLP is SiLU-gated"):
+        Decoder(model)
     model, _ = build_tiny(num_layers=1, architecture="qwen3", head_dim=24)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: head_dim 24: the engine's attention takes powers of two"):
         Decoder(model)
@@ -237,7 +277,7 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     # fails with the reason.
     monkeypatch.setattr(rollout, "vllm_available", lambda: False)
     model, tokenizer = build_tiny(num_layers=1)
-    model.config.use_sliding_window = True
+    model.config.use_sliding_window, model.config.sliding_window = True, 32
     setup = rollout.RolloutSetup(
         generation_config=GenerationConfig(do_sample=True, max_new_tokens=4), eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id, open_policy=lambda: contextlib.nullcontext(model),
@@ -245,11 +285,11 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     )  # fmt: skip
     with caplog.at_level(logging.WARNING):
         assert rollout.create_backend("auto", setup).name == "transformers"
-    reason = "the native engine cannot run Qwen2ForCausalLM: sliding-window attention is not supported"
+    reason = "the native engine cannot run Qwen2ForCausalLM: sliding-window attention (window 32) is not supported"
     assert any(m.startswith(f"rollout_backend auto: {reason}") and m.endswith("; using transformers")
                for m in caplog.messages)  # fmt: skip
-    with pytest.raises(rollout.Unsupported, match=rf"^rollout_backend native: {reason}.*; rollout_backend auto would "
-                       "use transformers$"):  # fmt: skip
+    refusal = rf"^rollout_backend native: {re.escape(reason)}.*; rollout_backend auto would use transformers$"
+    with pytest.raises(rollout.Unsupported, match=refusal):
         rollout.create_backend("native", setup)
     # Under FSDP2 / ZeRO-3 a BF16 base's weights are what is sharded: native refuses, auto takes the next engine.
     setup.open_policy = lambda: contextlib.nullcontext(build_tiny(num_layers=1)[0])

@@ -42,6 +42,10 @@ from qerl.rollout.native import ops
 from qerl.rollout.native.kv_cache import KVCache
 from qerl.sharding import whole
 
+# Model types whose decoder is exactly what Decoder computes. A type outside it is refused even where its modules
+# look the same: Gemma scales its embeddings and norms (1 + w) and uses GELU, Granite multiplies its residuals,
+# MoE models route their MLPs; any of these would run here, wrongly.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED = ("Llama/Qwen2/Qwen3/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, optional per-head "
              "self_attn.{q,k}_norm, mlp.{gate,up,down}_proj, RMSNorms)")
 
@@ -255,9 +259,19 @@ class Decoder:
     def _build(self, policy: nn.Module, gather_each_round: bool):
         model = _causal_lm(policy)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None)
-                                                                                  or ()):
-            raise Unsupported("sliding-window attention is not supported")
+        model_type = getattr(config, "model_type", None)
+        if model_type not in MODEL_TYPES:
+            experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+            kind = " (mixture of experts)" if experts else ""
+            raise Unsupported(f"model_type {model_type!r}{kind}; the engine runs {', '.join(MODEL_TYPES)}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise Unsupported(f"hidden_act {config.hidden_act!r}; the engine's MLP is SiLU-gated")
+        # Qwen2/Qwen3 carry a sliding_window they use only with use_sliding_window; Mistral applies any it has.
+        layer_types = getattr(config, "layer_types", None) or ()
+        if (getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types
+                or (model_type == "mistral" and config.sliding_window is not None)):  # fmt: skip
+            raise Unsupported(f"sliding-window attention (window {getattr(config, 'sliding_window', None)}) is not "
+                              "supported")  # fmt: skip
         inner = model.model
         self.gather_each_round = gather_each_round
         self._embedding, self._head = inner.embed_tokens, _base_layer(model.lm_head)
