@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import queue
 import statistics
 import subprocess
 import sys
@@ -113,9 +112,6 @@ class Task:
 def run_tasks(tasks: list[Task], gpus: int, per_gpu: int, finish_by: float | None = None) -> None:
     """Run the tasks, `per_gpu` at a time on each GPU (CUDA_VISIBLE_DEVICES), first ready first; a task waits for
     the one it comes after. Raises SystemExit naming the failed tasks once all have ended."""
-    slots: queue.Queue[int] = queue.Queue()  # a GPU id per slot (CPU: gpus 0, ids unused)
-    for slot in range(max(1, gpus) * per_gpu):
-        slots.put(slot % max(1, gpus))
     lock = threading.Condition()
 
     def next_ready() -> Task | None:
@@ -132,31 +128,30 @@ def run_tasks(tasks: list[Task], gpus: int, per_gpu: int, finish_by: float | Non
                         return task
                 lock.wait(timeout=5)
 
-    def worker() -> None:
+    def worker(gpu: int) -> None:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)} if gpus > 0 else None
         while (task := next_ready()) is not None:
-            gpu = slots.get()
-            try:
-                if task.command is None:
-                    task.state = "done"
-                elif task.optional and finish_by is not None and time.time() > finish_by:
-                    say(f"{task.name}: skipped, past the deadline")
-                    task.state = "skipped"
-                else:
-                    start = time.time()
-                    say(f"{task.name}: started" + (f" on GPU {gpu}" if gpus else ""))
-                    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)} if gpus > 0 else None
+            state = "done"
+            if task.command is None:
+                pass
+            elif task.optional and finish_by is not None and time.time() > finish_by:
+                say(f"{task.name}: skipped, past the deadline")
+                state = "skipped"
+            else:
+                start = time.time()
+                say(f"{task.name}: started" + (f" on GPU {gpu}" if gpus else ""))
+                try:
                     run_logged(task.command, task.log, env)
-                    task.state = "done"
                     say(f"{task.name}: done in {time.time() - start:.0f} s")
-            except RuntimeError as err:
-                task.state = "failed"
-                say(f"{task.name}: FAILED: {err}")
-            finally:
-                slots.put(gpu)
-                with lock:
-                    lock.notify_all()
+                except RuntimeError as err:
+                    state = "failed"
+                    say(f"{task.name}: FAILED: {err}")
+            with lock:
+                task.state = state
+                lock.notify_all()
 
-    threads = [threading.Thread(target=worker) for _ in range(max(1, gpus) * per_gpu)]
+    # One worker per slot, slot k on GPU k mod gpus.
+    threads = [threading.Thread(target=worker, args=(k % max(1, gpus),)) for k in range(max(1, gpus) * per_gpu)]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -191,19 +191,21 @@ class NormScales(nn.Module):
 
 class HeadNorms:
     """A layer's per-head query and key RMSNorm scales (Qwen3), copied at every refresh from the policy's (frozen
-    there, but a sharded policy holds shards of them) into fixed buffers of the policy's dtype."""
+    there, but a sharded policy holds shards of them) into one fixed buffer [Hq + Hkv, D] of the policy's dtype: a
+    scale row per query head, then per key head, as ops.qk_rmsnorm applies them."""
 
-    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, head_dim: int, device: torch.device):
+    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device):
         if q_norm.weight.numel() != head_dim or k_norm.weight.numel() != head_dim:
             raise Unsupported(f"q/k norms of {q_norm.weight.numel()}/{k_norm.weight.numel()} elements, not one scale "
                               f"per head dimension ({head_dim})")  # fmt: skip
-        self.modules = (q_norm, k_norm)
-        self.q, self.k = (torch.empty(head_dim, device=device, dtype=n.weight.dtype) for n in self.modules)
+        self.q_norm, self.k_norm, self.num_heads = q_norm, k_norm, num_heads
+        self.scale = torch.empty(num_heads + num_kv_heads, head_dim, device=device, dtype=q_norm.weight.dtype)
 
     @torch.no_grad()
     def refresh(self) -> None:
-        for buffer, module in zip((self.q, self.k), self.modules, strict=True):
-            buffer.copy_(whole(module.weight))
+        self.scale[: self.num_heads].copy_(whole(self.q_norm.weight))
+        self.scale[self.num_heads :].copy_(whole(self.k_norm.weight))
 
 
 @dataclass
@@ -311,7 +313,8 @@ class Decoder:
                 down=Projection([mlp.down_proj], device, self.dtype, gather_each_round),
                 input_norm=holders["input_layernorm"].weight,
                 post_norm=holders["post_attention_layernorm"].weight,
-                head_norms=HeadNorms(*head_norms, self.head_dim, device) if head_norms[0] is not None else None,
+                head_norms=None if head_norms[0] is None else HeadNorms(*head_norms, self.num_heads, self.num_kv_heads,
+                                                                        self.head_dim, device),
             ))  # fmt: skip
         self.cos = self.sin = torch.empty(0, device=device)
 
@@ -366,8 +369,7 @@ class Decoder:
             k, v, k_scale, v_scale = cache.layer(i)
             qkv = layer.qkv(h)
             if layer.head_norms is not None:
-                qkv = ops.qk_rmsnorm(qkv, layer.head_norms.q, layer.head_norms.k, self.num_heads, self.num_kv_heads,
-                                     self.eps)  # fmt: skip
+                qkv = ops.qk_rmsnorm(qkv, layer.head_norms.scale, self.eps)
             q = ops.rope_cache(qkv, self.cos, self.sin, batch_idx, positions, k, v, self.num_heads, self.num_kv_heads,
                                k_scale, v_scale)
             h = ops.rmsnorm(layer.o(attend(i, q)), layer.post_norm, self.eps, residual=residual)

@@ -75,18 +75,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 # ------------------------------------------------------------------------------------ rotary + KV-cache write
 
 
-def qk_rmsnorm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
-               num_kv_heads: int, eps: float) -> torch.Tensor:
+def qk_rmsnorm(qkv: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head RMSNorm of the queries and keys in the fused projection qkv [M, (Hq + 2 Hkv) * D] (Qwen3: before
-    rotary), as transformers computes it: normalized in FP32, rounded to qkv's dtype, then scaled by the weight [D]
-    in that dtype. Returns a new qkv; the values pass through. Plain torch: a few small kernels per layer, and no
-    host sync (CUDA-graph safe)."""
-    m, d = qkv.shape[0], q_weight.numel()
-    heads = qkv.view(m, num_heads + 2 * num_kv_heads, d)
-    qk = heads[:, : num_heads + num_kv_heads].float()
+    rotary), as transformers computes it: normalized in FP32, rounded to qkv's dtype, then scaled in that dtype by
+    scale [Hq + Hkv, D] (a row per query head, then per key head). Returns a new qkv; the values pass through.
+    Plain torch: a few small kernels per layer, and no host sync (CUDA-graph safe)."""
+    normed_heads, d = scale.shape
+    heads = qkv.view(qkv.shape[0], -1, d)
+    qk = heads[:, :normed_heads].float()
     normed = (qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps)).to(qkv.dtype)
-    scale = torch.cat([q_weight.expand(num_heads, d), k_weight.expand(num_kv_heads, d)]).to(qkv.dtype)
-    return torch.cat([normed * scale, heads[:, num_heads + num_kv_heads :]], dim=1).view(m, -1)
+    return torch.cat([normed * scale.to(qkv.dtype), heads[:, normed_heads:]], dim=1).view(qkv.shape)
 
 
 def rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads,
