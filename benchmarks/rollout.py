@@ -39,9 +39,10 @@ from qerl.rollout import RolloutSetup, create_backend
 from qerl.rollout.native import kv_cache
 from qerl.tiny import build_tiny_tokenizer
 
-# (hidden, intermediate, layers, heads, kv heads, vocab) of Qwen2.5-{3,7,14,32}B; Llama-3.1-8B as the
+# (hidden, intermediate, layers, heads, kv heads, vocab) of Qwen2.5-{1.5,3,7,14,32}B; Llama-3.1-8B as the
 # architecture the native engine was not tuned on (no q/k/v bias, llama3 RoPE scaling, 128K context).
 QWEN25 = {
+    "1.5b": (1536, 8960, 28, 12, 2, 151936),  # untied, as the Q4_K_M GGUF of Qwen2.5-Coder-1.5B-Instruct converts
     "3b": (2048, 11008, 36, 16, 2, 151936),
     "7b": (3584, 18944, 28, 28, 4, 152064),
     "14b": (5120, 13824, 48, 40, 8, 152064),

@@ -28,6 +28,7 @@ import torch
 from transformers import TrainerCallback
 
 from benchmarks.rollout import QWEN25, build, max_new_tokens, padded_tokenizer
+from benchmarks.step_profile import StepProfile, print_summary
 from qerl import train
 from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 from qerl.nvfp4.quantize import quantize_model
@@ -132,6 +133,24 @@ def gpu_used_gib() -> float:
     return (total - free) / 2**30
 
 
+def profile_steps(trainer, args, rollout_rows) -> None:
+    """--profile: the steps split by phase, GPU time and kernels per phase, forwards per update, MFU."""
+    if args.steps < 3:
+        raise SystemExit("--profile needs --steps >= 3 (the first and the profiled last step are not averaged)")
+    profiler = StepProfile(trainer, profile_step=args.steps - 1)
+    trainer.add_callback(profiler)
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    summary = profiler.summary(slice(1, args.steps - 1))
+    summary["torch_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(f"\nQwen2.5-{args.size} shapes, random weights, {args.precision}, rollout backend {trainer.rollout.name}, "
+          f"recipe {args.config or 'default'}, completions <= {args.new_tokens} tokens")
+    print_summary(summary)
+    print(f"trainer's torch peak {summary['torch_peak_gib']:.1f} GiB")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rollout": rollout_rows, "profile": summary}, indent=2))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(QWEN25), default="7b")
@@ -145,6 +164,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--in-memory", action="store_true",
                         help="build the random model on the GPU instead of writing a checkpoint (not for vllm)")
+    parser.add_argument("--profile", action="store_true",
+                        help="split each step into every phase (benchmarks/step_profile.py); the last step also runs "
+                             "under torch.profiler; the first and the last are left out of the means")
     parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/step.json")
     parser.add_argument("extra", nargs="*", help="more qerl.train flags")
@@ -187,6 +209,9 @@ def main(argv=None) -> None:
         rollout_rows.append({"batch": batch, "new_tokens": args.rollout_tokens, "tokens": tokens,
                              "seconds": seconds, "tokens_per_s": tokens / seconds})  # fmt: skip
 
+    if args.profile:
+        profile_steps(trainer, args, rollout_rows)
+        return
     timer.total.clear()
     timer.wrap(backend, "generate", "rollout")
     if backend.name == "vllm":

@@ -110,6 +110,12 @@ def lora_config(
     )
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM (model.model.layers), peft-wrapped or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.layers
+
+
 def keep_fp32_masters(model: nn.Module) -> list[str]:
     """Cast every trainable parameter that is not FP32 to FP32; returns their names.
 

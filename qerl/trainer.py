@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_context
 
-from qerl import aqn, cli, norms, policy, rollout, sharding
+from qerl import aqn, cli, norms, policy, rollout, sharding, unpadded
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.native.kv_cache import KV_CACHE_DTYPES
 
@@ -73,10 +73,18 @@ class QeRLConfig(GRPOConfig):
                   "choices": AQN_DTYPES},
     )  # fmt: skip
     aqn_log_shift: bool = field(
-        default=True,
+        default=False,
         metadata={"help": "Log aqn/logprob_shift, the mean |logprob(noisy) - logprob(clean)| of the sampled tokens in "
                   "the training forward: how far the noise moved the policy, apart from the rollout engine's own "
-                  "numerics. Costs one no-grad forward of the batch per noisy round (the clean side is the loss's)."},
+                  "numerics. Costs one no-grad forward of the batch per noisy round (the clean side is the loss's); "
+                  "without it, sampling/sampling_logp_difference/mean measures the noise and the engine together."},
+    )  # fmt: skip
+    unpadded_forward: bool = field(
+        default=True,
+        metadata={"help": "Run the training forwards on each row's real tokens from column 0 (left padding removed, "
+                  "the micro-batch cut at its longest row, rows with nothing to score left out) under a causal mask "
+                  "alone, so that no compute goes to padding and attention runs FlashAttention (qerl/unpadded.py). "
+                  "false: TRL's padded layout with a padding mask. Text-only models."},
     )  # fmt: skip
     # The QeRL reference's names of two TrainingArguments fields (transformers 5 reads a warmup_steps below 1 as a
     # ratio, so the reference's --warmup-ratio is that).
@@ -122,6 +130,13 @@ class QeRLConfig(GRPOConfig):
         metadata={"help": "Correct the rollout/training mismatch (AQN makes one) with TRL's truncated importance "
                   "sampling against the rollout log-probs, whatever the rollout backend. Off by default: the "
                   "QeRL reference has no correction."},
+    )  # fmt: skip
+    compile_layers: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each decoder layer of the policy for the training forwards and backward "
+                  "(dynamic shapes: one compilation serves every layer and length), which fuses the norms, rotary, "
+                  "gate, LoRA's scaling and the residual adds into few kernels. Costs the compilation at the first "
+                  "step. The rollout engines do not run these modules."},
     )  # fmt: skip
     metrics_jsonl: bool = field(
         default=True,
@@ -275,6 +290,9 @@ class QeRLTrainer(GRPOTrainer):
             policy.keep_fp32_masters(self.model)
 
         self._adapt_trl_internals()
+        if args.compile_layers:
+            for layer in policy.decoder_layers(self.model):
+                layer.compile(dynamic=True)
         mismatch = policy.eos_mismatch(self._tokenizer, self.model.generation_config)
         if mismatch:
             warnings.warn(f"{mismatch}. Rollouts end at any of them (TRL adds the tokenizer's EOS); the model's own "
@@ -480,11 +498,34 @@ class QeRLTrainer(GRPOTrainer):
             )
         return logps
 
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        if self.args.unpadded_forward and not compute_aux_loss and all(v is None for v in multimodal.values()):
+            result = self._unpadded_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                        compute_entropy)  # fmt: skip
+        else:
+            result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                                batch_size, compute_entropy, compute_aux_loss,
+                                                                **multimodal)  # fmt: skip
         if self._loss_logps is not None:
             self._loss_logps.append(result[0].detach())
         return result
+
+    def _unpadded_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                      compute_entropy):
+        """TRL's per-token log-probs (and entropies) of the completion tokens, in TRL's layout, from forwards over
+        the rows' real tokens only (qerl/unpadded.py), through the fused LM head TRL puts on the model."""
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            chunk = unpadded.unpad(input_ids[start : start + batch_size], attention_mask[start : start + batch_size],
+                                   logits_to_keep)  # fmt: skip
+            with self.accelerator.autocast():
+                out = model(input_ids=chunk.input_ids, labels=chunk.labels, fused_lm_head=True)
+            logps.append(unpadded.to_completion_layout(out.log_probs, chunk))
+            if compute_entropy:
+                entropies.append(unpadded.to_completion_layout(out.entropy, chunk))
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     def _compute_loss(self, model, inputs):
         # Without old log-probs, TRL's loss forward runs the clean policy with the parameters that sampled the
