@@ -135,13 +135,14 @@ def gpu_used_gib() -> float:
 
 def profile_steps(trainer, args, rollout_rows) -> None:
     """--profile: the steps split by phase, GPU time and kernels per phase, forwards per update, MFU."""
-    if args.steps < 3:
-        raise SystemExit("--profile needs --steps >= 3 (the first and the profiled last step are not averaged)")
+    if args.steps < args.warmup_steps + 2:
+        raise SystemExit(f"--profile needs --steps >= --warmup-steps + 2 = {args.warmup_steps + 2} (the warm-up steps "
+                         "and the profiled last step are not averaged)")
     profiler = StepProfile(trainer, profile_step=args.steps - 1)
     trainer.add_callback(profiler)
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    summary = profiler.summary(slice(1, args.steps - 1))
+    summary = profiler.summary(slice(args.warmup_steps, args.steps - 1))
     summary["torch_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(f"\nQwen2.5-{args.size} shapes, random weights, {args.precision}, rollout backend {trainer.rollout.name}, "
           f"recipe {args.config or 'default'}, completions <= {args.new_tokens} tokens")
@@ -167,6 +168,10 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="split each step into every phase (benchmarks/step_profile.py); the last step also runs "
                              "under torch.profiler; the first and the last are left out of the means")
+    parser.add_argument("--warmup-steps", type=int, default=1,
+                        help="--profile: steps left out of the means at the start (compilation, graph capture); with "
+                             "steps_per_generation > 1, a whole round, so that the means hold one round's share of "
+                             "generation and old log-probs")
     parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/step.json")
     parser.add_argument("extra", nargs="*", help="more qerl.train flags")

@@ -247,9 +247,9 @@ class StepProfile(TrainerCallback):
 
 def print_summary(summary: dict) -> None:
     phases, kernels = summary["phases"], summary["kernels"]
-    print(f"mean step {summary['mean_step_seconds']:.2f} s over {len(summary['step_seconds'])} steady steps "
-          f"({', '.join(f'{s:.2f}' for s in summary['step_seconds'])}), the first {summary['first_step_seconds']:.1f} s; "
-          f"{summary['device']}")
+    steps = ", ".join(f"{s:.2f}" for s in summary["step_seconds"])
+    print(f"mean step {summary['mean_step_seconds']:.2f} s over {len(summary['step_seconds'])} steady steps ({steps}), "
+          f"the first {summary['first_step_seconds']:.1f} s; {summary['device']}")
     print(f"{'phase':24s} {'wall s':>7s} {'GPU s':>7s} {'GPU idle':>8s} {'kernels':>8s}   (GPU columns: one step)")
     for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
         count, gpu_ms = kernels.get(name, (None, None))

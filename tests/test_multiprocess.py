@@ -102,7 +102,7 @@ def test_two_processes_end_with_identical_lora(setup, checkpoints, tmp_path):
         "--max-completion-length", "6", "--max-steps", "3", "--save-strategy", "no", "--report-to", "none",
         "--bf16", "False", "--gradient-checkpointing", "False", "--lora-rank", "4",
         "--ln", "True", "--learning-rate", "5e-3", "--sigma-start", "0.1", "--sigma-end", "0.01",
-        "--num-stages", "3", "--logging-steps", "1", *flags,
+        "--num-stages", "3", "--aqn-log-shift", "True", "--logging-steps", "1", *flags,
     ]  # fmt: skip
     result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

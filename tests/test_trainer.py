@@ -29,7 +29,7 @@ def _config(tmp_path, **overrides):
 
 def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    args = _config(tmp_path, trainable_norms=True, num_stages=3)
+    args = _config(tmp_path, trainable_norms=True, num_stages=3, aqn_log_shift=True)
     trainer = make_trainer(nvfp4_dir, args)
     model = trainer.model
     assert trainer.aqn_enabled and trainer.is_nvfp4  # AQN defaults on for an NVFP4 base
