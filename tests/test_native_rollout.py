@@ -26,6 +26,11 @@ ARCHITECTURES = pytest.mark.parametrize("arch", [{}, QWEN3], ids=["qwen2", "qwen
 
 def _policy(dtype=torch.float32, nvfp4=False, **arch):
     model, tokenizer = build_tiny(dtype=dtype, num_layers=3, **arch)
+    return _with_lora(model, nvfp4), tokenizer
+
+
+def _with_lora(model, nvfp4=False):
+    """The model with a LoRA adapter and trainable norms, all moved off their initial values."""
     if nvfp4:
         quantize_model(model)
     peft_model = get_peft_model(model, policy.lora_config(model, rank=4, alpha=8, trainable_norms=True))
@@ -36,7 +41,7 @@ def _policy(dtype=torch.float32, nvfp4=False, **arch):
                 p.normal_(0, 0.05)  # peft starts B at zero: the adapter would do nothing
             elif p.requires_grad or name.endswith(("q_norm.weight", "k_norm.weight")):  # trained norms; Qwen3's
                 p.add_(torch.randn_like(p) * 0.2)  # per-head norms (frozen, but not left at their initial ones)
-    return peft_model.eval(), tokenizer
+    return peft_model.eval()
 
 
 def _prompts(tokenizer, lengths=(5, 11, 2, 8)):
@@ -120,6 +125,41 @@ def test_llama3_rope_scaling_is_the_models_own(seed):
     engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=0.7)
     engine.decoder.refresh()
     ids, logprobs = engine.generate(prompts, 10)
+    assert _logprob_differences(model, prompts, ids, logprobs, 0.7).max() < 1e-4
+
+
+def _windowed(kind):
+    """Tiny sliding-window models, GQA, a window of 6 shorter than most prompts: Mistral's (every layer, head_dim
+    16 on a hidden size of 48) and Qwen2's use_sliding_window (layers from max_window_layers on; layer 0 full)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                 num_attention_heads=3, num_key_value_heads=1, sliding_window=6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**sizes))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**sizes, use_sliding_window=True, max_window_layers=1))
+        assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    return _with_lora(model.eval()), tokenizer
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_shorter_than_the_prompt_is_transformers_own(seed, kind):
+    """Greedy tokens and sampled log-probs against transformers' forward, whose mask drops keys a window back:
+    prompts of 1 to 20 tokens against a window of 6, and 12 decode steps past it."""
+    model, tokenizer = _windowed(kind)
+    decoder = Decoder(model)
+    windows = [layer.window for layer in decoder.layers]
+    assert windows == ([6, 6, 6] if kind == "mistral" else [None, 6, 6])
+    prompts = _prompts(tokenizer, lengths=(5, 11, 1, 20, 6))
+    engine = NativeEngine(decoder, Sampler(GenerationConfig(do_sample=False)), [-1], tokenizer.pad_token_id)
+    decoder.refresh()
+    assert engine.generate(prompts, 12)[0] == [_hf_greedy(model, p, 12) for p in prompts]
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=0.7)
+    engine.decoder.refresh()
+    ids, logprobs = engine.generate(prompts, 12)
     assert _logprob_differences(model, prompts, ids, logprobs, 0.7).max() < 1e-4
 
 
@@ -247,18 +287,12 @@ def test_unsupported_models_are_refused_by_name():
                  num_key_value_heads=2, head_dim=16)  # fmt: skip
     with pytest.raises(ValueError, match="GemmaForCausalLM: model_type 'gemma'; the engine runs llama, mistral"):
         Decoder(GemmaForCausalLM(GemmaConfig(**sizes)))  # same module names, but (1 + w) norms, GELU, scaled embeddings
-    from transformers import MistralConfig, MistralForCausalLM
-
-    mistral = {k: v for k, v in sizes.items() if k != "head_dim"}
-    with pytest.raises(ValueError, match=r"MistralForCausalLM: sliding-window attention \(window 48\)"):
-        Decoder(MistralForCausalLM(MistralConfig(**mistral, sliding_window=48)))  # Mistral-7B-v0.1's kind
-    Decoder(MistralForCausalLM(MistralConfig(**mistral, sliding_window=None)))  # v0.3's: full attention, runs
     moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(**sizes, num_experts=4, moe_intermediate_size=32))
     with pytest.raises(ValueError, match=r"model_type 'qwen2_moe' \(mixture of experts\)"):
         Decoder(moe)
     model, _ = build_tiny(num_layers=1)
     model.config.hidden_act = "gelu"
-    with pytest.raises(ValueError, match="hidden_act 'gelu'; the engine's MLP is SiLU-gated"):
+    with pytest.raises(ValueError, match="hidden_act 'gelu'; the engine's MLP gates are silu, gelu_pytorch_tanh"):
         Decoder(model)
     model, _ = build_tiny(num_layers=1, architecture="qwen3", head_dim=24)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: head_dim 24: the engine's attention takes powers of two"):
@@ -273,11 +307,11 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     assert rollout.resolve_backend("auto", torch.device("cuda")) == "native"
     assert rollout.resolve_backend("auto", torch.device("cpu")) == "transformers"
 
-    # A model native refuses (here: sliding-window attention): auto goes on to the next engine, a named backend
-    # fails with the reason.
+    # A model native refuses (here: a plain GELU MLP): auto goes on to the next engine, a named backend fails with
+    # the reason.
     monkeypatch.setattr(rollout, "vllm_available", lambda: False)
     model, tokenizer = build_tiny(num_layers=1)
-    model.config.use_sliding_window, model.config.sliding_window = True, 32
+    model.config.hidden_act = "gelu"
     setup = rollout.RolloutSetup(
         generation_config=GenerationConfig(do_sample=True, max_new_tokens=4), eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id, open_policy=lambda: contextlib.nullcontext(model),
@@ -285,7 +319,7 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     )  # fmt: skip
     with caplog.at_level(logging.WARNING):
         assert rollout.create_backend("auto", setup).name == "transformers"
-    reason = "the native engine cannot run Qwen2ForCausalLM: sliding-window attention (window 32) is not supported"
+    reason = "the native engine cannot run Qwen2ForCausalLM: hidden_act 'gelu'; the engine's MLP gates are silu"
     assert any(m.startswith(f"rollout_backend auto: {reason}") and m.endswith("; using transformers")
                for m in caplog.messages)  # fmt: skip
     refusal = rf"^rollout_backend native: {re.escape(reason)}.*; rollout_backend auto would use transformers$"
