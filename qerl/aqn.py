@@ -4,6 +4,12 @@ QeRL (paper Eq. 10) samples rollouts from RMSNorm_noise(x) = (w + Z) * x / rms(x
 fresh Z every generation round, so that the q/k/v projections share one noise vector (input_layernorm) and
 gate/up another (post_attention_layernorm). The training forward sees the clean scales.
 
+Gemma-3's norms scale by (1 + w) (computed in FP32) and its checkpoints store w: the noise goes on w, and
+(1 + (w + Z)) = ((1 + w) + Z), so the scale the activations see moves by exactly the paper's Z. Its four norms per
+layer are all perturbed: input (q/k/v) and pre-feedforward (gate/up) precede quantized projections as in Eq. 10,
+post-attention and post-feedforward scale the o and down projections' outputs before the residual add. (Under the
+"bf16" rule the rounding happens on w, not on 1 + w: finer where |w| < 1.)
+
 This module knows nothing about trainers: it gives the schedule and perturbs the norms that qerl.norms finds,
 inside a context manager that restores the exact clean values on exit.
 """

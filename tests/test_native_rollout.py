@@ -1,8 +1,10 @@
 """The native rollout engine against the policy's own forward (CPU; the GPU path is tests/test_native_gpu.py).
 
-A tiny Qwen2 (and Qwen3: per-head q/k norms, a head_dim that is not hidden / heads) in float32 with a LoRA adapter
-and trainable norms whose values are far from their initial ones, so that a LoRA or norm the engine failed to apply
-would change the tokens."""
+A tiny Qwen2 (and Qwen3: per-head q/k norms, a head_dim that is not hidden / heads; Gemma-3: (1 + w) norms, four
+per layer, scaled tied embeddings, GELU-tanh, local layers with a window of 8 shorter than the prompts and global ones
+with their own rotary) in float32 with a LoRA adapter and trainable norms whose values are far from their initial
+ones, so that a LoRA or norm the engine failed to apply would change the tokens. Sliding windows on Mistral and Qwen2
+too."""
 
 import contextlib
 import logging
@@ -21,7 +23,8 @@ from qerl.rollout.native.sampling import Sampler
 from qerl.tiny import build_tiny, build_tiny_tokenizer
 
 QWEN3 = {"architecture": "qwen3", "head_dim": 32}  # 4 heads of 32 on a hidden size of 64
-ARCHITECTURES = pytest.mark.parametrize("arch", [{}, QWEN3], ids=["qwen2", "qwen3"])
+GEMMA3 = {"architecture": "gemma3", "head_dim": 32}  # qerl.tiny's Gemma-3: local layers with a window of 8, global
+ARCHITECTURES = pytest.mark.parametrize("arch", [{}, QWEN3, GEMMA3], ids=["qwen2", "qwen3", "gemma3"])
 
 
 def _policy(dtype=torch.float32, nvfp4=False, **arch):
@@ -248,15 +251,19 @@ def test_engine_shares_the_policys_weights_and_sees_each_new_adapter():
     assert second == [_hf_greedy(model, p, 8) for p in prompts] and second != first
 
 
-def test_aqn_reaches_the_engine_and_is_undone():
-    model, tokenizer = _policy()
+@pytest.mark.parametrize("arch", [{}, GEMMA3], ids=["qwen2", "gemma3"])
+def test_aqn_reaches_the_engine_and_is_undone(arch):
+    """The engine's norm scales in the policy's order (so the same draw perturbs the same norm on every backend);
+    Gemma-3's are its four (1 + w) norms per layer, holding w as the policy does."""
+    model, tokenizer = _policy(**arch)
     prompts = _prompts(tokenizer)
     engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=1.0)
     decoder = engine.decoder
     decoder.refresh()
     sites = norms.find_norms(decoder.norms)
-    assert len(sites.layer_norms) == 6 and len(sites.final_norms) == 1
-    assert [p.rsplit(".", 1)[-1] for p in sites.layer_norms][:2] == ["input_layernorm", "post_attention_layernorm"]
+    roles = [re.search(r"layers\.\d+\.(\w+)", p).group(1) for p in norms.find_norms(model).layer_norms]
+    assert len(sites.layer_norms) == len(roles) == (12 if arch else 6) and len(sites.final_norms) == 1
+    assert [p.rsplit(".", 1)[-1] for p in sites.layer_norms] == roles
     clean = [h.weight.clone() for h, _ in decoder.norms.pairs]
 
     def logprobs(sigma):
@@ -266,7 +273,7 @@ def test_aqn_reaches_the_engine_and_is_undone():
 
     base, _ = logprobs(0.0)
     noisy, stats = logprobs(1e-2)
-    assert stats.num_norms == 6 and stats.changed_fraction == 1.0
+    assert stats.num_norms == len(roles) and stats.changed_fraction == 1.0
     assert noisy != base
     assert all(torch.equal(h.weight, c) for (h, _), c in zip(decoder.norms.pairs, clean, strict=True))
     assert logprobs(0.0)[0] == base

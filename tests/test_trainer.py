@@ -176,6 +176,57 @@ def test_qwen3_nvfp4_dapo_steps_perturb_only_the_layer_norms(tmp_path):
     assert all(torch.equal(policy_model.get_parameter(n), v) for n, v in head_norms.items())
 
 
+def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
+    """A Gemma-3 text model (tiny: (1 + w) norms, four per layer, q/k norms, tied scaled embeddings, GELU-tanh,
+    local and global layers) quantized by our quantizer, DAPO steps with AQN on the native engine: the noise goes on
+    w of the four hidden-size norms per layer (w + Z scales by 1 + w + Z, the same shift), reaches the engine's
+    scales at every noisy round, and leaves the per-head norms alone."""
+    from qerl.tiny import build_tiny
+
+    model, tokenizer = build_tiny(architecture="gemma3", head_dim=32)
+    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "gemma3"), model, tokenizer)
+    trainer = make_trainer(nvfp4_dir, _config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3,
+                                              rollout_backend="native"))  # fmt: skip
+    policy_model = trainer.model
+    assert trainer.rollout.name == "native" and trainer.is_nvfp4
+    assert isinstance(policy_model.get_submodule("base_model.model.model.layers.0.mlp.down_proj.base_layer"),
+                      NVFP4Linear)  # fmt: skip
+    sites = norms.find_norms(policy_model)
+    assert sorted({path.split(".")[-3] for path in sites.layer_norms}) == [
+        "input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"]
+    head_norms = {n: p.detach().clone() for n, p in policy_model.named_parameters() if n.endswith(("q_norm.weight",
+                                                                                                "k_norm.weight"))}
+    engine_noise, perturb_of = [], trainer.rollout.generate
+
+    def watched(prompt_ids, perturb):
+        def spy(scales):  # the engine's norm scales, as the sampler's kernels read them
+            cm = perturb(scales)
+
+            class Spy:
+                def __enter__(self):
+                    stats = cm.__enter__()
+                    noise = torch.cat([(h.weight - n.weight.float()).flatten() for h, n in scales.pairs[:-1]])
+                    engine_noise.append((stats.sigma, noise.std().item()))
+                    return stats
+
+                def __exit__(self, *exc):
+                    return cm.__exit__(*exc)
+
+            return Spy()
+
+        return perturb_of(prompt_ids, spy)
+
+    trainer.rollout.generate = watched
+    lora_b = {n: p for n, p in policy_model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    assert trainer.last_noise.num_norms == 8 and trainer.last_noise.sigma > 0
+    noisy = [(sigma, std) for sigma, std in engine_noise if sigma > 0]
+    assert noisy and all(0.5 * sigma < std < 2 * sigma for sigma, std in noisy)
+    assert all(std == 0 for sigma, std in engine_noise if sigma == 0)
+    assert any(p.abs().max() > 0 for p in lora_b.values())
+    assert all(torch.equal(policy_model.get_parameter(n), v) for n, v in head_norms.items())
+
+
 def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
     args = _config(
