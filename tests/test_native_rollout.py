@@ -166,6 +166,20 @@ def test_sliding_window_shorter_than_the_prompt_is_transformers_own(seed, kind):
     assert _logprob_differences(model, prompts, ids, logprobs, 0.7).max() < 1e-4
 
 
+def test_final_logit_softcapping_is_transformers_own(seed):
+    """Gemma-3 configs may carry Gemma 2's final logit softcapping (cap * tanh(logits / cap)); a cap of 0.3 bends
+    this model's logits (|logit| up to ~0.5; ignoring it moves log-probs by ~0.15), and the sampled log-probs still
+    equal the trainer's."""
+    model, tokenizer = build_tiny(num_layers=2, **GEMMA3)
+    model.config.final_logit_softcapping = 0.3
+    model = _with_lora(model.eval())
+    prompts = _prompts(tokenizer)
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=0.7)
+    engine.decoder.refresh()
+    ids, logprobs = engine.generate(prompts, 10)
+    assert _logprob_differences(model, prompts, ids, logprobs, 0.7).max() < 1e-4
+
+
 def test_fp8_kv_cache_takes_fewer_bytes_and_samples_close_to_the_trainer(seed):
     """E4M3 keys and values (a scale per token and head) on a BF16 policy, as rollouts run: (D + 4) / 2D of the BF16
     cache's bytes (D = 16 here), and log-probs off the trainer's by the cache's rounding on top of BF16's: above
@@ -300,6 +314,10 @@ def test_unsupported_models_are_refused_by_name():
     model, _ = build_tiny(num_layers=1)
     model.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act 'gelu'; the engine's MLP gates are silu, gelu_pytorch_tanh"):
+        Decoder(model)
+    model, _ = build_tiny(num_layers=1, **GEMMA3)
+    model.config.attn_logit_softcapping = 50.0  # Gemma 2's; transformers' Gemma-3 would apply it: refused
+    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM: attention logit softcapping \(50.0\) is not supported"):
         Decoder(model)
     model, _ = build_tiny(num_layers=1, architecture="qwen3", head_dim=24)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: head_dim 24: the engine's attention takes powers of two"):
