@@ -85,6 +85,7 @@ def noisy_norms(
     sites: NormSites | None = None,
     dtype_rule: str = "fp32",
     fp32_compute: bool = True,
+    include_head_norms: bool = False,
 ):
     """Add fresh N(0, sigma^2) noise to the model's RMSNorm scales for the duration of the block.
 
@@ -100,7 +101,9 @@ def noisy_norms(
     bf16 rule, and the statistics count this rank's shard.
     With the fp32 rule and `fp32_compute`, the perturbed norms also run in FP32 (FP32Compute) so that the noise
     survives until their output is rounded once; engines whose norms take an FP32 scale themselves (or whose
-    forward runs in CUDA graphs, where hooks do not run) pass False. Yields NoiseStats.
+    forward runs in CUDA graphs, where hooks do not run) pass False. `include_head_norms` adds the per-head q/k
+    norms (Qwen3, Gemma-3) after the others (their draws unchanged); see QeRLConfig.aqn_head_norms. Yields
+    NoiseStats.
     """
     if dtype_rule not in DTYPE_RULES:
         raise ValueError(f"unknown AQN dtype rule {dtype_rule!r}; known: {', '.join(DTYPE_RULES)}")
@@ -109,7 +112,7 @@ def noisy_norms(
         yield stats
         return
     dtype = DTYPE_RULES[dtype_rule]
-    norms = (sites or find_norms(model)).select(include_final)
+    norms = (sites or find_norms(model)).select(include_final, include_head_norms)
     undo = []
     changed = 0
     try:

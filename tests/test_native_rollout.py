@@ -293,6 +293,42 @@ def test_aqn_reaches_the_engine_and_is_undone(arch):
     assert logprobs(0.0)[0] == base
 
 
+@pytest.mark.parametrize("arch", [QWEN3, GEMMA3], ids=["qwen3", "gemma3"])
+def test_aqn_on_head_norms_reaches_the_engine_only_when_asked(arch):
+    """include_head_norms: the per-head q/k scales are perturbed too (in the engine's holders, laid out into the
+    scales the step reads), after the layer norms, whose draws stay what they were; off, the heads stay clean."""
+    model, tokenizer = _policy(**arch)
+    prompts = _prompts(tokenizer)
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=1.0)
+    decoder = engine.decoder
+    decoder.refresh()
+    decoder.lay_out_head_norms()
+    sites = norms.find_norms(decoder.norms)
+    assert [p.rsplit(".", 1)[-1] for p in sites.head_norms] == ["q_norm", "k_norm"] * 3
+    policy_heads = norms.find_norms(model).head_norms
+    assert list(sites.head_norms) == [re.search(r"layers\.\d+\.", p)[0] + p[-6:] for p in policy_heads]
+    clean = [(h.weight.clone(), layer.head_norms.scale.clone()) for h, layer in zip(
+        [decoder.norms.layers[i]["q_norm"] for i in range(3)], decoder.layers, strict=True)]  # fmt: skip
+
+    def run(include):
+        torch.manual_seed(1)
+        with aqn.noisy_norms(decoder.norms, 1e-2, torch.Generator().manual_seed(2), fp32_compute=False,
+                             include_head_norms=include) as stats:  # fmt: skip
+            layer_noise = torch.cat([m.weight.flatten() for m in sites.layer_norms.values()])
+            lps = engine.generate(prompts, 4)[1]
+            heads = [layer.head_norms.scale.clone() for layer in decoder.layers]
+        return lps, stats, layer_noise, heads
+
+    plain, plain_stats, plain_noise, plain_heads = run(False)
+    with_heads, stats, noise, heads = run(True)
+    assert stats.num_norms == plain_stats.num_norms + 6 and torch.equal(noise, plain_noise)
+    assert all(torch.equal(h, c) for h, (_, c) in zip(plain_heads, clean, strict=True))
+    assert all(not torch.equal(h, c) for h, (_, c) in zip(heads, clean, strict=True))
+    assert with_heads != plain
+    decoder.lay_out_head_norms()  # the next round's: clean again
+    assert all(torch.equal(layer.head_norms.scale, c) for layer, (_, c) in zip(decoder.layers, clean, strict=True))
+
+
 def test_unsupported_models_are_refused_by_name():
     model, _ = build_tiny(num_layers=1)
     model.model.layers[0].self_attn.q_norm = torch.nn.RMSNorm(16)  # a query norm without its key norm

@@ -51,10 +51,14 @@ def test_find_norms_qwen2_llama_qwen3():
     layer, final = _norm_paths(llama)
     assert len(layer) == 6 and final == ["model.norm"]
 
-    # Qwen3's per-head q_norm/k_norm are RMSNorms too, but of head size: not the scales QeRL perturbs.
+    # Qwen3's per-head q_norm/k_norm are RMSNorms too, but of head size: not the scales QeRL perturbs by default,
+    # kept apart (AQN's include_head_norms adds them).
     qwen3 = Qwen3ForCausalLM(Qwen3Config(**tiny, num_hidden_layers=2, head_dim=16))
     layer, final = _norm_paths(qwen3)
     assert all(p.endswith(("input_layernorm", "post_attention_layernorm")) for p in layer) and len(layer) == 4
+    sites = norms.find_norms(qwen3)
+    assert list(sites.head_norms) == [f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_norm", "k_norm")]
+    assert list(sites.select(False, include_heads=True)) == list(sites.layer_norms) + list(sites.head_norms)
 
 
 def test_find_norms_gemma3_and_noise_on_w_shifts_its_unit_offset_scale(seed):

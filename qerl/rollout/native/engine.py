@@ -76,6 +76,7 @@ class NativeEngine:
             raise ValueError("native rollout: empty prompt")
         capacity = max(len(p) for p in prompts) + max_new_tokens
         self.decoder.ensure_positions(capacity)
+        self.decoder.lay_out_head_norms()
         size = self.wave_size(len(prompts), capacity)
         ids, logprobs = [], []
         self.last_waves = 0

@@ -177,18 +177,20 @@ class Projection:
 
 class NormScales(nn.Module):
     """FP32 copies of the policy's RMSNorm scales, in a tree that norms.find_norms reads as the policy's: per-layer
-    norms inside a ModuleList, the final norm outside it, in the policy's order (so AQN draws the same noise for
-    the same norm on every backend)."""
+    norms (hidden-size ones, and per-head q/k norms where the policy has them) inside a ModuleList, the final norm
+    outside it, in the policy's order (so AQN draws the same noise for the same norm on every backend); `config`
+    is the policy's, whose hidden size tells the two kinds of layer norms apart."""
 
-    def __init__(self, layer_norms: list[dict[str, nn.Module]], final_norm: nn.Module, hidden: int, eps: float,
+    def __init__(self, layer_norms: list[dict[str, nn.Module]], final_norm: nn.Module, config, eps: float,
                  device: torch.device):
         super().__init__()
+        self.config = config
 
-        def holder() -> nn.RMSNorm:
-            return nn.RMSNorm(hidden, eps=eps, device=device, dtype=torch.float32).requires_grad_(False)
+        def holder(norm: nn.Module) -> nn.RMSNorm:
+            return nn.RMSNorm(norm.weight.shape[0], eps=eps, device=device, dtype=torch.float32).requires_grad_(False)
 
-        self.layers = nn.ModuleList(nn.ModuleDict({role: holder() for role in d}) for d in layer_norms)
-        self.norm = holder()
+        self.layers = nn.ModuleList(nn.ModuleDict({role: holder(n) for role, n in d.items()}) for d in layer_norms)
+        self.norm = holder(final_norm)
         # (holder, policy norm) pairs; a plain list, so the policy's modules do not become children of this tree.
         self.pairs = [(self.layers[i][role], norm) for i, d in enumerate(layer_norms) for role, norm in d.items()]
         self.pairs.append((self.norm, final_norm))
@@ -200,24 +202,21 @@ class NormScales(nn.Module):
 
 
 class HeadNorms:
-    """A layer's per-head query and key RMSNorm scales (Qwen3, Gemma-3), copied at every refresh from the policy's
-    (frozen there, but a sharded policy holds shards of them) into one fixed buffer [Hq + Hkv, D]: a scale row per
-    query head, then per key head, as ops.qk_rmsnorm applies them. Qwen3's in the policy's dtype (transformers
-    multiplies in it); Gemma-3's as 1 + w in FP32 (transformers' order)."""
+    """A layer's per-head query and key RMSNorm scales (Qwen3, Gemma-3), laid out at every round from their FP32
+    holders in NormScales (refreshed from the policy's, perturbed there when AQN includes them) into one fixed
+    buffer [Hq + Hkv, D]: a scale row per query head, then per key head, as ops.qk_rmsnorm applies them. Qwen3's
+    in the policy's dtype (transformers multiplies in it); Gemma-3's as 1 + w in FP32 (transformers' order)."""
 
-    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int,
-                 unit_offset: bool, device: torch.device):
-        if q_norm.weight.numel() != head_dim or k_norm.weight.numel() != head_dim:
-            raise Unsupported(f"q/k norms of {q_norm.weight.numel()}/{k_norm.weight.numel()} elements, not one scale "
-                              f"per head dimension ({head_dim})")  # fmt: skip
-        self.q_norm, self.k_norm, self.num_heads, self.unit_offset = q_norm, k_norm, num_heads, unit_offset
-        dtype = torch.float32 if unit_offset else q_norm.weight.dtype
+    def __init__(self, q_holder: nn.Module, k_holder: nn.Module, dtype: torch.dtype, num_heads: int,
+                 num_kv_heads: int, head_dim: int, unit_offset: bool, device: torch.device):
+        self.q, self.k, self.num_heads, self.unit_offset = q_holder.weight, k_holder.weight, num_heads, unit_offset
+        dtype = torch.float32 if unit_offset else dtype
         self.scale = torch.empty(num_heads + num_kv_heads, head_dim, device=device, dtype=dtype)
 
     @torch.no_grad()
-    def refresh(self) -> None:
-        self.scale[: self.num_heads].copy_(whole(self.q_norm.weight))
-        self.scale[self.num_heads :].copy_(whole(self.k_norm.weight))
+    def lay_out(self) -> None:
+        self.scale[: self.num_heads].copy_(self.q)
+        self.scale[self.num_heads :].copy_(self.k)
         if self.unit_offset:
             self.scale.add_(1.0)
 
@@ -252,17 +251,23 @@ def _causal_lm(policy: nn.Module) -> nn.Module:
 def _norms_by_layer(policy: nn.Module, num_layers: int, roles: tuple[str | None, ...]
                     ) -> tuple[list[dict[str, nn.Module]], nn.Module]:
     """The active copy of each layer's norms of these roles, in the policy's order, and the final norm
-    (norms.find_norms sees through peft's modules_to_save wrappers)."""
+    (norms.find_norms sees through peft's modules_to_save wrappers); per-head q/k norms come first (the policy's
+    attention precedes its norms)."""
     names = [r for r in roles if r is not None]
     sites = find_norms(policy)
     layers: list[dict[str, nn.Module]] = [{} for _ in range(num_layers)]
+    for path, module in sites.head_norms.items():
+        match = re.search(r"layers\.(\d+)\.self_attn\.([qk]_norm)$", path)
+        if match is None:
+            raise Unsupported(f"unexpected per-head norm {path!r}; supported: {SUPPORTED}")
+        layers[int(match.group(1))][match.group(2)] = module
     for path, module in sites.layer_norms.items():
         match = re.search(rf"layers\.(\d+)\.({'|'.join(names)})(\.|$)", path)
         if match is None:
             raise Unsupported(f"unexpected norm {path!r}; supported: {SUPPORTED}")
         layers[int(match.group(1))][match.group(2)] = module
     finals = list(sites.final_norms.values())
-    if any(set(d) != set(names) for d in layers) or len(finals) != 1:
+    if any(set(d) - {"q_norm", "k_norm"} != set(names) for d in layers) or len(finals) != 1:
         raise Unsupported(f"expected the norms {', '.join(names)} in every layer and one final norm; "
                           f"supported: {SUPPORTED}")
     return layers, finals[0]
@@ -340,7 +345,7 @@ class Decoder:
         layer_types = getattr(config, "layer_types", None)
         self.rope_kinds = sorted(set(layer_types)) if hasattr(self.rotary, "layer_types") else [None]
         layer_norms, final_norm = _norms_by_layer(policy, len(inner.layers), roles)
-        self.norms = NormScales(layer_norms, final_norm, self.hidden, self.eps, device)
+        self.norms = NormScales(layer_norms, final_norm, config, self.eps, device)
         self.layers = []
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -348,6 +353,10 @@ class Decoder:
             if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or (
                     (head_norms[0] is None) != (head_norms[1] is None)):  # fmt: skip
                 raise Unsupported(f"layer {i} attention is not supported; supported: {SUPPORTED}")
+            if head_norms[0] is not None and {n.weight.numel() for n in head_norms} != {self.head_dim}:
+                raise Unsupported(f"q/k norms of {head_norms[0].weight.numel()}/{head_norms[1].weight.numel()} "
+                                  f"elements, not one scale per head dimension ({self.head_dim})")  # fmt: skip
+            holders = self.norms.layers[i]
             if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 raise Unsupported(f"layer {i} MLP is not supported; supported: {SUPPORTED}")
             norm = [None if role is None else self.norms.layers[i][role].weight for role in roles]
@@ -358,7 +367,8 @@ class Decoder:
                 down=Projection([mlp.down_proj], device, self.dtype, gather_each_round),
                 input_norm=norm[0], attn_out_norm=norm[1], pre_mlp_norm=norm[2], mlp_out_norm=norm[3],
                 head_norms=None if head_norms[0] is None else HeadNorms(
-                    *head_norms, self.num_heads, self.num_kv_heads, self.head_dim, self.unit_offset, device),
+                    holders["q_norm"], holders["k_norm"], head_norms[0].weight.dtype, self.num_heads,
+                    self.num_kv_heads, self.head_dim, self.unit_offset, device),
                 window=windows[i],
                 rope=0 if self.rope_kinds == [None] else self.rope_kinds.index(layer_types[i]),
             ))  # fmt: skip
@@ -381,10 +391,14 @@ class Decoder:
             self._bind_embeddings()
         for projection in self.projections():
             projection.refresh()
+        self.norms.refresh()
+
+    def lay_out_head_norms(self) -> None:
+        """Per-head q/k scales from their holders, at the start of a round: after AQN has perturbed them, if it
+        includes them (the engine calls this inside the noise's context)."""
         for layer in self.layers:
             if layer.head_norms is not None:
-                layer.head_norms.refresh()
-        self.norms.refresh()
+                layer.head_norms.lay_out()
 
     def release(self) -> None:
         """After a round: drop the whole copies that `refresh` gathered from a sharded policy (nothing otherwise)."""
