@@ -53,7 +53,9 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 UNIT_OFFSET_NORMS = ("gemma3_text",)
 SUPPORTED = ("Llama/Qwen2/Qwen3/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, optional per-head "
              "self_attn.{q,k}_norm, mlp.{gate,up,down}_proj, RMSNorms) and Gemma-3 text")
-GATES = {"silu": ops.silu_mul, "gelu_pytorch_tanh": ops.gelu_tanh_mul}  # the MLP's activation -> its gate op
+# The MLP's activation -> its gate op in ops (by name, looked up per call as the other ops are, so that
+# benchmarks.step_costs can swap one out)
+GATES = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 # Per-layer norm roles: (before attention, on the attention's output, before the MLP, on the MLP's output).
 PRE_NORM_ROLES = ("input_layernorm", None, "post_attention_layernorm", None)
 SANDWICH_NORM_ROLES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -443,7 +445,7 @@ class Decoder:
             if layer.attn_out_norm is not None:
                 out = ops.rmsnorm(out, layer.attn_out_norm, self.eps, unit_offset=unit)
             h = ops.rmsnorm(out, layer.pre_mlp_norm, self.eps, residual=residual, unit_offset=unit)
-            out = layer.down(self.gate(layer.gate_up(h)))
+            out = layer.down(getattr(ops, self.gate)(layer.gate_up(h)))
             if layer.mlp_out_norm is not None:
                 out = ops.rmsnorm(out, layer.mlp_out_norm, self.eps, unit_offset=unit)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norms.norm.weight
