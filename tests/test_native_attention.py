@@ -184,9 +184,11 @@ def _interpreter_checks():
         assert torch.equal(attention.decode_attention(q, k, v, seq_lens, scale, num_splits=2, workspace=ws),
                            attention.decode_attention(q, k, v, seq_lens, scale, num_splits=2))
     # Sliding windows, NaN before each window as past each length: a window inside one tile, one across splits
-    # (a sequence's first splits then hold no key), one of a single key, one longer than every sequence.
+    # (a sequence's first splits then hold no key), one of a single key, one longer than every sequence, and
+    # Gemma-3-4B's heads (8 on 4 KV heads of 256).
     for hq, hkv, d, lens, window, split_counts in (
         (4, 2, 16, [1, 200, 77, 130], 50, (None, 1, 4)),
+        (8, 4, 256, [150, 3], 70, (None, 2)),
         (7, 1, 32, [300, 5, 129], 100, (None, 5)),
         (2, 2, 16, [3, 70], 1, (None, 2)),
         (4, 2, 16, [65, 9], 500, (None, 2)),
