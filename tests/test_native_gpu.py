@@ -149,6 +149,26 @@ def test_aqn_noise_reaches_the_graph_and_leaves_no_trace():
     assert torch.equal(first_logprobs(0.0), clean)  # greedy + clean norms restored: bit for bit
 
 
+def test_aqn_on_head_norms_reaches_the_graph():
+    """include_head_norms (QeRLConfig.aqn_head_norms) on Qwen3: the per-head scales, laid out at the start of the
+    round from their perturbed holders, are what the captured step reads (not run on a GPU yet)."""
+    model, tokenizer = _policy("nvfp4", architecture="qwen3", head_dim=128)
+    prompts = _prompts(len(tokenizer))
+    decoder = Decoder(model)
+    decoder.refresh()
+    engine = NativeEngine(decoder, Sampler(GenerationConfig(do_sample=False)), [-1], 0)
+
+    def second_logprobs(include):
+        with aqn.noisy_norms(decoder.norms, 1e-2, torch.Generator().manual_seed(5), fp32_compute=False,
+                             include_head_norms=include):  # fmt: skip
+            _, lps = engine.generate(prompts, 2)
+        return torch.tensor([row[1] for row in lps])  # the second token: sampled inside the graph
+
+    layer_only = second_logprobs(False)
+    assert not torch.equal(second_logprobs(True), layer_only)
+    assert torch.equal(second_logprobs(False), layer_only)  # the heads' clean scales laid out again
+
+
 def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):
     """Each decode kernel waits for its predecessor before touching memory (qerl/pdl.py): the graph's samples and
     log-probs with PDL are those without it, bit for bit."""
