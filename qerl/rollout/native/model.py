@@ -46,8 +46,8 @@ from qerl.rollout.native.kv_cache import KVCache
 from qerl.sharding import whole
 
 # Model types whose decoder is exactly what Decoder computes. A type outside it is refused even where its modules
-# look the same: Gemma 1/2 differ from Gemma-3 (2 norms, softcapped attention), Granite multiplies its residuals,
-# MoE models route their MLPs; any of these would run here, wrongly.
+# look the same: Gemma 1 (two norms per layer) and Gemma 2 (softcapped attention) differ from Gemma-3, Granite
+# multiplies its residuals, MoE models route their MLPs; any of these would run here, wrongly.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # Gemma-3: norms scale by (1 + w), the attention output and the MLP output are normed too before their residual add.
 UNIT_OFFSET_NORMS = ("gemma3_text",)
