@@ -4,6 +4,7 @@
     python -m benchmarks.rollout --engine vllm --size 7b --batches 8,64 --new-tokens 2048
     python -m benchmarks.rollout --engine native --size 14b --precisions nvfp4 --batches 8,32,64 \
         --kv-cache-dtypes auto,fp8
+    python -m benchmarks.rollout --engine native --size qwen3-8b --batches 8 --new-tokens 2048   (or gemma3-4b)
 
 Builds the model with random weights on the GPU (NVFP4: quantized layer by layer as it is built, so a 32B model
 never exists in BF16), wraps it in a rank-16 LoRA on every projection (B random, so the adapter is not zero)
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 from peft import get_peft_model
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 from qerl import policy as qpolicy
 from qerl.nvfp4.quantize import quantize_model
@@ -48,10 +49,28 @@ QWEN25 = {
     "14b": (5120, 13824, 48, 40, 8, 152064),
     "32b": (5120, 27648, 64, 40, 8, 152064),
 }
-SIZES = [*QWEN25, "llama8b"]
+SIZES = [*QWEN25, "llama8b", "qwen3-8b", "gemma3-4b"]
 
 
 def model_config(size: str):
+    if size == "qwen3-8b":  # Qwen/Qwen3-8B: per-head q/k norms, head_dim 128, no biases
+        return Qwen3Config(
+            vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    if size == "gemma3-4b":
+        # google/gemma-3-4b-it's text model. Shapes, window, pattern (5 local : 1 global), query_pre_attn_scalar and
+        # the global layers' linear rope scaling: AI-Hypercomputer/maxtext's ckpt_conversion hf_model_configs.py;
+        # vocab 262208, rope bases 1e4 local / 1e6 global, 131072 positions: transformers' Gemma3TextConfig
+        # defaults, which document that checkpoint.
+        return Gemma3TextConfig(
+            vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+            sliding_window_pattern=6, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+        )  # fmt: skip
     if size == "llama8b":
         return LlamaConfig(
             vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -74,6 +93,7 @@ def build(size: str, precision: str = "bf16", device="cuda"):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     std = config.initializer_range
+    unit_offset = config.model_type == "gemma3_text"  # its norms scale by 1 + w: w = 0 is the identity scale
 
     def materialize(module):
         module.to_empty(device=device, recurse=True)
@@ -83,7 +103,9 @@ def build(size: str, precision: str = "bf16", device="cuda"):
                 if getattr(sub, "bias", None) is not None:
                     sub.bias.zero_()
             elif hasattr(sub, "weight") and sub.weight is not None and sub.weight.dim() == 1:
-                sub.weight.fill_(1.0)  # norms
+                sub.weight.fill_(0.0 if unit_offset else 1.0)  # norms
+            if hasattr(sub, "embed_scale"):  # Gemma's sqrt(hidden), a buffer to_empty left unset
+                sub.embed_scale.fill_(sub.scalar_embed_scale)
 
     inner = model.model
     for name, child in inner.named_children():
@@ -96,7 +118,10 @@ def build(size: str, precision: str = "bf16", device="cuda"):
             inner.rotary_emb = type(child)(config=config, device=device)
         else:
             materialize(child)
-    materialize(model.lm_head)
+    if config.tie_word_embeddings:  # to_empty gave the embedding a new weight: the head takes it again
+        model.lm_head.weight = inner.embed_tokens.weight
+    else:
+        materialize(model.lm_head)
     return model.eval()
 
 
@@ -166,7 +191,7 @@ KERNEL_FAMILIES = (
     ("nvfp4_wgmma_gemm", "NVFP4 GEMM"),
     ("_race_", "sampling"),  # the fused temperature sampler (before the attention's "_merge_kernel")
     ("_split_kernel", "attention"), ("_merge_kernel", "attention"),
-    ("_rmsnorm", "add+RMSNorm"), ("_rope_cache", "rotary+KV write"), ("_silu_mul", "SiLU gate"),
+    ("_rmsnorm", "add+RMSNorm"), ("_rope_cache", "rotary+KV write"), ("_gate_mul", "SiLU/GELU gate"),
     ("gemm", "cuBLAS GEMM (BF16 base, LoRA, LM head)"), ("gemv", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
     ("splitKreduce", "cuBLAS GEMM (BF16 base, LoRA, LM head)"), ("nvjet", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
     ("softmax", "sampling"), ("exponential", "sampling"), ("argmax", "sampling"), ("reduce", "sampling"),

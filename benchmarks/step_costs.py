@@ -42,7 +42,7 @@ def _replaced(owner, name: str, value) -> Iterator[None]:
         setattr(owner, name, saved)
 
 
-def _skip_norm(x, weight, eps, residual=None):
+def _skip_norm(x, weight, eps, residual=None, unit_offset=False):
     return x
 
 

@@ -4,6 +4,12 @@ QeRL (paper Eq. 10) samples rollouts from RMSNorm_noise(x) = (w + Z) * x / rms(x
 fresh Z every generation round, so that the q/k/v projections share one noise vector (input_layernorm) and
 gate/up another (post_attention_layernorm). The training forward sees the clean scales.
 
+Gemma-3's norms scale by (1 + w) (computed in FP32) and its checkpoints store w: the noise goes on w, and
+(1 + (w + Z)) = ((1 + w) + Z), so the scale the activations see moves by exactly the paper's Z. Its four norms per
+layer are all perturbed: input (q/k/v) and pre-feedforward (gate/up) precede quantized projections as in Eq. 10,
+post-attention and post-feedforward scale the o and down projections' outputs before the residual add. (Under the
+"bf16" rule the rounding happens on w, not on 1 + w: finer where |w| < 1.)
+
 This module knows nothing about trainers: it gives the schedule and perturbs the norms that qerl.norms finds,
 inside a context manager that restores the exact clean values on exit.
 """
@@ -79,6 +85,7 @@ def noisy_norms(
     sites: NormSites | None = None,
     dtype_rule: str = "fp32",
     fp32_compute: bool = True,
+    include_head_norms: bool = False,
 ):
     """Add fresh N(0, sigma^2) noise to the model's RMSNorm scales for the duration of the block.
 
@@ -94,7 +101,9 @@ def noisy_norms(
     bf16 rule, and the statistics count this rank's shard.
     With the fp32 rule and `fp32_compute`, the perturbed norms also run in FP32 (FP32Compute) so that the noise
     survives until their output is rounded once; engines whose norms take an FP32 scale themselves (or whose
-    forward runs in CUDA graphs, where hooks do not run) pass False. Yields NoiseStats.
+    forward runs in CUDA graphs, where hooks do not run) pass False. `include_head_norms` adds the per-head q/k
+    norms (Qwen3, Gemma-3) after the others (their draws unchanged); see QeRLConfig.aqn_head_norms. Yields
+    NoiseStats.
     """
     if dtype_rule not in DTYPE_RULES:
         raise ValueError(f"unknown AQN dtype rule {dtype_rule!r}; known: {', '.join(DTYPE_RULES)}")
@@ -103,7 +112,7 @@ def noisy_norms(
         yield stats
         return
     dtype = DTYPE_RULES[dtype_rule]
-    norms = (sites or find_norms(model)).select(include_final)
+    norms = (sites or find_norms(model)).select(include_final, include_head_norms)
     undo = []
     changed = 0
     try:

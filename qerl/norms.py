@@ -88,9 +88,13 @@ class NormSites:
 
     layer_norms: dict[str, nn.Module] = field(default_factory=dict)  # norms inside decoder layers
     final_norms: dict[str, nn.Module] = field(default_factory=dict)  # hidden-size norms outside them
+    head_norms: dict[str, nn.Module] = field(default_factory=dict)  # per-head norms inside layers (Qwen3's q/k_norm)
 
-    def select(self, include_final: bool) -> dict[str, nn.Module]:
-        return {**self.layer_norms, **(self.final_norms if include_final else {})}
+    def select(self, include_final: bool, include_heads: bool = False) -> dict[str, nn.Module]:
+        """The norms to perturb, in this order (each group in module order, so that adding a group leaves the
+        draws of the others as they were)."""
+        return {**self.layer_norms, **(self.final_norms if include_final else {}),
+                **(self.head_norms if include_heads else {})}
 
 
 def _hidden_size(model: nn.Module) -> int | None:
@@ -103,11 +107,12 @@ def _hidden_size(model: nn.Module) -> int | None:
 
 
 def find_norms(model: nn.Module, hidden_size: int | None = None) -> NormSites:
-    """Every hidden-size RMSNorm of `model`, split into per-layer norms and final norms.
+    """Every hidden-size RMSNorm of `model`, split into per-layer norms and final norms, and the other RMSNorms
+    inside its layers (per-head norms: Qwen3's and Gemma-3's q_norm/k_norm) apart.
 
     A norm is a per-layer norm when it sits inside an element of an nn.ModuleList (the decoder layer stack, in
-    transformers, vLLM or any other model); hidden-size norms elsewhere are final norms. Per-head norms (Qwen3's
-    q_norm/k_norm) are excluded by the size check.
+    transformers, vLLM or any other model); hidden-size norms elsewhere are final norms. Without a hidden size
+    (given, or in the model's config) every RMSNorm counts as a hidden-size one.
     """
     hidden_size = hidden_size or _hidden_size(model)
     sites = NormSites()
@@ -119,6 +124,9 @@ def find_norms(model: nn.Module, hidden_size: int | None = None) -> NormSites:
             path = f"{path}.{name}" if path else name
         if is_rmsnorm(module, hidden_size):
             (sites.layer_norms if in_layer else sites.final_norms)[path] = module
+            return
+        if in_layer and is_rmsnorm(module):
+            sites.head_norms[path] = module
             return
         for child_name, child in module.named_children():
             child_path = f"{path}.{child_name}" if path else child_name

@@ -1,4 +1,5 @@
-"""A tiny Qwen2 (or Qwen3) causal LM and a character-level chat tokenizer, built in code (no downloads).
+"""A tiny Qwen2 (or Qwen3, or Gemma-3 text) causal LM and a character-level chat tokenizer, built in code (no
+downloads).
 
 Used by the tests and the demo. The tokenizer is a real `PreTrainedTokenizerFast` (tokenizers library) with a
 chat template, pad and eos tokens, so TRL treats it like any hub tokenizer.
@@ -11,6 +12,8 @@ import string
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -66,13 +69,29 @@ def build_tiny_model(
     seed: int = 0,
     architecture: str = "qwen2",
     head_dim: int | None = None,
-) -> Qwen2ForCausalLM | Qwen3ForCausalLM:
-    """A randomly initialised Qwen2 (q/k/v biases) or Qwen3 (per-head q/k norms, no biases, its own head_dim)
-    whose projections are NVFP4-compatible (in_features % 16 == 0)."""
-    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
-        architecture
-    ]
+    sliding_window: int | None = None,
+) -> Qwen2ForCausalLM | Qwen3ForCausalLM | Gemma3ForCausalLM:
+    """A randomly initialised Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, no biases, its own head_dim) or
+    Gemma-3 text model whose projections are NVFP4-compatible (in_features % 16 == 0).
+
+    Gemma-3 at this size keeps what sets it apart: (1 + w) norms, four per layer, q/k norms, embeddings scaled by
+    sqrt(hidden) and tied to the LM head, a GELU-tanh MLP, every third layer global (rotary base 1e6, linear
+    scaling 8, as Gemma-3-4B's) and the others local (base 1e4, a sliding window of 8 tokens), and a
+    query_pre_attn_scalar that is not head_dim. `sliding_window` sets Gemma-3's local window, and gives Qwen2/Qwen3
+    one (use_sliding_window) on every layer after the first."""
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                                 "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[architecture]  # fmt: skip
     extra = {"head_dim": head_dim} if head_dim is not None else {}
+    if sliding_window is not None and architecture != "gemma3":
+        extra.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=1)
+    if architecture == "gemma3":
+        head_dim = head_dim or hidden_size // num_heads
+        extra = dict(
+            head_dim=head_dim, query_pre_attn_scalar=head_dim // 2, sliding_window=sliding_window or 8,
+            layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(num_layers)],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+        )  # fmt: skip
     config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -81,7 +100,7 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=architecture == "gemma3",  # as Gemma-3's checkpoints; the others keep theirs apart
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

@@ -64,6 +64,18 @@ class QeRLConfig(GRPOConfig):
     aqn_final_norm: bool = field(
         default=False, metadata={"help": "Also perturb the final RMSNorm (the paper perturbs the per-layer norms)."}
     )
+    aqn_head_norms: bool = field(
+        default=False,
+        metadata={"help": "Also perturb the per-head q/k RMSNorms (Qwen3, Gemma-3). Off by default, as the paper's "
+                  "rule implies: it perturbs the scales of norms that precede quantized linears, where w + Z on the "
+                  "norm is Z-shaped noise on the input channels of q/k/v (or gate/up), i.e. stands in for noise on "
+                  "their 4-bit weights. The q/k norms act after the projections, per head, on queries and keys "
+                  "that go into rotary and q.k, not into a quantized linear: their noise emulates no weight "
+                  "quantization, it rescales attention logits (one vector shared by every head, dimension d of q "
+                  "and k scaled by (w_q + Z_q)_d (w_k + Z_k)_d, then mixed with d + D/2 by the rotary). An "
+                  "exploration knob whose effect the paper does not measure. Their noise is drawn after the other "
+                  "norms', which keep theirs."},
+    )  # fmt: skip
     aqn_dtype: str = field(
         default="fp32",
         metadata={"help": "Where AQN noise meets the scales. fp32: added in FP32 to an FP32 copy of each scale, the "
@@ -326,6 +338,8 @@ class QeRLTrainer(GRPOTrainer):
             self._norm_sites[key] = norms.find_norms(model)
             if not self._norm_sites[key].layer_norms and self.aqn_enabled:
                 raise RuntimeError(f"AQN found no RMSNorm in {type(model).__name__}")
+            if self.args.aqn_head_norms and not self._norm_sites[key].head_norms and self.aqn_enabled:
+                raise RuntimeError(f"aqn_head_norms: {type(model).__name__} has no per-head q/k norms")
         return self._norm_sites[key]
 
     @contextlib.contextmanager
@@ -341,7 +355,8 @@ class QeRLTrainer(GRPOTrainer):
         # The policy's transformers norms need FP32Compute to use an FP32 scale; an engine's own model (vLLM:
         # FP32 norm weights, CUDA graphs where hooks never run) applies its FP32 scales itself.
         own = model is self.model
-        with aqn.noisy_norms(model, sigma, generator, a.aqn_final_norm, sites, a.aqn_dtype, fp32_compute=own) as stats:
+        with aqn.noisy_norms(model, sigma, generator, a.aqn_final_norm, sites, a.aqn_dtype, fp32_compute=own,
+                             include_head_norms=a.aqn_head_norms) as stats:  # fmt: skip
             yield stats
 
     # ======================================================================================================
@@ -491,7 +506,8 @@ class QeRLTrainer(GRPOTrainer):
         generator = torch.Generator().manual_seed(self._noise_seed)
         with (
             self._open_policy() as model,
-            aqn.noisy_norms(model, self.last_noise.sigma, generator, a.aqn_final_norm, self._sites(model), a.aqn_dtype),
+            aqn.noisy_norms(model, self.last_noise.sigma, generator, a.aqn_final_norm, self._sites(model), a.aqn_dtype,
+                            include_head_norms=a.aqn_head_norms),
         ):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, output["completion_ids"].size(1), a.per_device_train_batch_size

@@ -267,21 +267,22 @@ def test_each_cli_as_a_process(world, tmp_path):
 
 
 def test_a_backend_that_cannot_run_the_model_is_named_with_the_one_auto_would_use(tmp_path, monkeypatch, capsys):
-    """--rollout-backend native on a checkpoint with sliding-window attention (which the native engine does not run):
+    """--rollout-backend native on a checkpoint with a plain GELU MLP (which the native engine does not run):
     one line naming the architecture, why, and the backend that auto uses instead; no output folder is left. (The
     engine's check needs the loaded policy, so this one comes after the load.)"""
     from qerl.tiny import build_tiny_model
 
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, num_layers=1)
-    model.config.use_sliding_window, model.config.sliding_window = True, 32
+    model.config.hidden_act = "gelu"
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path), model, tokenizer)
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
     argv = ["--model-name", nvfp4_dir, "--output-dir", str(tmp_path / "out"), "--use-cpu", "True", "--dataset",
             "arithmetic", "--num-examples", "8", "--rollout-backend", "native"]  # fmt: skip
     code = cli.run_cli(MAINS["qerl.train"], "qerl.train", argv)
     assert_one_line_error(code, capsys.readouterr().err, "qerl.train", "rollout_backend native: the native engine "
-                          "cannot run Qwen2ForCausalLM: sliding-window attention (window 32) is not supported",
+                          "cannot run Qwen2ForCausalLM: hidden_act 'gelu'; the engine's MLP gates are silu, "
+                          "gelu_pytorch_tanh",
                           "rollout_backend auto would use transformers")  # fmt: skip
     assert not (tmp_path / "out").exists()
 

@@ -11,7 +11,14 @@ import torch
 from reference import reference_compress, reference_global_scale
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    CompressedTensorsConfig,
+    Gemma3TextConfig,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from qerl.nvfp4.checkpoint import (
     CheckpointError,
@@ -39,6 +46,9 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(**SIZES, tie_word_embeddings=False),  # q/k/v carry biases
     "llama": lambda: LlamaConfig(**SIZES, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=False),
+    # Gemma-3 text: q/k norms, four (1 + w) norms per layer, a scaled embedding tied to the LM head (stays BF16)
+    "gemma3": lambda: Gemma3TextConfig(**SIZES, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                       tie_word_embeddings=True),
 }
 
 

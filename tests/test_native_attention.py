@@ -18,20 +18,23 @@ from interpreter import run_under_interpreter
 from qerl.rollout.native import attention, kv_cache
 
 
-def _inputs(b, hq, hkv, d, s_max, lens, dtype=torch.bfloat16, device="cpu", garbage=float("nan")):
+def _inputs(b, hq, hkv, d, s_max, lens, dtype=torch.bfloat16, device="cpu", garbage=float("nan"), window=None):
     """q as a strided slice of a wider tensor, K and V as interleaved views of one cache buffer (the kernels
-    take strides), every cache position past a sequence's length set to `garbage`."""
+    take strides), every cache position past a sequence's length (or before its sliding window) set to `garbage`."""
     q = torch.randn(b, hq + 2, d, dtype=dtype, device=device)[:, 1:-1]
     kv = torch.randn(b, s_max, 2, hkv, d, dtype=dtype, device=device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    kv.masked_fill_((torch.arange(s_max, device=device) >= seq_lens[:, None])[:, :, None, None, None], garbage)
+    keys = torch.arange(s_max, device=device)
+    unread = (keys >= seq_lens[:, None]) | (keys < seq_lens[:, None] - (window or s_max))
+    kv.masked_fill_(unread[:, :, None, None, None], garbage)
     return q, kv[:, :, 0], kv[:, :, 1], seq_lens
 
 
 def _fp8_caches(k, v, seq_lens):
-    """k, v in kv_cache's FP8 format, with NaN codes and NaN scales past every sequence's length."""
+    """k, v in kv_cache's FP8 format, with NaN codes and NaN scales where k holds NaN (past every sequence's length,
+    before its window)."""
     (k8, ks), (v8, vs) = kv_cache.quantize_reference(k.nan_to_num()), kv_cache.quantize_reference(v.nan_to_num())
-    past = torch.arange(k.shape[1], device=k.device) >= seq_lens[:, None]
+    past = k.isnan().flatten(2).any(-1)
     for codes, scale in ((k8, ks), (v8, vs)):
         codes.view(torch.uint8).masked_fill_(past[:, :, None, None], 0x7F)  # E4M3's NaN
         scale.masked_fill_(past[:, :, None], float("nan"))
@@ -53,6 +56,25 @@ def test_reference_matches_sdpa_with_mask(seed):
     expected = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], k.transpose(1, 2).repeat_interleave(hq // hkv, 1), v.transpose(1, 2).repeat_interleave(
             hq // hkv, 1), attn_mask=mask, scale=0.3)[:, :, 0]
+    torch.testing.assert_close(ref, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_window_is_transformers_sliding_window(seed):
+    """A window of 7: the query at position seq_len - 1 sees keys at positions > seq_len - 1 - 7 (transformers'
+    sliding_window_overlay), 7 keys, or all of a shorter sequence."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    b, hq, hkv, d, s_max, window = 3, 4, 2, 16, 20, 7
+    lens = [1, 20, 9]
+    q, k, v, seq_lens = _inputs(b, hq, hkv, d, s_max, lens, torch.float64, garbage=1e3, window=window)
+    ref = attention.decode_attention_reference(q, k, v, seq_lens, 0.3, window=window)
+    rule = sliding_window_causal_mask_function(window)
+    t = torch.tensor
+    mask = torch.tensor([[bool(rule(t(i), t(0), t(n - 1), t(kv))) for kv in range(s_max)] for i, n in enumerate(lens)])
+    assert mask.sum(-1).tolist() == [1, 7, 7]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2).repeat_interleave(hq // hkv, 1), v.transpose(1, 2).repeat_interleave(
+            hq // hkv, 1), attn_mask=mask[:, None, None, :], scale=0.3)[:, :, 0]
     torch.testing.assert_close(ref, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -161,6 +183,26 @@ def _interpreter_checks():
         ws = attention.decode_workspace(q, k, num_splits=2)
         assert torch.equal(attention.decode_attention(q, k, v, seq_lens, scale, num_splits=2, workspace=ws),
                            attention.decode_attention(q, k, v, seq_lens, scale, num_splits=2))
+    # Sliding windows, NaN before each window as past each length: a window inside one tile, one across splits
+    # (a sequence's first splits then hold no key), one of a single key, one longer than every sequence, and
+    # Gemma-3-4B's heads (8 on 4 KV heads of 256).
+    for hq, hkv, d, lens, window, split_counts in (
+        (4, 2, 16, [1, 200, 77, 130], 50, (None, 1, 4)),
+        (8, 4, 256, [150, 3], 70, (None, 2)),
+        (7, 1, 32, [300, 5, 129], 100, (None, 5)),
+        (2, 2, 16, [3, 70], 1, (None, 2)),
+        (4, 2, 16, [65, 9], 500, (None, 2)),
+    ):
+        q, k, v, seq_lens = _inputs(len(lens), hq, hkv, d, max(lens), lens, window=window)
+        ref = attention.decode_attention_reference(q.double(), k.double(), v.double(), seq_lens, 0.3, window=window)
+        assert not ref.isnan().any()
+        for num_splits in split_counts:
+            out = attention.decode_attention(q, k, v, seq_lens, 0.3, num_splits=num_splits, window=window)
+            assert _max_err(out, ref) < 2e-2, ("window", hq, hkv, d, lens, window, num_splits, _max_err(out, ref))
+        k8, v8, ks, vs = _fp8_caches(k, v, seq_lens)
+        ref8 = attention.decode_attention_reference(q.double(), k8, v8, seq_lens, 0.3, ks, vs, window=window)
+        out = attention.decode_attention(q, k8, v8, seq_lens, 0.3, k_scale=ks, v_scale=vs, window=window)
+        assert _max_err(out, ref8) < 2e-2, ("fp8 window", hq, hkv, d, lens, window, _max_err(out, ref8))
     print("interpreter checks passed")
 
 

@@ -1,6 +1,6 @@
 """The native engine on the GPU: Triton kernels, CUDA-graph decode, NVFP4 and BF16 bases (marked gpu: skipped
 without CUDA). A small Qwen2 (head dim 64, K multiple of 256 so the NVFP4 GEMM takes its TMA path) with LoRA and
-trained-looking norms."""
+trained-looking norms; Qwen3, sliding-window and Gemma-3 variants of it."""
 
 import pytest
 import torch
@@ -56,7 +56,13 @@ LOGPROB_BOUNDS_7B_WIDTHS = (4e-2, 0.5)
      # showed, as NaN log-probs
      ("nvfp4", "auto", "7b"),
      # Qwen3: per-head q/k norms before rotary, head_dim 128 on 8 heads of a 512 hidden size (passed on an H100)
-     ("nvfp4", "auto", "qwen3"), ("bf16", "auto", "qwen3")],
+     ("nvfp4", "auto", "qwen3"), ("bf16", "auto", "qwen3"),
+     # Sliding windows of 32 keys (Qwen2's use_sliding_window on layers 1-3) against prompts of up to 120 tokens and
+     # 48 new ones: the split kernel skips the tiles before each window (not run on a GPU yet)
+     ("nvfp4", "auto", "window"), ("bf16", "auto", "window"), ("nvfp4", "fp8", "window"),
+     # Gemma-3: (1 + w) norms, four per layer, GELU-tanh, scaled tied embeddings, head_dim 256 as Gemma-3-4B's,
+     # local layers (window 32, rope 1e4) and every third global (rope 1e6, linear scaling 8) (not run on a GPU yet)
+     ("nvfp4", "auto", "gemma3"), ("bf16", "auto", "gemma3"), ("nvfp4", "fp8", "gemma3")],
 )  # fmt: skip
 def test_graph_decode_matches_eager_and_the_policy(precision, kv_dtype, widths):
     if widths == "7b":
@@ -64,6 +70,13 @@ def test_graph_decode_matches_eager_and_the_policy(precision, kv_dtype, widths):
         prompts = _prompts(len(tokenizer), lengths=(37, 120))
     elif widths == "qwen3":
         model, tokenizer = _policy(precision, architecture="qwen3", head_dim=128)
+        prompts = _prompts(len(tokenizer))
+    elif widths == "window":
+        model, tokenizer = _policy(precision, sliding_window=32)
+        prompts = _prompts(len(tokenizer))
+    elif widths == "gemma3":
+        model, tokenizer = _policy(precision, num_heads=4, num_kv_heads=2, architecture="gemma3", head_dim=256,
+                                   sliding_window=32)  # fmt: skip
         prompts = _prompts(len(tokenizer))
     else:
         model, tokenizer = _policy(precision)
@@ -90,6 +103,8 @@ def test_graph_decode_matches_eager_and_the_policy(precision, kv_dtype, widths):
     diffs = torch.cat(diffs)
     print(f"{precision}, {kv_dtype} KV, {widths} widths: |rollout - policy| log-prob mean {diffs.mean():.2e} "
           f"max {diffs.max():.2e}")
+    if widths in ("window", "gemma3"):
+        assert {layer.window for layer in decoder.layers} == {None, 32}
     mean_bound, max_bound = LOGPROB_BOUNDS_7B_WIDTHS if widths == "7b" else LOGPROB_BOUNDS[kv_dtype]
     assert diffs.mean() < mean_bound and diffs.max() < max_bound
 
@@ -132,6 +147,26 @@ def test_aqn_noise_reaches_the_graph_and_leaves_no_trace():
         print(f"sigma {sigma:g}: max |shift| of the graph's log-probs {shift:.2e}")
         assert shift > 0
     assert torch.equal(first_logprobs(0.0), clean)  # greedy + clean norms restored: bit for bit
+
+
+def test_aqn_on_head_norms_reaches_the_graph():
+    """include_head_norms (QeRLConfig.aqn_head_norms) on Qwen3: the per-head scales, laid out at the start of the
+    round from their perturbed holders, are what the captured step reads (not run on a GPU yet)."""
+    model, tokenizer = _policy("nvfp4", architecture="qwen3", head_dim=128)
+    prompts = _prompts(len(tokenizer))
+    decoder = Decoder(model)
+    decoder.refresh()
+    engine = NativeEngine(decoder, Sampler(GenerationConfig(do_sample=False)), [-1], 0)
+
+    def second_logprobs(include):
+        with aqn.noisy_norms(decoder.norms, 1e-2, torch.Generator().manual_seed(5), fp32_compute=False,
+                             include_head_norms=include):  # fmt: skip
+            _, lps = engine.generate(prompts, 2)
+        return torch.tensor([row[1] for row in lps])  # the second token: sampled inside the graph
+
+    layer_only = second_logprobs(False)
+    assert not torch.equal(second_logprobs(True), layer_only)
+    assert torch.equal(second_logprobs(False), layer_only)  # the heads' clean scales laid out again
 
 
 def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):

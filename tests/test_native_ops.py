@@ -30,6 +30,10 @@ def _interpreter_checks():
     assert not torch.equal(res, res_ref.new_zeros(res.shape))
     torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
     torch.testing.assert_close(ops.rmsnorm(x, w, eps).float(), ops.rmsnorm_torch(x, w, eps).float(), **BF16_TOL)
+    # Gemma's (1 + w) scale, w around zero as its checkpoints hold it.
+    w0 = torch.randn(96) * 0.3
+    torch.testing.assert_close(ops.rmsnorm(x, w0, eps, unit_offset=True).float(),
+                               ops.rmsnorm_torch(x, w0, eps, unit_offset=True).float(), **BF16_TOL)
 
     # Rotary + KV-cache write: GQA 3:1, rows of different sequences and positions, the rest of the cache untouched.
     hq, hkv, d, batch, cap = 6, 2, 16, 3, 10
@@ -73,6 +77,9 @@ def _interpreter_checks():
     # SiLU gate, width not a multiple of the block.
     gate_up = torch.randn(3, 2 * 1100, dtype=bf16)
     torch.testing.assert_close(ops.silu_mul(gate_up).float(), ops.silu_mul_torch(gate_up).float(), **BF16_TOL)
+    gate_up = torch.cat([torch.randn(3, 1100) * 4, torch.randn(3, 1100)], -1).to(bf16)  # gates far into the tails
+    torch.testing.assert_close(ops.gelu_tanh_mul(gate_up).float(), ops.gelu_tanh_mul_torch(gate_up).float(),
+                               **BF16_TOL)
     print("interpreter checks passed")
 
 
@@ -98,9 +105,22 @@ def test_torch_twins_are_the_math():
     w = torch.rand(32, dtype=torch.float64)
     expected = x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w
     torch.testing.assert_close(ops.rmsnorm_torch(x, w, 1e-5), expected, **fp32)
+    torch.testing.assert_close(ops.rmsnorm_torch(x, w - 1, 1e-5, unit_offset=True), expected, **fp32)
     gate, up = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)
     torch.testing.assert_close(ops.silu_mul_torch(torch.cat([gate, up], -1)), gate * torch.sigmoid(gate) * up,
                                **fp32)
+    g = gate
+    gelu_tanh = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)))
+    torch.testing.assert_close(ops.gelu_tanh_mul_torch(torch.cat([gate, up], -1)), gelu_tanh * up, **fp32)
+    # Per-head norms: Qwen3's scale in the activations' dtype, Gemma-3's (1 + w) in FP32, the same math.
+    qkv = torch.randn(3, 4 * 8, dtype=torch.float64)  # 2 query heads, 1 key head, 1 value head of 8
+    scale = torch.rand(3, 8, dtype=torch.float64)
+    heads = qkv.view(3, 4, 8)
+    normed = heads[:, :3] / (heads[:, :3].pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * scale
+    for s in (scale, scale.float()):
+        out = ops.qk_rmsnorm(qkv, s, 1e-6).view(3, 4, 8)
+        torch.testing.assert_close(out[:, :3], normed, **fp32)
+        assert torch.equal(out[:, 3], heads[:, 3])
     # Rotary of one head at position p: each (x_i, x_{i+D/2}) pair turned by angle p * theta_i.
     d, p = 8, 3
     theta = torch.rand(d // 2, dtype=torch.float64)

@@ -1,8 +1,10 @@
 """The native rollout engine against the policy's own forward (CPU; the GPU path is tests/test_native_gpu.py).
 
-A tiny Qwen2 (and Qwen3: per-head q/k norms, a head_dim that is not hidden / heads) in float32 with a LoRA adapter
-and trainable norms whose values are far from their initial ones, so that a LoRA or norm the engine failed to apply
-would change the tokens."""
+A tiny Qwen2 (and Qwen3: per-head q/k norms, a head_dim that is not hidden / heads; Gemma-3: (1 + w) norms, four
+per layer, scaled tied embeddings, GELU-tanh, local layers with a window of 8 shorter than the prompts and global ones
+with their own rotary) in float32 with a LoRA adapter and trainable norms whose values are far from their initial
+ones, so that a LoRA or norm the engine failed to apply would change the tokens. Sliding windows on Mistral and Qwen2
+too."""
 
 import contextlib
 import logging
@@ -21,11 +23,17 @@ from qerl.rollout.native.sampling import Sampler
 from qerl.tiny import build_tiny, build_tiny_tokenizer
 
 QWEN3 = {"architecture": "qwen3", "head_dim": 32}  # 4 heads of 32 on a hidden size of 64
-ARCHITECTURES = pytest.mark.parametrize("arch", [{}, QWEN3], ids=["qwen2", "qwen3"])
+GEMMA3 = {"architecture": "gemma3", "head_dim": 32}  # qerl.tiny's Gemma-3: local layers with a window of 8, global
+ARCHITECTURES = pytest.mark.parametrize("arch", [{}, QWEN3, GEMMA3], ids=["qwen2", "qwen3", "gemma3"])
 
 
 def _policy(dtype=torch.float32, nvfp4=False, **arch):
     model, tokenizer = build_tiny(dtype=dtype, num_layers=3, **arch)
+    return _with_lora(model, nvfp4), tokenizer
+
+
+def _with_lora(model, nvfp4=False):
+    """The model with a LoRA adapter and trainable norms, all moved off their initial values."""
     if nvfp4:
         quantize_model(model)
     peft_model = get_peft_model(model, policy.lora_config(model, rank=4, alpha=8, trainable_norms=True))
@@ -36,7 +44,7 @@ def _policy(dtype=torch.float32, nvfp4=False, **arch):
                 p.normal_(0, 0.05)  # peft starts B at zero: the adapter would do nothing
             elif p.requires_grad or name.endswith(("q_norm.weight", "k_norm.weight")):  # trained norms; Qwen3's
                 p.add_(torch.randn_like(p) * 0.2)  # per-head norms (frozen, but not left at their initial ones)
-    return peft_model.eval(), tokenizer
+    return peft_model.eval()
 
 
 def _prompts(tokenizer, lengths=(5, 11, 2, 8)):
@@ -117,6 +125,55 @@ def test_llama3_rope_scaling_is_the_models_own(seed):
     model = LlamaForCausalLM(config).eval()
     assert model.model.rotary_emb.rope_type == "llama3"
     prompts = _prompts(tokenizer, lengths=(70, 130, 5))
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=0.7)
+    engine.decoder.refresh()
+    ids, logprobs = engine.generate(prompts, 10)
+    assert _logprob_differences(model, prompts, ids, logprobs, 0.7).max() < 1e-4
+
+
+def _windowed(kind):
+    """Tiny sliding-window models, GQA, a window of 6 shorter than most prompts: Mistral's (every layer, head_dim
+    16 on a hidden size of 48) and Qwen2's use_sliding_window (layers from max_window_layers on; layer 0 full)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                 num_attention_heads=3, num_key_value_heads=1, sliding_window=6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**sizes))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**sizes, use_sliding_window=True, max_window_layers=1))
+        assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    return _with_lora(model.eval()), tokenizer
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_shorter_than_the_prompt_is_transformers_own(seed, kind):
+    """Greedy tokens and sampled log-probs against transformers' forward, whose mask drops keys a window back:
+    prompts of 1 to 20 tokens against a window of 6, and 12 decode steps past it."""
+    model, tokenizer = _windowed(kind)
+    decoder = Decoder(model)
+    windows = [layer.window for layer in decoder.layers]
+    assert windows == ([6, 6, 6] if kind == "mistral" else [None, 6, 6])
+    prompts = _prompts(tokenizer, lengths=(5, 11, 1, 20, 6))
+    engine = NativeEngine(decoder, Sampler(GenerationConfig(do_sample=False)), [-1], tokenizer.pad_token_id)
+    decoder.refresh()
+    assert engine.generate(prompts, 12)[0] == [_hf_greedy(model, p, 12) for p in prompts]
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=0.7)
+    engine.decoder.refresh()
+    ids, logprobs = engine.generate(prompts, 12)
+    assert _logprob_differences(model, prompts, ids, logprobs, 0.7).max() < 1e-4
+
+
+def test_final_logit_softcapping_is_transformers_own(seed):
+    """Gemma-3 configs may carry Gemma 2's final logit softcapping (cap * tanh(logits / cap)); a cap of 0.3 bends
+    this model's logits (|logit| up to ~0.5; ignoring it moves log-probs by ~0.15), and the sampled log-probs still
+    equal the trainer's."""
+    model, tokenizer = build_tiny(num_layers=2, **GEMMA3)
+    model.config.final_logit_softcapping = 0.3
+    model = _with_lora(model.eval())
+    prompts = _prompts(tokenizer)
     engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=0.7)
     engine.decoder.refresh()
     ids, logprobs = engine.generate(prompts, 10)
@@ -208,15 +265,19 @@ def test_engine_shares_the_policys_weights_and_sees_each_new_adapter():
     assert second == [_hf_greedy(model, p, 8) for p in prompts] and second != first
 
 
-def test_aqn_reaches_the_engine_and_is_undone():
-    model, tokenizer = _policy()
+@pytest.mark.parametrize("arch", [{}, GEMMA3], ids=["qwen2", "gemma3"])
+def test_aqn_reaches_the_engine_and_is_undone(arch):
+    """The engine's norm scales in the policy's order (so the same draw perturbs the same norm on every backend);
+    Gemma-3's are its four (1 + w) norms per layer, holding w as the policy does."""
+    model, tokenizer = _policy(**arch)
     prompts = _prompts(tokenizer)
     engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=1.0)
     decoder = engine.decoder
     decoder.refresh()
     sites = norms.find_norms(decoder.norms)
-    assert len(sites.layer_norms) == 6 and len(sites.final_norms) == 1
-    assert [p.rsplit(".", 1)[-1] for p in sites.layer_norms][:2] == ["input_layernorm", "post_attention_layernorm"]
+    roles = [re.search(r"layers\.\d+\.(\w+)", p).group(1) for p in norms.find_norms(model).layer_norms]
+    assert len(sites.layer_norms) == len(roles) == (12 if arch else 6) and len(sites.final_norms) == 1
+    assert [p.rsplit(".", 1)[-1] for p in sites.layer_norms] == roles
     clean = [h.weight.clone() for h, _ in decoder.norms.pairs]
 
     def logprobs(sigma):
@@ -226,10 +287,46 @@ def test_aqn_reaches_the_engine_and_is_undone():
 
     base, _ = logprobs(0.0)
     noisy, stats = logprobs(1e-2)
-    assert stats.num_norms == 6 and stats.changed_fraction == 1.0
+    assert stats.num_norms == len(roles) and stats.changed_fraction == 1.0
     assert noisy != base
     assert all(torch.equal(h.weight, c) for (h, _), c in zip(decoder.norms.pairs, clean, strict=True))
     assert logprobs(0.0)[0] == base
+
+
+@pytest.mark.parametrize("arch", [QWEN3, GEMMA3], ids=["qwen3", "gemma3"])
+def test_aqn_on_head_norms_reaches_the_engine_only_when_asked(arch):
+    """include_head_norms: the per-head q/k scales are perturbed too (in the engine's holders, laid out into the
+    scales the step reads), after the layer norms, whose draws stay what they were; off, the heads stay clean."""
+    model, tokenizer = _policy(**arch)
+    prompts = _prompts(tokenizer)
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=1.0)
+    decoder = engine.decoder
+    decoder.refresh()
+    decoder.lay_out_head_norms()
+    sites = norms.find_norms(decoder.norms)
+    assert [p.rsplit(".", 1)[-1] for p in sites.head_norms] == ["q_norm", "k_norm"] * 3
+    policy_heads = norms.find_norms(model).head_norms
+    assert list(sites.head_norms) == [re.search(r"layers\.\d+\.", p)[0] + p[-6:] for p in policy_heads]
+    clean = [(h.weight.clone(), layer.head_norms.scale.clone()) for h, layer in zip(
+        [decoder.norms.layers[i]["q_norm"] for i in range(3)], decoder.layers, strict=True)]  # fmt: skip
+
+    def run(include):
+        torch.manual_seed(1)
+        with aqn.noisy_norms(decoder.norms, 1e-2, torch.Generator().manual_seed(2), fp32_compute=False,
+                             include_head_norms=include) as stats:  # fmt: skip
+            layer_noise = torch.cat([m.weight.flatten() for m in sites.layer_norms.values()])
+            lps = engine.generate(prompts, 4)[1]
+            heads = [layer.head_norms.scale.clone() for layer in decoder.layers]
+        return lps, stats, layer_noise, heads
+
+    plain, plain_stats, plain_noise, plain_heads = run(False)
+    with_heads, stats, noise, heads = run(True)
+    assert stats.num_norms == plain_stats.num_norms + 6 and torch.equal(noise, plain_noise)
+    assert all(torch.equal(h, c) for h, (_, c) in zip(plain_heads, clean, strict=True))
+    assert all(not torch.equal(h, c) for h, (_, c) in zip(heads, clean, strict=True))
+    assert with_heads != plain
+    decoder.lay_out_head_norms()  # the next round's: clean again
+    assert all(torch.equal(layer.head_norms.scale, c) for layer, (_, c) in zip(decoder.layers, clean, strict=True))
 
 
 def test_unsupported_models_are_refused_by_name():
@@ -247,18 +344,16 @@ def test_unsupported_models_are_refused_by_name():
                  num_key_value_heads=2, head_dim=16)  # fmt: skip
     with pytest.raises(ValueError, match="GemmaForCausalLM: model_type 'gemma'; the engine runs llama, mistral"):
         Decoder(GemmaForCausalLM(GemmaConfig(**sizes)))  # same module names, but (1 + w) norms, GELU, scaled embeddings
-    from transformers import MistralConfig, MistralForCausalLM
-
-    mistral = {k: v for k, v in sizes.items() if k != "head_dim"}
-    with pytest.raises(ValueError, match=r"MistralForCausalLM: sliding-window attention \(window 48\)"):
-        Decoder(MistralForCausalLM(MistralConfig(**mistral, sliding_window=48)))  # Mistral-7B-v0.1's kind
-    Decoder(MistralForCausalLM(MistralConfig(**mistral, sliding_window=None)))  # v0.3's: full attention, runs
     moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(**sizes, num_experts=4, moe_intermediate_size=32))
     with pytest.raises(ValueError, match=r"model_type 'qwen2_moe' \(mixture of experts\)"):
         Decoder(moe)
     model, _ = build_tiny(num_layers=1)
     model.config.hidden_act = "gelu"
-    with pytest.raises(ValueError, match="hidden_act 'gelu'; the engine's MLP is SiLU-gated"):
+    with pytest.raises(ValueError, match="hidden_act 'gelu'; the engine's MLP gates are silu, gelu_pytorch_tanh"):
+        Decoder(model)
+    model, _ = build_tiny(num_layers=1, **GEMMA3)
+    model.config.attn_logit_softcapping = 50.0  # Gemma 2's; transformers' Gemma-3 would apply it: refused
+    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM: attention logit softcapping \(50.0\) is not supported"):
         Decoder(model)
     model, _ = build_tiny(num_layers=1, architecture="qwen3", head_dim=24)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: head_dim 24: the engine's attention takes powers of two"):
@@ -273,11 +368,11 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     assert rollout.resolve_backend("auto", torch.device("cuda")) == "native"
     assert rollout.resolve_backend("auto", torch.device("cpu")) == "transformers"
 
-    # A model native refuses (here: sliding-window attention): auto goes on to the next engine, a named backend
-    # fails with the reason.
+    # A model native refuses (here: a plain GELU MLP): auto goes on to the next engine, a named backend fails with
+    # the reason.
     monkeypatch.setattr(rollout, "vllm_available", lambda: False)
     model, tokenizer = build_tiny(num_layers=1)
-    model.config.use_sliding_window, model.config.sliding_window = True, 32
+    model.config.hidden_act = "gelu"
     setup = rollout.RolloutSetup(
         generation_config=GenerationConfig(do_sample=True, max_new_tokens=4), eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id, open_policy=lambda: contextlib.nullcontext(model),
@@ -285,7 +380,7 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     )  # fmt: skip
     with caplog.at_level(logging.WARNING):
         assert rollout.create_backend("auto", setup).name == "transformers"
-    reason = "the native engine cannot run Qwen2ForCausalLM: sliding-window attention (window 32) is not supported"
+    reason = "the native engine cannot run Qwen2ForCausalLM: hidden_act 'gelu'; the engine's MLP gates are silu"
     assert any(m.startswith(f"rollout_backend auto: {reason}") and m.endswith("; using transformers")
                for m in caplog.messages)  # fmt: skip
     refusal = rf"^rollout_backend native: {re.escape(reason)}.*; rollout_backend auto would use transformers$"

@@ -51,10 +51,36 @@ def test_find_norms_qwen2_llama_qwen3():
     layer, final = _norm_paths(llama)
     assert len(layer) == 6 and final == ["model.norm"]
 
-    # Qwen3's per-head q_norm/k_norm are RMSNorms too, but of head size: not the scales QeRL perturbs.
+    # Qwen3's per-head q_norm/k_norm are RMSNorms too, but of head size: not the scales QeRL perturbs by default,
+    # kept apart (AQN's include_head_norms adds them).
     qwen3 = Qwen3ForCausalLM(Qwen3Config(**tiny, num_hidden_layers=2, head_dim=16))
     layer, final = _norm_paths(qwen3)
     assert all(p.endswith(("input_layernorm", "post_attention_layernorm")) for p in layer) and len(layer) == 4
+    sites = norms.find_norms(qwen3)
+    assert list(sites.head_norms) == [f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_norm", "k_norm")]
+    assert list(sites.select(False, include_heads=True)) == list(sites.layer_norms) + list(sites.head_norms)
+
+
+def test_find_norms_gemma3_and_noise_on_w_shifts_its_unit_offset_scale(seed):
+    """Gemma3RMSNorm (its own class, not Llama's; scale 1 + w in FP32): four per layer and the final one are found,
+    the per-head q/k norms are not; AQN's w + Z then scales by 1 + w + Z, the same shift as on 1 + w."""
+    from qerl import aqn
+
+    model, _ = build_tiny(architecture="gemma3", num_layers=2, head_dim=32)
+    layer, final = _norm_paths(model)
+    roles = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    assert layer == sorted(f"model.layers.{i}.{r}" for i in range(2) for r in roles) and final == ["model.norm"]
+    norm = model.model.layers[0].pre_feedforward_layernorm
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3)
+    x = torch.randn(3, 64)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    clean = norm.weight.detach().clone()
+    with aqn.noisy_norms(model, 0.1, torch.Generator().manual_seed(0)):
+        shift = norm.weight.detach() - clean
+        assert shift.abs().min() > 0
+        torch.testing.assert_close(norm(x), normed * (1 + clean + shift))
+    assert torch.equal(norm.weight, clean)
 
 
 def test_find_norms_foreign_classes(seed):

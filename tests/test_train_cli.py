@@ -114,6 +114,23 @@ def test_training_scripts(script_path, tmp_path):
     assert (config.seed, config.max_completion_length, config.resume_from_checkpoint) == (2025, 2048, "true")
 
 
+def test_llama_recipe_is_the_references_batch(tmp_path):
+    """training/llama3.1_8b_nemotron.sh: the reference's Llama-3.1-8B settings (batch 4 x accumulation 16, its
+    bnpo loss, lr 1e-5, gsm8k 256/2048) on top of the shared DAPO + AQN parts."""
+    env = dict(os.environ, DRY_RUN="1", MODEL_PATH="/models/x", CKPTS_DIR=str(tmp_path))
+    out = subprocess.run(["bash", os.path.join(REPO_ROOT, "training", "llama3.1_8b_nemotron.sh"), "--use-cpu", "True",
+                          "--bf16", "False"], env=env, check=True, capture_output=True, text=True, cwd="/").stdout
+    argv = shlex.split(out)
+    assert argv[1:3] == ["-m", "qerl.train"]
+    os.chdir(REPO_ROOT)
+    script, config = train.parse_args(argv[3:])
+    assert (config.per_device_train_batch_size, config.num_generations, config.gradient_accumulation_steps) == (
+        4, 4, 16)  # fmt: skip
+    assert (config.loss_type, config.beta, config.epsilon_high, config.learning_rate) == ("bnpo", 0.0, 0.28, 1e-5)
+    assert config.aqn and (config.lora_rank, config.lora_alpha, config.trainable_norms) == (16, 16, True)
+    assert (script.dataset, script.max_prompt_length, config.max_completion_length) == ("gsm8k", 256, 2048)
+
+
 def _run(checkpoint, output_dir, steps, *extra):
     return train.main(train_argv(checkpoint, output_dir, steps, *extra))
 

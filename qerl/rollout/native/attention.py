@@ -1,19 +1,21 @@
 """Decode attention over a per-sequence KV cache: one new query token per sequence, cost following real lengths.
 
     decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None,
-                     k_scale=None, v_scale=None) -> out
+                     k_scale=None, v_scale=None, window=None) -> out
         q [B, Hq, D], k_cache/v_cache [B, S_max, Hkv, D] (q's dtype, or FP8 E4M3 codes with FP32 scales
         k_scale/v_scale [B, S_max, Hkv]: kv_cache.py's format), seq_lens int32 [B] on the device;
-        sequence b attends to its keys 0 .. seq_lens[b]-1 and never reads the positions after them.
-    decode_attention_reference(q, k_cache, v_cache, seq_lens, scale, k_scale=None, v_scale=None) -> the same in
-        plain torch (float32 math or wider), masking by seq_lens: the tests' reference and the path on devices
-        without Triton.
+        sequence b attends to its keys 0 .. seq_lens[b]-1 and never reads the positions after them; with a
+        sliding window, only to its last `window` keys (transformers' rule: key position > query position - window).
+    decode_attention_reference(q, k_cache, v_cache, seq_lens, scale, k_scale=None, v_scale=None, window=None) ->
+        the same in plain torch (float32 math or wider), masking by seq_lens (and the window): the tests' reference
+        and the path on devices without Triton.
 
 Flash-decoding: kernel 1 (grid B x Hkv x num_splits) gives each program one KV head of one sequence and one
 range of keys, its GQA group's query heads as one padded tile so the tensor cores do QK^T and PV, with an
 online softmax in fp32; it writes the split's normalized output and log-sum-exp. Kernel 2 merges the splits
-of each (sequence, query head). The grid depends only on shapes and splits past seq_lens[b] return at once,
-so a CUDA graph captures one launch pair for any lengths (no host sync, no data-dependent allocation).
+of each (sequence, query head). The grid depends only on shapes and splits past seq_lens[b] (or wholly before a
+sliding window) return at once, so a CUDA graph captures one launch pair for any lengths (no host sync, no
+data-dependent allocation).
 """
 
 from __future__ import annotations
@@ -80,12 +82,13 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_ob, stride_oh,
-    split_len, qk_scale,
+    split_len, window, qk_scale,
     HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_STAGES: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Keys [split * split_len, min((split + 1) * split_len, seq_len)) of one sequence and KV head, for the
+    """Keys [max(split * split_len, seq_len - window), min((split + 1) * split_len, seq_len)) of one sequence and
+    KV head, for the
     GROUP query heads sharing it: the output itself when SPLITS == 1, else the split's normalized output and
     log2-sum-exp (scores in log2 units: qk_scale = scale * log2(e), so exp2 replaces exp). FP8 caches hold E4M3
     codes with one scale per key (ks_ptr) and value (vs_ptr): the codes go to the tensor cores as they are, the
@@ -95,10 +98,10 @@ def _split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)  # before the wait: see decode_attention
     wait_for_previous_kernel(PDL)
-    start = split * split_len
-    if start >= seq_len:  # past this sequence's keys: nothing to read, and the merge skips this split
+    end = tl.minimum((split + 1) * split_len, seq_len)
+    start = tl.maximum(split * split_len, seq_len - window)
+    if start >= end:  # past this sequence's keys or before its window: nothing to read, and the merge skips it
         return
-    end = tl.minimum(start + split_len, seq_len)
 
     rh = tl.arange(0, BLOCK_H)
     rd = tl.arange(0, D)
@@ -149,18 +152,18 @@ def _split_kernel(
 
 @_jit
 def _merge_kernel(
-    lens_ptr, part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, split_len,
+    lens_ptr, part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, split_len, window,
     HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[b, head] = the splits' outputs weighted by exp2(lse), over the splits that hold keys of sequence b."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    n_splits = tl.cdiv(tl.load(lens_ptr + b), split_len)  # before the wait (the split kernel does not write it)
+    seq_len = tl.load(lens_ptr + b)  # before the wait (the split kernel does not write it)
     wait_for_previous_kernel(PDL)
     let_next_kernel_launch(PDL)  # one wave of programs
     rs = tl.arange(0, BLOCK_SPLITS)
     rd = tl.arange(0, D)
-    s_ok = rs < n_splits
+    s_ok = (rs < tl.cdiv(seq_len, split_len)) & (rs >= tl.maximum(seq_len - window, 0) // split_len)
     row = (b * HQ + head) * SPLITS + rs
     lse = tl.load(lse_ptr + row, mask=s_ok, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
@@ -230,7 +233,7 @@ def _check(q, k_cache, v_cache, seq_lens, k_scale=None, v_scale=None):
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None,
-                     config: DecodeConfig | None = None, k_scale=None, v_scale=None):
+                     config: DecodeConfig | None = None, k_scale=None, v_scale=None, window: int | None = None):
     """softmax(q . K^T * scale) V per sequence over its first seq_lens[b] cached keys -> out [B, Hq, D] in q's dtype.
 
     The Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1) for bf16/fp16; the torch reference otherwise.
@@ -238,6 +241,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
     workspace: from decode_workspace (else allocated per call, which a CUDA graph's private pool also serves).
     config: the split kernel's launch shape (default: default_config(q, k_cache)).
     k_scale, v_scale: FP32 [B, S_max, Hkv], the scales of FP8 (E4M3) caches (kv_cache's format); None otherwise.
+    window: a sliding window (keys past seq_lens[b] - window are skipped, tiles wholly before it never read).
     With PDL the kernels read seq_lens before they wait for the previous kernel, which must not write it.
     """
     _check(q, k_cache, v_cache, seq_lens, k_scale, v_scale)
@@ -249,13 +253,14 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}; got {out.dtype} {tuple(out.shape)}")
     kernel_dtypes = q.dtype in KERNEL_DTYPES and v_cache.dtype == k_cache.dtype in (q.dtype, kv_cache.FP8)
     if not (triton_runs_on(q) and kernel_dtypes):
-        return out.copy_(decode_attention_reference(q, k_cache, v_cache, seq_lens, scale, k_scale, v_scale))
+        return out.copy_(decode_attention_reference(q, k_cache, v_cache, seq_lens, scale, k_scale, v_scale, window))
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or out.stride(2) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("q, k_cache, v_cache and out need a contiguous last dim, and the caches the same strides")
 
     b, hq, d = q.shape
     max_len, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
+    window = max_len if window is None else min(window, max_len)
     splits, split_len = _splits(b, hkv, max_len, q.device, num_splits, config)
     pdl = pdl_enabled(q.device)
     if splits > 1:
@@ -275,27 +280,31 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
         q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        out.stride(0), out.stride(1), split_len, scale * _LOG2E,
+        out.stride(0), out.stride(1), split_len, window, scale * _LOG2E,
         HQ=hq, GROUP=group, D=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_S=config.block_s, NUM_STAGES=config.num_stages, FP8=fp8, PDL=pdl, INTERPRET=INTERPRET,
         num_warps=config.num_warps, launch_pdl=pdl,
     )
     if splits > 1:
         _merge_kernel[(b, hq)](
-            seq_lens, part, lse, out, out.stride(0), out.stride(1), split_len,
+            seq_lens, part, lse, out, out.stride(0), out.stride(1), split_len, window,
             HQ=hq, D=d, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits), PDL=pdl, num_warps=4,
             launch_pdl=pdl,
         )
     return out
 
 
-def decode_attention_reference(q, k_cache, v_cache, seq_lens, scale, k_scale=None, v_scale=None):
-    """decode_attention in plain torch, in float32 (or q's dtype if wider), masking the keys past seq_lens (their
-    values are zeroed too, so garbage there, NaN included, cannot leak in). FP8 caches are dequantized first."""
+def decode_attention_reference(q, k_cache, v_cache, seq_lens, scale, k_scale=None, v_scale=None, window=None):
+    """decode_attention in plain torch, in float32 (or q's dtype if wider), masking the keys past seq_lens and
+    before the window (their values are zeroed too, so garbage there, NaN included, cannot leak in). FP8 caches are
+    dequantized first."""
     _check(q, k_cache, v_cache, seq_lens, k_scale, v_scale)
     dtype = torch.promote_types(q.dtype, torch.float32)
     group = q.shape[1] // k_cache.shape[2]
-    valid = torch.arange(k_cache.shape[1], device=q.device) < seq_lens[:, None]  # [B, S_max]
+    keys = torch.arange(k_cache.shape[1], device=q.device)
+    valid = keys < seq_lens[:, None]  # [B, S_max]
+    if window is not None:
+        valid &= keys >= seq_lens[:, None] - window
     if k_cache.dtype == kv_cache.FP8:  # garbage past seq_lens dequantizes to garbage, masked below
         k_cache = kv_cache.dequantize_reference(k_cache, k_scale, dtype)
         v_cache = kv_cache.dequantize_reference(v_cache, v_scale, dtype)

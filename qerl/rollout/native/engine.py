@@ -8,8 +8,8 @@ wave:
      in the model's dtype or, with kv_cache_dtype "fp8", as E4M3 codes with a scale per token and head (kv_cache.py:
      half the bytes, so twice the sequences per wave and half the attention reads);
   2. prefills the prompts in chunks of at most `prefill_tokens` tokens (right-padded, causal attention through
-     PyTorch's SDPA; pad rows write keys past the prompt that decode overwrites before it reads them) and samples
-     each sequence's first token from its last prompt row;
+     PyTorch's SDPA, masked to each layer's sliding window where it has one; pad rows write keys past the prompt
+     that decode overwrites before it reads them) and samples each sequence's first token from its last prompt row;
   3. captures one decode step (embedding -> layers -> LM head -> sampling -> bookkeeping) in a CUDA graph and
      replays it, checking every `sync_every` steps whether all sequences have emitted EOS;
   4. frees the cache and the graph, so the trainer gets the memory back for its log-prob and backward passes.
@@ -76,6 +76,7 @@ class NativeEngine:
             raise ValueError("native rollout: empty prompt")
         capacity = max(len(p) for p in prompts) + max_new_tokens
         self.decoder.ensure_positions(capacity)
+        self.decoder.lay_out_head_norms()
         size = self.wave_size(len(prompts), capacity)
         ids, logprobs = [], []
         self.last_waves = 0
@@ -101,7 +102,8 @@ class NativeEngine:
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             k, v, k_scale, v_scale = cache.layer(i)
-            return decode_attention(q, k, v, state.seq_lens, scale, k_scale=k_scale, v_scale=v_scale).reshape(batch, -1)
+            return decode_attention(q, k, v, state.seq_lens, scale, k_scale=k_scale, v_scale=v_scale,
+                                    window=d.layers[i].window).reshape(batch, -1)
 
         def step():
             torch.add(state.positions, 1, out=state.seq_lens)  # this step's key is written before attention
@@ -163,11 +165,13 @@ class NativeEngine:
             batch_idx = torch.arange(start, end, dtype=torch.int32, device=device).repeat_interleave(longest)
             positions = torch.arange(longest, dtype=torch.int32, device=device).repeat(len(chunk))
             span, n = slice(start, end), len(chunk)
+            masks = _window_masks({layer.window for layer in d.layers} - {None}, longest, device)
 
-            def attend(i: int, q: torch.Tensor, span=span, n=n, length=longest) -> torch.Tensor:
+            def attend(i: int, q: torch.Tensor, span=span, n=n, length=longest, masks=masks) -> torch.Tensor:
                 q = q.view(n, length, d.num_heads, d.head_dim).transpose(1, 2)
                 k, v = (t.transpose(1, 2) for t in cache.read(i, span, length))  # as decode will read them
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d.scaling,
+                mask = masks.get(d.layers[i].window)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=d.scaling,
                                                      enable_gqa=d.num_heads != d.num_kv_heads)
                 return out.transpose(1, 2).reshape(n * length, -1)
 
@@ -178,6 +182,13 @@ class NativeEngine:
             logprobs_out.append(logprobs)
             start = end
         return torch.cat(tokens_out), torch.cat(logprobs_out)
+
+
+def _window_masks(windows: set[int], length: int, device) -> dict[int, torch.Tensor]:
+    """Prefill's attention mask per sliding window: causal, and key position > query position - window."""
+    query = torch.arange(length, device=device)[:, None]
+    key = torch.arange(length, device=device)[None]
+    return {w: (key <= query) & (key > query - w) for w in windows}
 
 
 class DecodeState:

@@ -1,8 +1,8 @@
 """The policy's decoder as the native engine runs it: a few fused steps per layer over the policy's own tensors.
 
-`Decoder` binds to a peft-wrapped (or plain) Llama/Qwen2/Qwen3/Mistral-style causal LM, NVFP4 or BF16, and computes
-hidden states for any set of (sequence, position, token) rows against a KV cache, in a form that a CUDA graph
-can capture: no host syncs, no allocation that depends on data.
+`Decoder` binds to a peft-wrapped (or plain) Llama/Qwen2/Qwen3/Mistral-style or Gemma-3 text causal LM, NVFP4 or
+BF16, and computes hidden states for any set of (sequence, position, token) rows against a KV cache, in a form that
+a CUDA graph can capture: no host syncs, no allocation that depends on data.
 
 What it shares with the policy and what it keeps of its own:
   * Frozen weights: shared. q/k/v and gate/up of each layer are laid out once in one buffer per group and the
@@ -16,7 +16,10 @@ What it shares with the policy and what it keeps of its own:
     16; the buffers' addresses never change, so a captured graph sees each round's adapter without being
     captured again.
   * Norm scales: FP32 buffers (`norms`, an nn.Module tree the AQN hook perturbs in place), refreshed from the
-    policy's norms every round, as the vLLM backend copies them into vLLM's norms.
+    policy's norms every round, as the vLLM backend copies them into vLLM's norms. Gemma's norms scale by 1 + w:
+    the buffers hold w as the policy does, the kernels add the 1 in FP32.
+  * Per layer: its sliding window (Mistral's on every layer; Qwen2/Gemma-3 by config.layer_types) and its rotary
+    tables (Gemma-3's sliding and global layers have their own bases and scaling).
   * A sharded policy (FSDP2, or ZeRO-3 inside TRL's gather; `gather_each_round`): the packed NVFP4 weights are
     buffers, which both leave whole on every rank, so the engine runs on them as on one GPU. Every parameter it
     reads (LoRA, norms, embedding, LM head, biases) is read from the policy's modules at each `refresh()`, FSDP2's
@@ -43,11 +46,20 @@ from qerl.rollout.native.kv_cache import KVCache
 from qerl.sharding import whole
 
 # Model types whose decoder is exactly what Decoder computes. A type outside it is refused even where its modules
-# look the same: Gemma scales its embeddings and norms (1 + w) and uses GELU, Granite multiplies its residuals,
-# MoE models route their MLPs; any of these would run here, wrongly.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# look the same: Gemma 1 (two norms per layer) and Gemma 2 (softcapped attention) differ from Gemma-3, Granite
+# multiplies its residuals, MoE models route their MLPs; any of these would run here, wrongly.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Gemma-3: norms scale by (1 + w), the attention output and the MLP output are normed too before their residual add.
+UNIT_OFFSET_NORMS = ("gemma3_text",)
 SUPPORTED = ("Llama/Qwen2/Qwen3/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, optional per-head "
-             "self_attn.{q,k}_norm, mlp.{gate,up,down}_proj, RMSNorms)")
+             "self_attn.{q,k}_norm, mlp.{gate,up,down}_proj, RMSNorms) and Gemma-3 text")
+# The MLP's activation -> its gate op in ops (by name, looked up per call as the other ops are, so that
+# benchmarks.step_costs can swap one out)
+GATES = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
+# Per-layer norm roles: (before attention, on the attention's output, before the MLP, on the MLP's output).
+PRE_NORM_ROLES = ("input_layernorm", None, "post_attention_layernorm", None)
+SANDWICH_NORM_ROLES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                       "post_feedforward_layernorm")
 
 
 def _base_layer(module: nn.Module) -> nn.Module:
@@ -167,18 +179,20 @@ class Projection:
 
 class NormScales(nn.Module):
     """FP32 copies of the policy's RMSNorm scales, in a tree that norms.find_norms reads as the policy's: per-layer
-    norms inside a ModuleList, the final norm outside it, in the policy's order (so AQN draws the same noise for
-    the same norm on every backend)."""
+    norms (hidden-size ones, and per-head q/k norms where the policy has them) inside a ModuleList, the final norm
+    outside it, in the policy's order (so AQN draws the same noise for the same norm on every backend); `config`
+    is the policy's, whose hidden size tells the two kinds of layer norms apart."""
 
-    def __init__(self, layer_norms: list[dict[str, nn.Module]], final_norm: nn.Module, hidden: int, eps: float,
+    def __init__(self, layer_norms: list[dict[str, nn.Module]], final_norm: nn.Module, config, eps: float,
                  device: torch.device):
         super().__init__()
+        self.config = config
 
-        def holder() -> nn.RMSNorm:
-            return nn.RMSNorm(hidden, eps=eps, device=device, dtype=torch.float32).requires_grad_(False)
+        def holder(norm: nn.Module) -> nn.RMSNorm:
+            return nn.RMSNorm(norm.weight.shape[0], eps=eps, device=device, dtype=torch.float32).requires_grad_(False)
 
-        self.layers = nn.ModuleList(nn.ModuleDict({role: holder() for role in d}) for d in layer_norms)
-        self.norm = holder()
+        self.layers = nn.ModuleList(nn.ModuleDict({role: holder(n) for role, n in d.items()}) for d in layer_norms)
+        self.norm = holder(final_norm)
         # (holder, policy norm) pairs; a plain list, so the policy's modules do not become children of this tree.
         self.pairs = [(self.layers[i][role], norm) for i, d in enumerate(layer_norms) for role, norm in d.items()]
         self.pairs.append((self.norm, final_norm))
@@ -190,22 +204,23 @@ class NormScales(nn.Module):
 
 
 class HeadNorms:
-    """A layer's per-head query and key RMSNorm scales (Qwen3), copied at every refresh from the policy's (frozen
-    there, but a sharded policy holds shards of them) into one fixed buffer [Hq + Hkv, D] of the policy's dtype: a
-    scale row per query head, then per key head, as ops.qk_rmsnorm applies them."""
+    """A layer's per-head query and key RMSNorm scales (Qwen3, Gemma-3), laid out at every round from their FP32
+    holders in NormScales (refreshed from the policy's, perturbed there when AQN includes them) into one fixed
+    buffer [Hq + Hkv, D]: a scale row per query head, then per key head, as ops.qk_rmsnorm applies them. Qwen3's
+    in the policy's dtype (transformers multiplies in it); Gemma-3's as 1 + w in FP32 (transformers' order)."""
 
-    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device):
-        if q_norm.weight.numel() != head_dim or k_norm.weight.numel() != head_dim:
-            raise Unsupported(f"q/k norms of {q_norm.weight.numel()}/{k_norm.weight.numel()} elements, not one scale "
-                              f"per head dimension ({head_dim})")  # fmt: skip
-        self.q_norm, self.k_norm, self.num_heads = q_norm, k_norm, num_heads
-        self.scale = torch.empty(num_heads + num_kv_heads, head_dim, device=device, dtype=q_norm.weight.dtype)
+    def __init__(self, q_holder: nn.Module, k_holder: nn.Module, dtype: torch.dtype, num_heads: int,
+                 num_kv_heads: int, head_dim: int, unit_offset: bool, device: torch.device):
+        self.q, self.k, self.num_heads, self.unit_offset = q_holder.weight, k_holder.weight, num_heads, unit_offset
+        dtype = torch.float32 if unit_offset else dtype
+        self.scale = torch.empty(num_heads + num_kv_heads, head_dim, device=device, dtype=dtype)
 
     @torch.no_grad()
-    def refresh(self) -> None:
-        self.scale[: self.num_heads].copy_(whole(self.q_norm.weight))
-        self.scale[self.num_heads :].copy_(whole(self.k_norm.weight))
+    def lay_out(self) -> None:
+        self.scale[: self.num_heads].copy_(self.q)
+        self.scale[self.num_heads :].copy_(self.k)
+        if self.unit_offset:
+            self.scale.add_(1.0)
 
 
 @dataclass
@@ -214,9 +229,13 @@ class Layer:
     o: Projection
     gate_up: Projection
     down: Projection
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    head_norms: HeadNorms | None = None  # Qwen3: queries and keys normalized per head before rotary
+    input_norm: torch.Tensor  # before attention
+    pre_mlp_norm: torch.Tensor  # before the MLP (Llama's post_attention_layernorm)
+    attn_out_norm: torch.Tensor | None = None  # Gemma-3: on the attention's output, before its residual add
+    mlp_out_norm: torch.Tensor | None = None  # Gemma-3: on the MLP's output, before its residual add
+    head_norms: HeadNorms | None = None  # Qwen3, Gemma-3: queries and keys normalized per head before rotary
+    window: int | None = None  # sliding-window attention: the last `window` keys
+    rope: int = 0  # index of the layer's rotary tables in Decoder.cos / Decoder.sin
 
 
 # Attention of one layer: (layer index, rotated queries [M, Hq, D]) -> [M, Hq * D]; the engine supplies it
@@ -231,21 +250,44 @@ def _causal_lm(policy: nn.Module) -> nn.Module:
     return model
 
 
-def _norms_by_layer(policy: nn.Module, num_layers: int) -> tuple[list[dict[str, nn.Module]], nn.Module]:
-    """The active copy of each layer's input/post-attention norm and the final norm (norms.find_norms sees through
-    peft's modules_to_save wrappers)."""
+def _norms_by_layer(policy: nn.Module, num_layers: int, roles: tuple[str | None, ...]
+                    ) -> tuple[list[dict[str, nn.Module]], nn.Module]:
+    """The active copy of each layer's norms of these roles, in the policy's order, and the final norm
+    (norms.find_norms sees through peft's modules_to_save wrappers); per-head q/k norms come first (the policy's
+    attention precedes its norms)."""
+    names = [r for r in roles if r is not None]
     sites = find_norms(policy)
     layers: list[dict[str, nn.Module]] = [{} for _ in range(num_layers)]
+    for path, module in sites.head_norms.items():
+        match = re.search(r"layers\.(\d+)\.self_attn\.([qk]_norm)$", path)
+        if match is None:
+            raise Unsupported(f"unexpected per-head norm {path!r}; supported: {SUPPORTED}")
+        layers[int(match.group(1))][match.group(2)] = module
     for path, module in sites.layer_norms.items():
-        match = re.search(r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)(\.|$)", path)
+        match = re.search(rf"layers\.(\d+)\.({'|'.join(names)})(\.|$)", path)
         if match is None:
             raise Unsupported(f"unexpected norm {path!r}; supported: {SUPPORTED}")
         layers[int(match.group(1))][match.group(2)] = module
     finals = list(sites.final_norms.values())
-    if any(len(d) != 2 for d in layers) or len(finals) != 1:
-        raise Unsupported(f"expected 2 norms per layer and one final norm; supported: {SUPPORTED}")
-    return [{"input_layernorm": d["input_layernorm"], "post_attention_layernorm": d["post_attention_layernorm"]}
-            for d in layers], finals[0]
+    if any(set(d) - {"q_norm", "k_norm"} != set(names) for d in layers) or len(finals) != 1:
+        raise Unsupported(f"expected the norms {', '.join(names)} in every layer and one final norm; "
+                          f"supported: {SUPPORTED}")
+    return layers, finals[0]
+
+
+def _windows(config, model_type: str, num_layers: int) -> list[int | None]:
+    """Each layer's sliding window, as transformers applies it: Mistral's on every layer; otherwise on the layers
+    config.layer_types names sliding_attention (Qwen2/Qwen3 with use_sliding_window, Gemma-3's local layers)."""
+    window = getattr(config, "sliding_window", None)
+    if model_type == "mistral":
+        return [window] * num_layers
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise Unsupported(f"layer types {sorted(unknown)}; the engine runs full_attention and sliding_attention")
+    if "sliding_attention" in layer_types and not window:
+        raise Unsupported("sliding_attention layers without a sliding_window")
+    return [window if t == "sliding_attention" else None for t in layer_types]
 
 
 class Decoder:
@@ -266,20 +308,24 @@ class Decoder:
             experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
             kind = " (mixture of experts)" if experts else ""
             raise Unsupported(f"model_type {model_type!r}{kind}; the engine runs {', '.join(MODEL_TYPES)}")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise Unsupported(f"hidden_act {config.hidden_act!r}; the engine's MLP is SiLU-gated")
-        # Qwen2/Qwen3 carry a sliding_window they use only with use_sliding_window; Mistral applies any it has.
-        layer_types = getattr(config, "layer_types", None) or ()
-        if (getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types
-                or (model_type == "mistral" and config.sliding_window is not None)):  # fmt: skip
-            raise Unsupported(f"sliding-window attention (window {getattr(config, 'sliding_window', None)}) is not "
-                              "supported")  # fmt: skip
+        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if activation not in GATES:
+            raise Unsupported(f"hidden_act {activation!r}; the engine's MLP gates are {', '.join(GATES)}")
+        self.gate = GATES[activation]
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise Unsupported(f"attention logit softcapping ({config.attn_logit_softcapping}) is not supported")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise Unsupported("bidirectional attention (an encoder) is not a causal LM to sample from")
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
         inner = model.model
         self.gather_each_round = gather_each_round
         self._embedding, self._head = inner.embed_tokens, _base_layer(model.lm_head)
         self.dtype = self._embedding.weight.dtype
         device = self._embedding.weight.device
         self.device = device
+        # Gemma scales the embeddings by sqrt(hidden) rounded to their dtype (transformers' rounding), else None.
+        scale = getattr(self._embedding, "embed_scale", None)
+        self.embed_scale = None if scale is None else scale.to(device, self.dtype)
         if not isinstance(self._head, nn.Linear) or isinstance(self._head, NVFP4Linear) or _active_lora(model.lm_head):
             raise Unsupported("the LM head must be a plain Linear (no LoRA, not quantized)")
         self.embed = self.lm_head = self.lm_head_bias = None
@@ -293,9 +339,15 @@ class Decoder:
             raise Unsupported(f"head_dim {self.head_dim}: the engine's attention takes powers of two >= 16")
         self.eps = float(config.rms_norm_eps)
         self.scaling = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5))
+        self.unit_offset = model_type in UNIT_OFFSET_NORMS
+        roles = SANDWICH_NORM_ROLES if self.unit_offset else PRE_NORM_ROLES
+        windows = _windows(config, model_type, len(inner.layers))
         self.rotary = inner.rotary_emb
-        layer_norms, final_norm = _norms_by_layer(policy, len(inner.layers))
-        self.norms = NormScales(layer_norms, final_norm, self.hidden, self.eps, device)
+        # Gemma-3's rotary module takes the layer type and has tables per type; the others one for all layers.
+        layer_types = getattr(config, "layer_types", None)
+        self.rope_kinds = sorted(set(layer_types)) if hasattr(self.rotary, "layer_types") else [None]
+        layer_norms, final_norm = _norms_by_layer(policy, len(inner.layers), roles)
+        self.norms = NormScales(layer_norms, final_norm, config, self.eps, device)
         self.layers = []
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -303,20 +355,26 @@ class Decoder:
             if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or (
                     (head_norms[0] is None) != (head_norms[1] is None)):  # fmt: skip
                 raise Unsupported(f"layer {i} attention is not supported; supported: {SUPPORTED}")
+            if head_norms[0] is not None and {n.weight.numel() for n in head_norms} != {self.head_dim}:
+                raise Unsupported(f"q/k norms of {head_norms[0].weight.numel()}/{head_norms[1].weight.numel()} "
+                                  f"elements, not one scale per head dimension ({self.head_dim})")  # fmt: skip
+            holders = self.norms.layers[i]
             if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 raise Unsupported(f"layer {i} MLP is not supported; supported: {SUPPORTED}")
-            holders = self.norms.layers[i]
+            norm = [None if role is None else self.norms.layers[i][role].weight for role in roles]
             self.layers.append(Layer(
                 qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], device, self.dtype, gather_each_round),
                 o=Projection([attn.o_proj], device, self.dtype, gather_each_round),
                 gate_up=Projection([mlp.gate_proj, mlp.up_proj], device, self.dtype, gather_each_round),
                 down=Projection([mlp.down_proj], device, self.dtype, gather_each_round),
-                input_norm=holders["input_layernorm"].weight,
-                post_norm=holders["post_attention_layernorm"].weight,
-                head_norms=None if head_norms[0] is None else HeadNorms(*head_norms, self.num_heads, self.num_kv_heads,
-                                                                        self.head_dim, device),
+                input_norm=norm[0], attn_out_norm=norm[1], pre_mlp_norm=norm[2], mlp_out_norm=norm[3],
+                head_norms=None if head_norms[0] is None else HeadNorms(
+                    holders["q_norm"], holders["k_norm"], head_norms[0].weight.dtype, self.num_heads,
+                    self.num_kv_heads, self.head_dim, self.unit_offset, device),
+                window=windows[i],
+                rope=0 if self.rope_kinds == [None] else self.rope_kinds.index(layer_types[i]),
             ))  # fmt: skip
-        self.cos = self.sin = torch.empty(0, device=device)
+        self.cos = self.sin = [torch.empty(0, device=device)] * len(self.rope_kinds)
 
     def projections(self):
         for layer in self.layers:
@@ -335,10 +393,14 @@ class Decoder:
             self._bind_embeddings()
         for projection in self.projections():
             projection.refresh()
+        self.norms.refresh()
+
+    def lay_out_head_norms(self) -> None:
+        """Per-head q/k scales from their holders, at the start of a round: after AQN has perturbed them, if it
+        includes them (the engine calls this inside the noise's context)."""
         for layer in self.layers:
             if layer.head_norms is not None:
-                layer.head_norms.refresh()
-        self.norms.refresh()
+                layer.head_norms.lay_out()
 
     def release(self) -> None:
         """After a round: drop the whole copies that `refresh` gathered from a sharded policy (nothing otherwise)."""
@@ -349,34 +411,49 @@ class Decoder:
 
     @torch.no_grad()
     def ensure_positions(self, length: int) -> None:
-        """Rotary tables for positions [0, length), from the model's own rotary module (any RoPE scaling)."""
-        if self.cos.shape[0] >= length:
+        """Rotary tables for positions [0, length), from the model's own rotary module (any RoPE scaling), one per
+        layer type where the module keeps one per type (Gemma-3)."""
+        if self.cos[0].shape[0] >= length:
             return
         positions = torch.arange(length, device=self.device)[None]
         probe = torch.zeros(1, dtype=torch.float32, device=self.device)
-        cos, sin = self.rotary(probe, positions)  # [1, length, D], halves repeated (rotate-half convention)
         half = self.head_dim // 2
-        self.cos = cos[0, :, :half].float().contiguous()
-        self.sin = sin[0, :, :half].float().contiguous()
+        self.cos, self.sin = [], []
+        for kind in self.rope_kinds:
+            # [1, length, D], halves repeated (rotate-half convention)
+            cos, sin = self.rotary(probe, positions) if kind is None else self.rotary(probe, positions, kind)
+            self.cos.append(cos[0, :, :half].float().contiguous())
+            self.sin.append(sin[0, :, :half].float().contiguous())
 
     def forward(self, tokens: torch.Tensor, batch_idx: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 attend: Attend) -> torch.Tensor:
         """Final-normed hidden states [M, H] of rows (batch_idx, positions, tokens); writes each row's key and
         value into layer l's cache [B, S, Hkv, D] at (batch_idx, position)."""
         residual = F.embedding(tokens, self.embed)
-        h = ops.rmsnorm(residual, self.layers[0].input_norm, self.eps)
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale
+        unit = self.unit_offset
+        h = ops.rmsnorm(residual, self.layers[0].input_norm, self.eps, unit_offset=unit)
         for i, layer in enumerate(self.layers):
             k, v, k_scale, v_scale = cache.layer(i)
             qkv = layer.qkv(h)
             if layer.head_norms is not None:
                 qkv = ops.qk_rmsnorm(qkv, layer.head_norms.scale, self.eps)
-            q = ops.rope_cache(qkv, self.cos, self.sin, batch_idx, positions, k, v, self.num_heads, self.num_kv_heads,
-                               k_scale, v_scale)
-            h = ops.rmsnorm(layer.o(attend(i, q)), layer.post_norm, self.eps, residual=residual)
-            out = layer.down(ops.silu_mul(layer.gate_up(h)))
+            q = ops.rope_cache(qkv, self.cos[layer.rope], self.sin[layer.rope], batch_idx, positions, k, v,
+                               self.num_heads, self.num_kv_heads, k_scale, v_scale)
+            out = layer.o(attend(i, q))
+            if layer.attn_out_norm is not None:
+                out = ops.rmsnorm(out, layer.attn_out_norm, self.eps, unit_offset=unit)
+            h = ops.rmsnorm(out, layer.pre_mlp_norm, self.eps, residual=residual, unit_offset=unit)
+            out = layer.down(getattr(ops, self.gate)(layer.gate_up(h)))
+            if layer.mlp_out_norm is not None:
+                out = ops.rmsnorm(out, layer.mlp_out_norm, self.eps, unit_offset=unit)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norms.norm.weight
-            h = ops.rmsnorm(out, after, self.eps, residual=residual)
+            h = ops.rmsnorm(out, after, self.eps, residual=residual, unit_offset=unit)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head, self.lm_head_bias).float()
+        logits = F.linear(hidden, self.lm_head, self.lm_head_bias).float()
+        if self.final_softcap is not None:  # Gemma 2's kind: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

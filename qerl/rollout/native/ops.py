@@ -1,6 +1,6 @@
 """The native engine's elementwise steps, each one kernel: residual add + RMSNorm, rotary + KV-cache write,
-SiLU gate. Under a CUDA graph every launch costs ~2 us whatever it does, so these fuse what eager PyTorch runs
-as 5-15 kernels each.
+SiLU or GELU-tanh gate. Under a CUDA graph every launch costs ~2 us whatever it does, so these fuse what eager
+PyTorch runs as 5-15 kernels each.
 
 Every op computes in FP32 and rounds its output once to the activation dtype (the trainer's FP32-master norms
 do the same through norms.FP32Compute). Each has a plain-torch twin used on CPU (without TRITON_INTERPRET) and
@@ -26,26 +26,28 @@ except ImportError:  # pragma: no cover - depends on the platform
 # ---------------------------------------------------------------------------------------- residual + RMSNorm
 
 
-def rmsnorm_torch(x, weight, eps, residual=None):
+def rmsnorm_torch(x, weight, eps, residual=None, unit_offset=False):
     if residual is not None:
         residual.copy_(residual + x)
         x = residual
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * weight.float()).to(x.dtype)
+    return (normed * (weight.float() + 1.0 if unit_offset else weight.float())).to(x.dtype)
 
 
 if triton is not None:
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         # The norm's scale changes only between rounds (refresh, AQN), never by a kernel of the step: read before the
         # wait, its round trip overlaps the previous kernel's tail instead of following the row's reduction.
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if UNIT_OFFSET:
+            w = w + 1.0
         wait_for_previous_kernel(PDL)
         let_next_kernel_launch(PDL)  # one wave of programs
         x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
@@ -58,16 +60,18 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm(x) * weight for x [M, H] (weight in any float dtype, applied in FP32). With `residual`, first
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm(x) * weight for x [M, H] (weight in any float dtype, applied in FP32), or RMSNorm(x) * (1 + weight)
+    with `unit_offset` (Gemma's norms, 1 + w in FP32 as transformers computes it). With `residual`, first
     residual += x in place and normalize the sum (the decoder's pre-norm residual stream)."""
     if not triton_runs_on(x):
-        return rmsnorm_torch(x, weight, eps, residual)
+        return rmsnorm_torch(x, weight, eps, residual, unit_offset)
     m, n = x.shape
     out = torch.empty_like(x)
     res = residual if residual is not None else x
     pdl = pdl_enabled(x.device)
-    _rmsnorm_kernel[(m,)](x, res, weight, out, n, eps, HAS_RES=residual is not None,
+    _rmsnorm_kernel[(m,)](x, res, weight, out, n, eps, HAS_RES=residual is not None, UNIT_OFFSET=unit_offset,
                           BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=8 if n >= 4096 else 4, launch_pdl=pdl)
     return out
 
@@ -76,15 +80,18 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 
 
 def qk_rmsnorm(qkv: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm of the queries and keys in the fused projection qkv [M, (Hq + 2 Hkv) * D] (Qwen3: before
-    rotary), as transformers computes it: normalized in FP32, rounded to qkv's dtype, then scaled in that dtype by
-    scale [Hq + Hkv, D] (a row per query head, then per key head). Returns a new qkv; the values pass through.
-    Plain torch: a few small kernels per layer, and no host sync (CUDA-graph safe)."""
+    """Per-head RMSNorm of the queries and keys in the fused projection qkv [M, (Hq + 2 Hkv) * D] (Qwen3, Gemma-3:
+    before rotary), by scale [Hq + Hkv, D] (a row per query head, then per key head), as transformers computes it:
+    normalized in FP32, then a scale in qkv's dtype (Qwen3) rounds the normalized heads first and multiplies in
+    that dtype, an FP32 scale (Gemma-3's 1 + w) multiplies in FP32 and rounds once. Returns a new qkv; the values
+    pass through. Plain torch: a few small kernels per layer, and no host sync (CUDA-graph safe)."""
     normed_heads, d = scale.shape
     heads = qkv.view(qkv.shape[0], -1, d)
     qk = heads[:, :normed_heads].float()
-    normed = (qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps)).to(qkv.dtype)
-    return torch.cat([normed * scale.to(qkv.dtype), heads[:, normed_heads:]], dim=1).view(qkv.shape)
+    normed = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps)
+    if scale.dtype != torch.float32:
+        normed = normed.to(qkv.dtype)
+    return torch.cat([(normed * scale).to(qkv.dtype), heads[:, normed_heads:]], dim=1).view(qkv.shape)
 
 
 def rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads,
@@ -193,7 +200,7 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_id
     return q
 
 
-# ------------------------------------------------------------------------------------------------ SiLU gate
+# ---------------------------------------------------------------------------------------- SiLU / GELU-tanh gate
 
 
 def silu_mul_torch(gate_up):
@@ -201,10 +208,15 @@ def silu_mul_torch(gate_up):
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 
 
+def gelu_tanh_mul_torch(gate_up):
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
+
+
 if triton is not None:
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _gate_mul_kernel(gu_ptr, out_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous_kernel(PDL)
         let_next_kernel_launch(PDL)  # one wave of programs
         row = tl.program_id(0)
@@ -212,17 +224,27 @@ if triton is not None:
         mask = cols < n
         g = tl.load(gu_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n + cols, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
+        # GELU-tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g * sigmoid(2c (...)), c = sqrt(2 / pi)
+        z = 1.5957691216057308 * (g + 0.044715 * g * g * g) if GELU else g
+        tl.store(out_ptr + row * n + cols, (g / (1.0 + tl.exp(-z)) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up of the fused projection [M, 2I] (gate first) -> [M, I]."""
-    if not triton_runs_on(gate_up):
-        return silu_mul_torch(gate_up)
+def _gate_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     m, n2 = gate_up.shape
     n = n2 // 2
     out = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     pdl = pdl_enabled(gate_up.device)
-    _silu_mul_kernel[(m, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    _gate_mul_kernel[(m, triton.cdiv(n, block))](gate_up, out, n, GELU=gelu, BLOCK=block, PDL=pdl, num_warps=4,
+                                                 launch_pdl=pdl)
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of the fused projection [M, 2I] (gate first) -> [M, I]."""
+    return _gate_mul(gate_up, gelu=False) if triton_runs_on(gate_up) else silu_mul_torch(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU-tanh(gate) * up (Gemma's gelu_pytorch_tanh) of the fused projection [M, 2I] (gate first) -> [M, I]."""
+    return _gate_mul(gate_up, gelu=True) if triton_runs_on(gate_up) else gelu_tanh_mul_torch(gate_up)
