@@ -36,6 +36,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +49,9 @@ DEEPSPEED_CONFIGS = ("zero2", "zero3")
 # Kept off on the GPU machines of this project (their KINDS.md): NVLink multicast.
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 PHASES = ("rollout", "refresh", "log-prob forwards", "backward")
+# Prompts longer than this many tokens of the character tokenizer are dropped: at 320 (benchmarks.step's cap) only 2 of
+# the sample's 256 GSM8K questions fit, too few for 4 ranks (TRL then finds no batch and trains 0 steps); 69 fit here.
+MAX_PROMPT_TOKENS = 400
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -61,7 +65,7 @@ def _worker_flags(args) -> list[str]:
     precision = "nvfp4" if is_nvfp4_checkpoint(args.model) else "bf16"
     flags = [
         "--config", str(REPO / "configs" / f"dapo_gsm8k_{precision}.yaml"), "--model-name", args.model,
-        "--dataset", str(GSM8K), "--dataset-format", "gsm8k_hash", "--max-prompt-length", "320",
+        "--dataset", str(GSM8K), "--dataset-format", "gsm8k_hash", "--max-prompt-length", str(MAX_PROMPT_TOKENS),
         "--output-dir", args.run_dir, "--rollout-backend", args.backend,
         "--max-completion-length", str(args.new_tokens), "--per-device-train-batch-size", str(args.batch),
         "--num-generations", str(args.batch),
@@ -207,6 +211,14 @@ def summarize(config: str, gpus: int, batch: int, ranks: list[dict]) -> dict:
     }  # fmt: skip
 
 
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL to the process group of `proc`, started with start_new_session (it and every child it made)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -260,13 +272,15 @@ def launch(args, config: str, gpus: int, nodes: int = 1, gpu_ids: list[int] | No
         cmd += _worker_cmd(args, config, result, workdir / f"run-{name}")
         node_log = log if node == 0 else workdir / f"{name}.node{node}.log"
         logs.append(open(node_log, "w"))
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT))
+        # A session of its own: on a timeout the launcher's workers go with it (they hold GPUs the next launch needs).
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # fmt: skip
     start = time.perf_counter()
     try:
-        codes = [p.wait(timeout=args.timeout) for p in procs]
+        codes = [p.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - start))) for p in procs]
     except subprocess.TimeoutExpired:
         for p in procs:
-            p.kill()
+            kill_session(p)
         codes = [p.wait() for p in procs]
     finally:
         for f in logs:
@@ -276,7 +290,11 @@ def launch(args, config: str, gpus: int, nodes: int = 1, gpu_ids: list[int] | No
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
         error = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "no output")
         return {"config": name, "gpus": gpus, "error": error.strip()[-300:], "log": str(log), "wall_s": elapsed}
-    row = summarize(config if nodes == 1 else name, gpus, args.batch, json.loads(result.read_text()))
+    ranks = json.loads(result.read_text())
+    if not ranks[0]["step_seconds"]:  # TRL found no full batch (too few prompts for the ranks): nothing measured
+        return {"config": name, "gpus": gpus, "error": "trained no step (see the log)", "log": str(log),
+                "wall_s": elapsed}  # fmt: skip
+    row = summarize(config if nodes == 1 else name, gpus, args.batch, ranks)
     return {**row, "log": str(log), "wall_s": elapsed, "gpu_ids": gpu_ids}
 
 
