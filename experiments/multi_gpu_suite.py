@@ -30,6 +30,7 @@ import argparse
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -243,19 +244,22 @@ def real_run_job(args, gpus: int) -> Job:
             "--config", str(REAL_RECIPE), "--model-name", prep["nvfp4"], "--dataset",
             str(REPO / "tests" / "data" / "gsm8k" / "train_sample.jsonl"), "--dataset-format", "gsm8k_hash",
             "--max-steps", str(args.d_steps), "--seed", str(args.d_seed), "--output-dir", str(run_dir),
-            "--overwrite-output-dir", "true", "--save-strategy", "no", "--logging-steps", "1",
+            "--overwrite-output-dir", "true", "--save-strategy", "no", "--logging-steps", "1", *args.d_flags,
         ]  # fmt: skip
+        # The resume check's worker: qerl.train recording each rank's prompts and samples (the recipe's rewards).
         if gpus == 1:
-            cmd = [sys.executable, "-m", "qerl.train", *flags]  # the recipe's 4 micro-batches of 16
+            cmd = [sys.executable, "-m", "experiments.resume_check", "--worker", *flags]  # 4 micro-batches of 16
         else:  # the same 64 completions per step: 16 per GPU, one micro-batch each
             per_gpu = 64 // gpus
             cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                    str(REPO / "configs" / "accelerate" / "ddp.yaml"), "--num_processes", str(gpus),
-                   "--main_process_port", str(multi_gpu._free_port()), "-m", "qerl.train", *flags,
+                   "--main_process_port", str(multi_gpu._free_port()), *(["--mixed_precision", "no"] if args.dry_run
+                   else []), "-m", "experiments.resume_check", "--worker", *flags,
                    "--per-device-train-batch-size", str(per_gpu), "--gradient-accumulation-steps", "1"]  # fmt: skip
         logged(args, cmd, Path(args.out) / "logs" / f"real-{gpus}gpu.log", gpu_ids, args.timeout_real)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        return {"gpus": gpus, "steps": [r for r in rows if "loss" in r]}
+        return {"gpus": gpus, "steps": [r for r in rows if "loss" in r],
+                "first_step_prompts": resume_check.prompts(run_dir, 1)}  # fmt: skip
 
     return Job(f"real-{gpus}gpu", gpus, work, GUESS["real-run"])
 
@@ -386,14 +390,17 @@ def real_lines(results: dict[str, dict]) -> list[str]:
             lines.append(f"| {name} | {row['step']} | {row.get('reward', float('nan')):.3f} "
                          f"({row.get('reward_std', float('nan')):.3f}) | {row.get('loss', float('nan')):.4f} | "
                          f"{row.get('step_time', float('nan')):.2f} |")  # fmt: skip
-    firsts = [r["steps"][0] for r in runs.values() if "error" not in r and r["steps"]]
-    if len(firsts) == 2:
-        # 64 samples per step, rewards in [0, 1]: the standard error of a step's mean is about std / 8.
-        diff = abs(firsts[0]["reward"] - firsts[1]["reward"])
-        se = (firsts[0].get("reward_std", 0) ** 2 / 64 + firsts[1].get("reward_std", 0) ** 2 / 64) ** 0.5
-        lines.append(f"\nFirst step: the same 8 prompts (same seed and sampler order); rewards differ by {diff:.3f}, "
-                     f"{diff / se if se else float('inf'):.1f} standard errors of the difference (different "
-                     "samples: each rank draws its own).")  # fmt: skip
+    done = [r for r in runs.values() if "error" not in r and r["steps"]]
+    if len(done) == 2:
+        a, b = (r["steps"][0] for r in done)
+        same = done[0]["first_step_prompts"] == done[1]["first_step_prompts"]
+        # 64 samples per step: the standard error of a step's mean reward is about its std / 8.
+        diff = abs(a["reward"] - b["reward"])
+        se = (a.get("reward_std", 0) ** 2 / 64 + b.get("reward_std", 0) ** 2 / 64) ** 0.5
+        sigmas = "0" if diff == 0 else f"{diff / se:.1f}" if se else "inf"
+        lines.append(f"\nFirst step: {'the same' if same else 'DIFFERENT'} {len(done[0]['first_step_prompts'])} "
+                     f"prompts; mean rewards differ by {diff:.3f}, {sigmas} standard errors of the difference (the "
+                     f"samples differ: each rank draws its own); losses {a['loss']:.4f} vs {b['loss']:.4f}.")
     return lines
 
 
@@ -464,6 +471,7 @@ def main(argv=None) -> None:
     parser.add_argument("--c-tokens", type=int, default=128)
     parser.add_argument("--d-steps", type=int, default=3)
     parser.add_argument("--d-seed", type=int, default=2025)
+    parser.add_argument("--d-flags", default="", help="more qerl.train flags for phase d's runs (one string)")
     parser.add_argument("--timeout-7b", type=int, default=420, help="seconds one 7B launch may take")
     parser.add_argument("--timeout-32b", type=int, default=600)
     parser.add_argument("--timeout-resume", type=int, default=420)
@@ -473,6 +481,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     args.only = [p for p in args.only.split(",") if p]
+    args.d_flags = shlex.split(args.d_flags)
     if args.gguf:
         args.gguf = str(Path(args.gguf).resolve())
     if args.gpus is None:

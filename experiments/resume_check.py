@@ -61,9 +61,13 @@ def digit_share_reward(completions, **kwargs) -> list[float]:
 
 
 def worker(argv: list[str]) -> None:
+    """qerl.train.main(argv) recording, per generation round and rank, a hash of the completions sampled and one per
+    distinct prompt; with a first argument --varied-reward, the gsm8k_hash reward swapped for digit_share_reward."""
     from qerl import rewards, train
 
-    rewards.gsm8k_hash_reward = digit_share_reward  # looked up when the task is built
+    if argv[:1] == ["--varied-reward"]:
+        argv = argv[1:]
+        rewards.gsm8k_hash_reward = digit_share_reward  # looked up when the task is built
     build = train.build_trainer
 
     def build_and_record(*args, **kwargs):
@@ -74,7 +78,10 @@ def worker(argv: list[str]) -> None:
         def recording(prompt_ids, perturb):
             output = generate(prompt_ids, perturb)
             ids = json.dumps([list(map(int, c)) for c in output.completion_ids]).encode()
-            rounds.append({"step": trainer.state.global_step + 1, "completions": hashlib.sha256(ids).hexdigest()})
+            prompts = sorted({hashlib.sha256(json.dumps(list(map(int, p))).encode()).hexdigest()[:16]
+                              for p in prompt_ids})  # fmt: skip
+            rounds.append({"step": trainer.state.global_step + 1, "completions": hashlib.sha256(ids).hexdigest(),
+                           "prompts": prompts})  # fmt: skip
             path = Path(trainer.args.output_dir) / f"samples-rank{trainer.accelerator.process_index}.json"
             path.write_text(json.dumps(rounds))  # after every round: a run that dies keeps what it sampled
             return output
@@ -128,7 +135,7 @@ def launch(args, output_dir: Path, resume: bool, log: Path) -> float:
         cmd += ["--mixed_precision", "no"]
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
-    cmd += ["-m", "experiments.resume_check", "--worker", *train_flags(args, output_dir, resume)]
+    cmd += ["-m", "experiments.resume_check", "--worker", "--varied-reward", *train_flags(args, output_dir, resume)]
     start = time.perf_counter()
     code = run_logged(cmd, env, log, args.timeout)
     if code != 0:
@@ -164,10 +171,20 @@ def step_metrics(run: Path, step: int) -> dict:
     return {k: row.get(k) for k in METRICS}
 
 
+def rounds(run: Path) -> list[list[dict]]:
+    """Per rank, what the worker recorded of each generation round."""
+    ranks = sorted(run.glob("samples-rank*.json"), key=lambda p: int(p.stem.removeprefix("samples-rank")))
+    return [json.loads(p.read_text()) for p in ranks]
+
+
 def samples(run: Path, step: int) -> list[str]:
     """Per rank, the hash of the completions it sampled in step `step`'s generation round(s)."""
-    ranks = sorted(run.glob("samples-rank*.json"), key=lambda p: int(p.stem.removeprefix("samples-rank")))
-    return [",".join(r["completions"] for r in json.loads(p.read_text()) if r["step"] == step) for p in ranks]
+    return [",".join(r["completions"] for r in rank if r["step"] == step) for rank in rounds(run)]
+
+
+def prompts(run: Path, step: int) -> list[str]:
+    """The distinct prompts (hashes) that step `step`'s rounds sampled, over all ranks."""
+    return sorted({h for rank in rounds(run) for r in rank if r["step"] == step for h in r["prompts"]})
 
 
 def adapter(folder: Path) -> dict:
