@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -486,6 +485,8 @@ def main(argv=None) -> None:
         args.gguf = str(Path(args.gguf).resolve())
     if args.gpus is None:
         args.gpus = 4 if args.dry_run else gpu_count()
+    if args.gpus < 1:
+        raise SystemExit("no GPU visible (--dry-run runs the wiring on the CPU)")
     if args.dry_run:
         args.skip_32b = True
         args.a_steps, args.b_tokens, args.b_eval_problems = min(args.a_steps, 3), 8, min(args.b_eval_problems, 2)
@@ -498,14 +499,10 @@ def main(argv=None) -> None:
 
 
 def gpu_count() -> int:
-    """GPUs visible, from nvidia-smi (the driver process keeps CUDA uninitialised: no context on GPU 0)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    count = sum(line.startswith("GPU ") for line in out.splitlines())
-    return min(count, len(visible.split(","))) if visible else count
+    """GPUs visible, counted by a child process (the driver keeps CUDA uninitialised: no context on GPU 0)."""
+    code = "import torch; print(torch.cuda.device_count())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return int(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

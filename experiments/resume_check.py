@@ -319,7 +319,9 @@ def report(result: dict) -> str:
                      f"|B-C|/|update| {bc['adapter_diff_over_update']}")  # fmt: skip
     if "eval" in result:
         e = result["eval"]
-        ran = f"ran ({e['summary']})" if "summary" in e else f"FAILED: {e['error']}"
+        summary = e.get("summary", {})
+        ran = (f"loaded and ran: {summary.get('examples')} problems, accuracy {summary.get('accuracy')} "
+               f"({summary.get('device')})" if "summary" in e else f"FAILED: {e['error']}")  # fmt: skip
         lines.append(f"  eval.gsm8k --adapter: {ran}")
     return "\n".join(lines)
 
