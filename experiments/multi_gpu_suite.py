@@ -35,6 +35,7 @@ import sys
 import tarfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,10 +54,12 @@ GUESS = {"build-7b": 60, "build-32b": 150, "bench-7b": 60, "bench-32b": 110, "re
 class Job:
     name: str
     gpus: int  # GPUs it holds; 0: runs beside the others on `share` without holding it
-    work: callable  # (gpu ids) -> result dict
+    work: Callable[[list[int]], dict]  # (gpu ids) -> result
     guess: float  # seconds
     share: int = 0
     result: dict | None = field(default=None, repr=False)
+    # Whether an earlier result still stands: a built model must also still be on disk (a fresh machine has none).
+    holds: Callable[[dict], bool] = lambda result: True
 
 
 def say(message: str) -> None:
@@ -74,7 +77,7 @@ def run_phase(args, phase: str, jobs: list[Job], total_gpus: int) -> None:
         path = result_path(args, job)
         if path.is_file():
             job.result = json.loads(path.read_text())
-            if "error" not in job.result or not args.retry_failed:
+            if "error" in job.result and not args.retry_failed or "error" not in job.result and job.holds(job.result):
                 continue
         todo.append(job)
     if not todo:
@@ -171,7 +174,8 @@ def build_job(args, size: str, gpus: int, share: int = 0) -> Job:
     def work(gpu_ids):
         return {"model": multi_gpu.build_model(bench_args(args, size, None), gpu_ids[0])}
 
-    return Job(f"build-{size}", gpus, work, GUESS[f"build-{size}"], share)
+    return Job(f"build-{size}", gpus, work, GUESS[f"build-{size}"], share,
+               holds=lambda result: (Path(result["model"]) / "config.json").is_file())  # fmt: skip
 
 
 def model_of(args, size: str) -> str:
@@ -230,7 +234,8 @@ def real_prep_job(args, share: int) -> Job:
         logged(args, [sys.executable, "-c", code], logs / "real-quantize.log", gpu_ids, 900)
         return {"bf16": str(bf16), "nvfp4": str(ckpt / f"{REAL_MODEL}-nvfp4")}
 
-    return Job("real-prep", 0, work, GUESS["real-prep"], share)
+    return Job("real-prep", 0, work, GUESS["real-prep"], share,
+               holds=lambda result: (Path(result["nvfp4"]) / "config.json").is_file())  # fmt: skip
 
 
 def real_run_job(args, gpus: int) -> Job:
@@ -290,8 +295,20 @@ def plan(args) -> list[tuple[str, list[Job]]]:
     return phases
 
 
+def restore(args) -> None:
+    """The results of an earlier machine (a bundle's results.json) put back, so that only what it did not finish runs
+    again (the models it built are rebuilt: they went with it)."""
+    results = Path(args.out) / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    for name, result in json.loads(Path(args.restore).read_text()).items():
+        if not (results / f"{name}.json").exists() and ("error" not in result or not args.retry_failed):
+            (results / f"{name}.json").write_text(json.dumps(result, indent=2))
+
+
 def run(args) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.restore:
+        restore(args)
     phases = plan(args)
     say(f"{args.gpus} GPU(s); estimated wall time {estimate(phases, args.gpus) / 60:.1f} min on 4 H100s (guesses: "
         f"{GUESS}), less what earlier starts finished")  # fmt: skip
@@ -457,6 +474,7 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", default="ddp,fsdp,zero2,zero3", help="phase a's accelerate configs")
     parser.add_argument("--only", default="", help="phases to run (prep,a,b,c,d; default all)")
     parser.add_argument("--skip-32b", action="store_true", help="no 32B checkpoint, no phase c")
+    parser.add_argument("--restore", help="run: an earlier machine's results.json (from --bundle); its jobs are kept")
     parser.add_argument("--retry-failed", action="store_true", help="run again the jobs whose result is an error")
     parser.add_argument("--a-steps", type=int, default=4)
     parser.add_argument("--a-batch", type=int, default=8)

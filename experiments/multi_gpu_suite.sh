@@ -5,8 +5,10 @@
 #   bash experiments/multi_gpu_suite.sh wait     wait up to WAIT_S seconds (default 540) for it to end
 #   bash experiments/multi_gpu_suite.sh bundle   only write the bundle
 # Every exit writes the summary so far, results.json and the logs' tails to $OUT (the device runner's folder). A second
-# `start` after a lost machine redoes only the jobs without a result. Environment: SUITE_OUT (runs/issue34), GGUF (the
-# Qwen2.5-Coder-1.5B-Instruct GGUF: adds the real-model phase), GPUS (4), WAIT_S, PYTHON (python3).
+# `start` on the same machine redoes only the jobs without a result; on a fresh machine, `start --restore FILE` with
+# the last results.json brought along (in a carried folder) does the same (the models are rebuilt). Environment:
+# SUITE_OUT (runs/issue34), GGUF (the Qwen2.5-Coder-1.5B-Instruct GGUF: adds the real-model phase), GPUS (4),
+# WAIT_S, PYTHON (python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${SUITE_OUT:-runs/issue34}

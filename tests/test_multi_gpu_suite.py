@@ -34,6 +34,22 @@ def test_phase_places_jobs_in_order_and_skips_done_ones(tmp_path):
     assert suite.estimate([("x", jobs)], 4) == 2.0
 
 
+def test_restored_results_skip_their_jobs_but_models_are_rebuilt(tmp_path):
+    earlier = {"7b-ddp-1gpu": {"samples_per_s": 1.0}, "7b-fsdp-1gpu": {"error": "boom"},
+               "build-7b": {"model": str(tmp_path / "gone")}}  # fmt: skip
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    args = _args(tmp_path / "new", restore=str(tmp_path / "earlier.json"))
+    suite.restore(args)
+    ran = []
+
+    def job(name, holds=lambda result: True):
+        return suite.Job(name, 1, lambda ids: ran.append(name) or {"model": "x"}, 1.0, holds=holds)
+
+    built = lambda result: (tmp_path / "gone").is_dir()  # noqa: E731
+    suite.run_phase(args, "x", [job("7b-ddp-1gpu"), job("7b-fsdp-1gpu"), job("build-7b", built), job("new")], 4)
+    assert sorted(ran) == ["build-7b", "new"]  # the failed one stays failed unless --retry-failed
+
+
 def _row(config, gpus, samples):
     return {"config": config, "gpus": gpus, "device": "NVIDIA H100 80GB HBM3", "samples_per_s": samples,
             "step_s": 8 * gpus / samples, "split_s": {"rollout": 1.5, "refresh": 0.1, "log-prob forwards": 0.5,
