@@ -36,6 +36,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +49,9 @@ DEEPSPEED_CONFIGS = ("zero2", "zero3")
 # Kept off on the GPU machines of this project (their KINDS.md): NVLink multicast.
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 PHASES = ("rollout", "refresh", "log-prob forwards", "backward")
+# Prompts longer than this many tokens of the character tokenizer are dropped: at 320 (benchmarks.step's cap) only 2 of
+# the sample's 256 GSM8K questions fit, too few for 4 ranks (TRL then finds no batch and trains 0 steps); 69 fit here.
+MAX_PROMPT_TOKENS = 400
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -61,7 +65,7 @@ def _worker_flags(args) -> list[str]:
     precision = "nvfp4" if is_nvfp4_checkpoint(args.model) else "bf16"
     flags = [
         "--config", str(REPO / "configs" / f"dapo_gsm8k_{precision}.yaml"), "--model-name", args.model,
-        "--dataset", str(GSM8K), "--dataset-format", "gsm8k_hash", "--max-prompt-length", "320",
+        "--dataset", str(GSM8K), "--dataset-format", "gsm8k_hash", "--max-prompt-length", str(MAX_PROMPT_TOKENS),
         "--output-dir", args.run_dir, "--rollout-backend", args.backend,
         "--max-completion-length", str(args.new_tokens), "--per-device-train-batch-size", str(args.batch),
         "--num-generations", str(args.batch),
@@ -207,6 +211,14 @@ def summarize(config: str, gpus: int, batch: int, ranks: list[dict]) -> dict:
     }  # fmt: skip
 
 
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL to the process group of `proc`, started with start_new_session (it and every child it made)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -230,9 +242,13 @@ def _worker_cmd(args, config: str, result: Path, run_dir: Path) -> list[str]:
     return cmd + (["--dry-run"] if args.dry_run else []) + (["--no-profile"] if args.no_profile else [])
 
 
-def launch(args, config: str, gpus: int, nodes: int = 1) -> dict:
-    """One `accelerate launch` (one per simulated node) of the worker; its summary row or its error."""
+def launch(args, config: str, gpus: int, nodes: int = 1, gpu_ids: list[int] | None = None) -> dict:
+    """One `accelerate launch` (one per simulated node) of the worker; its summary row or its error. `gpu_ids`: the
+    GPUs it runs on (CUDA_VISIBLE_DEVICES), so that launches on other GPUs can run beside it; default: the first."""
     name = f"{config}-{gpus}gpu" + (f"-{nodes}nodes" if nodes > 1 else "")
+    if gpu_ids is not None and len(gpu_ids) != gpus:
+        raise ValueError(f"{name}: {len(gpu_ids)} GPU ids for {gpus} processes")
+    gpu_ids = gpu_ids or list(range(gpus))
     workdir = Path(args.workdir)
     result, log = workdir / f"{name}.json", workdir / f"{name}.log"
     result.unlink(missing_ok=True)
@@ -246,23 +262,25 @@ def launch(args, config: str, gpus: int, nodes: int = 1) -> dict:
             "--main_process_port", str(port),
         ]  # fmt: skip
         env = child_env(args.dry_run)
+        per_node = gpus // nodes
+        if not args.dry_run:  # a simulated machine sees only its own GPUs
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids[node * per_node : (node + 1) * per_node])
         if nodes > 1:  # machines of gpus // nodes GPUs each, meeting at this one
             cmd += ["--num_machines", str(nodes), "--machine_rank", str(node), "--main_process_ip", "127.0.0.1"]
-            per_node = gpus // nodes
-            if not args.dry_run:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * per_node + i) for i in range(per_node))
         if args.dry_run:
             cmd += ["--mixed_precision", "no"]
         cmd += _worker_cmd(args, config, result, workdir / f"run-{name}")
         node_log = log if node == 0 else workdir / f"{name}.node{node}.log"
         logs.append(open(node_log, "w"))
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT))
+        # A session of its own: on a timeout the launcher's workers go with it (they hold GPUs the next launch needs).
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # fmt: skip
     start = time.perf_counter()
     try:
-        codes = [p.wait(timeout=args.timeout) for p in procs]
+        codes = [p.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - start))) for p in procs]
     except subprocess.TimeoutExpired:
         for p in procs:
-            p.kill()
+            kill_session(p)
         codes = [p.wait() for p in procs]
     finally:
         for f in logs:
@@ -272,22 +290,48 @@ def launch(args, config: str, gpus: int, nodes: int = 1) -> dict:
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
         error = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "no output")
         return {"config": name, "gpus": gpus, "error": error.strip()[-300:], "log": str(log), "wall_s": elapsed}
-    row = summarize(config if nodes == 1 else name, gpus, args.batch, json.loads(result.read_text()))
-    return {**row, "log": str(log), "wall_s": elapsed}
+    ranks = json.loads(result.read_text())
+    if not ranks[0]["step_seconds"]:  # TRL found no full batch (too few prompts for the ranks): nothing measured
+        return {"config": name, "gpus": gpus, "error": "trained no step (see the log)", "log": str(log),
+                "wall_s": elapsed}  # fmt: skip
+    row = summarize(config if nodes == 1 else name, gpus, args.batch, ranks)
+    return {**row, "log": str(log), "wall_s": elapsed, "gpu_ids": gpu_ids}
 
 
-def build_model(args) -> str:
+def random_nvfp4_checkpoint(size: str, workdir: Path) -> str:
+    """The random-init Qwen2.5 `size` model as an NVFP4 checkpoint under `workdir`, made once: built and quantized one
+    decoder layer at a time on the GPU (benchmarks.rollout.build), so a 32B model never exists in BF16 (its ~65 GB
+    would not fit beside anything else). Same seed and init order as benchmarks.step.checkpoint, same folder."""
+    import torch
+
+    from benchmarks.rollout import build, padded_tokenizer
+    from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
+
+    folder = workdir / f"qwen2.5-{size}-random-nvfp4"
+    if (folder / "config.json").is_file():
+        return str(folder)
+    model = build(size, "nvfp4")
+    model.config.eos_token_id = model.generation_config.eos_token_id = 2  # the tiny tokenizer's <|end|>
+    save_nvfp4_checkpoint(model, folder, tokenizer=padded_tokenizer(model.config.vocab_size))
+    del model
+    torch.cuda.empty_cache()
+    return str(folder)
+
+
+def build_model(args, gpu: int | None = None) -> str:
     """The tests' tiny NVFP4 model (--dry-run, --size tiny) or the random-init Qwen2.5 --size NVFP4 model, written
-    once under --workdir by a child process (the driver keeps no GPU memory)."""
+    once under --workdir by a child process on GPU `gpu` (default: the first; the driver keeps no GPU memory)."""
     workdir = Path(args.workdir)
     if args.dry_run or args.size == "tiny":
         tiny = str(workdir / "tiny")
         code = f"from qerl.tiny import save_tiny_checkpoints; print(save_tiny_checkpoints({tiny!r})[1])"
     else:
-        code = f"from benchmarks.step import checkpoint; from pathlib import Path; " \
-               f"print(checkpoint({args.size!r}, 'nvfp4', Path({str(workdir)!r})))"  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(args.dry_run), cwd=REPO, check=True,
-                         capture_output=True, text=True)  # fmt: skip
+        code = f"from benchmarks.multi_gpu import random_nvfp4_checkpoint; from pathlib import Path; " \
+               f"print(random_nvfp4_checkpoint({args.size!r}, Path({str(workdir)!r})))"  # fmt: skip
+    env = child_env(args.dry_run)
+    if gpu is not None and not args.dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, check=True, capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -333,6 +377,9 @@ def main(argv=None) -> None:
     parser.add_argument("--simulate-nodes", action="store_true", help="also DDP as 2 machines of 1 GPU each")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled last step (no comm column)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds one launch may take")
+    parser.add_argument("--gpu-ids", default=None,
+                        help="GPUs to run on (comma-separated CUDA_VISIBLE_DEVICES numbers; default 0..N-1): a "
+                        "launch of N processes takes the first N")
     parser.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny model, short steps: the wiring only")
     parser.add_argument("--workdir", default="/tmp/qerl-multi-gpu")
     parser.add_argument("--out", default="runs/multi_gpu.json")
@@ -349,7 +396,8 @@ def main(argv=None) -> None:
         args.batch, args.new_tokens, args.steps = min(args.batch, 4), min(args.new_tokens, 8), min(args.steps, 3)
     args.backend = args.backend or ("native" if args.dry_run else "auto")
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    args.model = args.model or build_model(args)
+    gpu_ids = [int(g) for g in args.gpu_ids.split(",")] if args.gpu_ids else None
+    args.model = args.model or build_model(args, gpu_ids[0] if gpu_ids else None)
     configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in configs if not (REPO / "configs" / "accelerate" / f"{c}.yaml").is_file()]
     if unknown:
@@ -361,11 +409,11 @@ def main(argv=None) -> None:
             rows.append({"config": config, "gpus": gpus, "skipped": "accelerate runs FSDP on GPUs only"})
             continue
         print(f"[{time.strftime('%H:%M:%S')}] {config} on {gpus} GPU(s) ...", flush=True)
-        rows.append(launch(args, config, gpus))
+        rows.append(launch(args, config, gpus, gpu_ids=gpu_ids[:gpus] if gpu_ids else None))
         print(f"    {rows[-1].get('error') or 'done'} ({rows[-1].get('wall_s', 0):.0f} s)", flush=True)
     if args.simulate_nodes:
         print(f"[{time.strftime('%H:%M:%S')}] ddp as 2 machines x 1 GPU ...", flush=True)
-        rows.append(launch(args, "ddp", 2, nodes=2))
+        rows.append(launch(args, "ddp", 2, nodes=2, gpu_ids=gpu_ids[:2] if gpu_ids else None))
     print(f"\nmodel {args.model}, {args.batch} completions/GPU/step of <= {args.new_tokens} tokens, {args.steps} steps")
     print(table(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -49,3 +49,21 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+# The packed NVFP4 base of an NVFP4Linear: frozen buffers, loaded from the base checkpoint and never trained.
+FROZEN_BASE_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def keep_base_out_of_checkpoints(model: nn.Module) -> int:
+    """Leave the packed NVFP4 base out of `model`'s state dict (its buffers made non-persistent); returns how many
+    layers. DeepSpeed's checkpoints (`exclude_frozen_parameters`) and FSDP2's (accelerate's adapter_only: frozen
+    parameters ignored) drop frozen parameters but keep every persistent buffer: each checkpoint of a 7B run held the
+    4.9 GB base, ZeRO-3 once per rank, and an FSDP2 resume broadcast it from rank 0. Loading such an older checkpoint
+    still works: both load non-strictly, and the base's keys are then unexpected ones, skipped."""
+    from qerl.nvfp4.linear import NVFP4Linear
+
+    layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    for module in layers:
+        module._non_persistent_buffers_set.update(FROZEN_BASE_BUFFERS)
+    return len(layers)

@@ -300,6 +300,8 @@ class QeRLTrainer(GRPOTrainer):
         # trainable parameters to FP32 masters itself and all-gathers them in its mixed precision's dtype.
         if args.deepspeed_plugin is None and not self.is_fsdp_enabled:
             policy.keep_fp32_masters(self.model)
+        else:  # their checkpoints save every persistent buffer: the frozen NVFP4 base too
+            sharding.keep_base_out_of_checkpoints(self.model)
 
         self._adapt_trl_internals()
         if args.compile_layers:

@@ -174,10 +174,14 @@ FSDP2_HARNESS = textwrap.dedent("""
 
     model = make_policy()
     sharded_engine = engine(Decoder(model, gather_each_round=True))  # built before sharding, as the trainer does
+    sharding.keep_base_out_of_checkpoints(model)  # as QeRLTrainer does under FSDP2
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            reshard_after_forward=True, mixed_precision_policy="bf16")
+                                            reshard_after_forward=True, mixed_precision_policy="bf16",
+                                            state_dict_type="FULL_STATE_DICT")  # configs/accelerate/fsdp.yaml's
     accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16",
-                                        is_main_process=state.is_main_process, device=torch.device("cpu"))
+                                        is_main_process=state.is_main_process, device=torch.device("cpu"),
+                                        num_processes=state.num_processes, process_index=state.process_index,
+                                        is_fsdp2=True, wait_for_everyone=state.wait_for_everyone)
     model = fsdp2_prepare_model(accelerator, model)
     result = {"sharded": [n for n, p in model.named_parameters() if sharding.is_sharded(p)]}
     # A forward without gradients leaves accelerate's tail unit (final norm, LM head) whole: the trainer reshards
@@ -220,6 +224,46 @@ FSDP2_HARNESS = textwrap.dedent("""
     qkv = sharded_engine.decoder.layers[0].qkv
     q_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
     result["tracks_training"] = torch.equal(qkv.lora_a[: q_a.shape[0]], sharding.whole(q_a).to(qkv.lora_a.dtype))
+
+    # A checkpoint as transformers' Trainer writes one under FSDP2 with FULL_STATE_DICT (save_model's gathered state
+    # dict into peft's adapter file; accelerate's model and optimizer files, adapter_only), then read back after
+    # another step moved everything: the trainable tensors and the optimizer state come back exactly.
+    from accelerate.utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    def trainable():
+        return {n: sharding.whole(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    def optimizer_state():
+        return [sharding.whole(t).clone() for v in optimizer.state.values() for t in v.values() if torch.is_tensor(t)]
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    def train_step():
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    train_step()
+    ckpt = f"{out}/checkpoint"
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                cpu_offload=True))  # accelerator.get_state_dict's
+    if state.is_main_process:
+        model.save_pretrained(ckpt, state_dict=full)
+    save_fsdp_model(plugin, accelerator, model, ckpt, adapter_only=True)
+    save_fsdp_optimizer(plugin, accelerator, optimizer, model, ckpt)
+    saved, saved_optimizer = trainable(), optimizer_state()
+    state.wait_for_everyone()
+    written = torch.load(f"{ckpt}/pytorch_model_fsdp.bin", weights_only=True)
+    result["checkpoint_keys"] = sorted(written)
+    result["adapter_file_keys"] = sorted(load_file(f"{ckpt}/adapter_model.safetensors"))
+    train_step()
+    result["moved"] = not all(torch.equal(a, saved[n]) for n, a in trainable().items())
+    load_fsdp_model(plugin, accelerator, model, ckpt, adapter_only=True)
+    load_fsdp_optimizer(plugin, accelerator, optimizer, model, ckpt, adapter_only=True)
+    result["restored_trainable"] = all(torch.equal(a, saved[n]) for n, a in trainable().items())
+    result["restored_optimizer"] = all(torch.equal(a, b) for a, b in zip(optimizer_state(), saved_optimizer,
+                                                                          strict=True))
+    result["trainable_names"] = sorted(saved)
     torch.save(result, f"{out}/rank{state.process_index}.pt")
     # Tear gloo down before the interpreter does: left to exit, its threads were once destroyed unjoined ("terminate
     # called without an active exception", exit -6) after every result had been saved.
@@ -248,3 +292,31 @@ def test_fsdp2_shards_aqn_and_native_engine(checkpoints, tmp_path):
         assert sharded == reference and len(sharded) == 2
         assert r["released"] and r["tracks_training"]
         assert r["tail"] == (False, True)
+        # FSDP2's FULL_STATE_DICT checkpoint: the trainable tensors alone, restored exactly.
+        assert r["checkpoint_keys"] == r["trainable_names"]  # no packed base
+        assert any("lora_B" in k for k in r["adapter_file_keys"]) and any("norm" in k for k in r["adapter_file_keys"])
+        assert r["moved"] and r["restored_trainable"] and r["restored_optimizer"]
+
+
+@pytest.mark.slow
+def test_zero3_checkpoint_resumes_exactly(checkpoints, tmp_path):
+    """experiments.resume_check on two CPU processes under ZeRO-3 (DeepSpeed's CPU accelerator, gloo): step 3 after a
+    resume from the run's own checkpoint-2 equals that run's step 3 bitwise (loss, each rank's samples, adapter), and
+    the checkpoint holds the adapter's partitions but not the packed NVFP4 base."""
+    pytest.importorskip("deepspeed", reason="the deepspeed extra (pip install -e .[deepspeed])")
+    import argparse
+
+    from experiments import resume_check
+
+    args = argparse.Namespace(
+        config="zero3", model=checkpoints[1], gpu_ids="0,1", steps=2, batch=4, new_tokens=6, seed=2025,
+        backend="native", eval_problems=0, timeout=300, dry_run=True, out=str(tmp_path / "resume"),
+    )  # fmt: skip
+    result = resume_check.run_check(args)
+    assert result["verdict"] == "exact", resume_check.report(result)
+    assert result["a_vs_b"]["update_norm"] > 0  # step 3 trained
+    states = sorted((tmp_path / "resume" / "A" / "checkpoint-2").glob("global_step2/*model_states.pt"))
+    assert len(states) == 2
+    for path in states:
+        module = torch.load(path, weights_only=False)["module"]
+        assert any("lora_A" in k for k in module) and not any("weight_packed" in k for k in module)
