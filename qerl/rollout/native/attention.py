@@ -79,6 +79,35 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @_jit
+def _tile(q, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_off, scale_off, stride_ks, stride_ss, s0, end, qk_scale, m, denom, acc,
+          BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """One step of _split_kernel's online softmax: keys [s0, min(s0 + BLOCK_S, end)) -> the new (m, denom, acc)."""
+    rs = s0 + tl.arange(0, BLOCK_S)
+    s_ok = rs < end
+    # Masked loads: positions past seq_len are never read (they may hold anything, NaN included).
+    k = tl.load(k_ptr + kv_off + rs[:, None] * stride_ks, mask=s_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + kv_off + rs[:, None] * stride_ks, mask=s_ok[:, None], other=0.0)
+    if FP8:
+        k = kv_cache.e4m3_bits_to_float(k, INTERPRET).to(q.dtype)  # exact: E4M3 values are FP16 and BF16 values
+        v = kv_cache.e4m3_bits_to_float(v, INTERPRET).to(q.dtype)
+        k_scale = tl.load(ks_ptr + scale_off + rs * stride_ss, mask=s_ok, other=0.0) * qk_scale
+        v_scale = tl.load(vs_ptr + scale_off + rs * stride_ss, mask=s_ok, other=0.0)
+        qk = _dot(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_S), tl.float32), INTERPRET) * k_scale[None, :]
+    else:
+        qk = _dot(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_S), tl.float32), INTERPRET) * qk_scale
+    qk = tl.where(s_ok[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, 1))  # finite: every tile holds at least one valid key
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    if FP8:
+        acc = _dot(p * v_scale[None, :], v, acc * alpha[:, None], INTERPRET)
+    else:
+        acc = _dot(p, v, acc * alpha[:, None], INTERPRET)
+    return m_new, denom, acc
+
+
+@_jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_ob, stride_oh,
@@ -114,30 +143,16 @@ def _split_kernel(
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
-    for s0 in tl.range(start, end, BLOCK_S, num_stages=NUM_STAGES):
-        rs = s0 + tl.arange(0, BLOCK_S)
-        s_ok = rs < end
-        # Masked loads: positions past seq_len are never read (they may hold anything, NaN included).
-        k = tl.load(k_ptr + kv_off + rs[:, None] * stride_ks, mask=s_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off + rs[:, None] * stride_ks, mask=s_ok[:, None], other=0.0)
-        if FP8:
-            k = kv_cache.e4m3_bits_to_float(k, INTERPRET).to(q.dtype)  # exact: E4M3 values are FP16 and BF16 values
-            v = kv_cache.e4m3_bits_to_float(v, INTERPRET).to(q.dtype)
-            k_scale = tl.load(ks_ptr + scale_off + rs * stride_ss, mask=s_ok, other=0.0) * qk_scale
-            v_scale = tl.load(vs_ptr + scale_off + rs * stride_ss, mask=s_ok, other=0.0)
-            qk = _dot(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_S), tl.float32), INTERPRET) * k_scale[None, :]
-        else:
-            qk = _dot(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_S), tl.float32), INTERPRET) * qk_scale
-        qk = tl.where(s_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))  # finite: every tile holds at least one valid key
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        if FP8:
-            acc = _dot(p * v_scale[None, :], v, acc * alpha[:, None], INTERPRET)
-        else:
-            acc = _dot(p, v, acc * alpha[:, None], INTERPRET)
-        m = m_new
+    if INTERPRET:  # Triton 3.6's interpreter turns range bounds into ints by int(1-element array), which NumPy
+        s0 = start  # >= 2.4 refuses ("only 0-dimensional arrays ..."); a while loop only takes their truth value
+        while s0 < end:
+            m, denom, acc = _tile(q, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_off, scale_off, stride_ks, stride_ss, s0, end,
+                                  qk_scale, m, denom, acc, BLOCK_H, BLOCK_S, FP8, INTERPRET)
+            s0 += BLOCK_S
+    else:  # the same tiles, software-pipelined
+        for s0 in tl.range(start, end, BLOCK_S, num_stages=NUM_STAGES):
+            m, denom, acc = _tile(q, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_off, scale_off, stride_ks, stride_ss, s0, end,
+                                  qk_scale, m, denom, acc, BLOCK_H, BLOCK_S, FP8, INTERPRET)
 
     let_next_kernel_launch(PDL)
     o = acc / denom[:, None]
