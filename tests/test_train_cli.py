@@ -112,6 +112,7 @@ def test_training_scripts(script_path, tmp_path):
     assert config.per_device_train_batch_size == config.num_generations == batch
     assert (config.beta, config.epsilon_high, config.adam_beta2, config.weight_decay) == (0.0, 0.28, 0.99, 0.1)
     assert (config.seed, config.max_completion_length, config.resume_from_checkpoint) == (2025, 2048, "true")
+    assert config.compile_layers and config.unpadded_forward and not config.aqn_log_shift
 
 
 def test_llama_recipe_is_the_references_batch(tmp_path):

@@ -8,6 +8,8 @@
 # Qwen/Qwen2.5-$SIZE-Instruct), DATA_NAME=gsm8k|bigmath|dapomath (default gsm8k), CKPTS_DIR (default
 # ./ckpt/<run name>), PYTHON, DRY_RUN=1 (print the command instead of running it). Extra flags override the
 # recipe. Re-running continues from the newest checkpoint in CKPTS_DIR, as the reference does.
+# One GPU, so the decoder layers are compiled for the training passes (--compile-layers: at 32B an update's passes
+# took 5.5 s instead of 8.6, for ~1 min of compilation at the first step; docs/benchmarks.md, "The whole step").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,4 +34,5 @@ ${DRY_RUN:+echo} "$PYTHON" -m qerl.train \
     --per-device-train-batch-size "$BATCH" \
     --num-generations "$BATCH" \
     --resume-from-checkpoint true \
+    --compile-layers true \
     "$@"
