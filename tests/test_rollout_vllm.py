@@ -4,16 +4,21 @@ vLLM itself needs a GPU; tests/test_vllm_gpu.py runs the real engine there.
 """
 
 import contextlib
+import json
 import re
+import sys
+import types
 
 import pytest
 import torch
 from fakes import make_trainer
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig, Qwen3Config
 
 from qerl import policy, rollout
+from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
+from qerl.nvfp4.quantize import quantize_model
 from qerl.rollout import truncate_at_eos
-from qerl.rollout.vllm import VLLMRollout, adapter_tensors, lora_settings, sampling_kwargs
+from qerl.rollout.vllm import VLLMEngine, VLLMRollout, adapter_tensors, lora_settings, sampling_kwargs
 from qerl.trainer import QeRLConfig
 
 
@@ -184,3 +189,49 @@ def test_eval_on_vllm_pushes_the_saved_adapter_and_samples_with_the_protocol(tra
     assert prompt_ids == [tokenizer.apply_chat_template(prompts[0], add_generation_prompt=True)["input_ids"]]
     assert (params["temperature"], params["top_p"], params["max_tokens"], params["seed"]) == (0.6, 0.95, 12, 5)
     assert tokenizer.eos_token_id in params["stop_token_ids"]
+
+
+def test_engine_asks_vllm_for_a_sampler_that_takes_token_ids(monkeypatch):
+    """The LLM(...) arguments VLLMEngine passes (a stand-in `vllm` module records them): runner "generate", so that
+    vLLM never makes an embedding model of the folder (which then wants the tokenizer we skip)."""
+    created = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            created.append(kwargs)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost",
+                        "MASTER_PORT": "29500"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)  # restored afterwards; VLLMEngine only sets what is missing
+    VLLMEngine("/ckpt", lora_rank=16, fp32_norms=False, max_model_len=2304)
+    (kwargs,) = created
+    assert kwargs["model"] == "/ckpt" and kwargs["runner"] == "generate" and kwargs["skip_tokenizer_init"]
+    assert kwargs["enable_lora"] and kwargs["max_lora_rank"] == 16 and kwargs["max_model_len"] == 2304
+    assert kwargs["logprobs_mode"] == "processed_logprobs" and not kwargs["enable_prefix_caching"]
+    assert kwargs["distributed_executor_backend"] == "external_launcher" and kwargs["dtype"] == "bfloat16"
+
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, head_dim=16)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, architecture",
+    [
+        (lambda: Gemma3TextConfig(**TINY, query_pre_attn_scalar=16, sliding_window=8), "Gemma3ForCausalLM"),
+        (lambda: Qwen3Config(**TINY, tie_word_embeddings=False), "Qwen3ForCausalLM"),
+    ],
+    ids=["gemma3", "qwen3"],
+)
+def test_nvfp4_checkpoint_of_a_model_built_in_memory_names_its_causal_lm(tmp_path, config, architecture):
+    """A model built from a config (benchmarks.rollout) has no config.architectures; the NVFP4 writer records the
+    model's class as save_pretrained does. Without it vLLM takes the model type's base class (Gemma3TextModel,
+    Qwen3Model), which it serves as an embedding model."""
+    model = AutoModelForCausalLM.from_config(config())
+    assert not model.config.architectures
+    folder = save_nvfp4_checkpoint(quantize_model(model), tmp_path / "nvfp4")
+    written = json.loads((folder / "config.json").read_text())
+    assert written["architectures"] == [architecture]
+    assert written["model_type"] == model.config.model_type and "quantization_config" in written

@@ -160,6 +160,9 @@ class VLLMEngine:
         self.asleep = False
         self.llm = LLM(
             model=model_path,
+            # A sampler, never a pooling model: "auto" makes an embedding model of an architecture named like a
+            # base model (Qwen3Model, Gemma3TextModel: what vLLM assumes when config.json names none).
+            runner="generate",
             skip_tokenizer_init=True,  # prompts arrive as token ids
             dtype="bfloat16",
             gpu_memory_utilization=gpu_memory_utilization,

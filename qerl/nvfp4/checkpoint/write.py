@@ -190,7 +190,12 @@ def save_nvfp4_checkpoint(
             seen.add(tensor.data_ptr())
             writer.add(name, tensor)
         writer.finish()
-        write_config(model.config.to_dict(), tmp, ignore)
+        config = model.config.to_dict()
+        # The model's own class, as save_pretrained records it. A config built in memory (from_config) has none,
+        # and vLLM then takes the base-model class of the model type (Qwen3Model, Gemma3TextModel) and builds an
+        # embedding model from the folder instead of the causal LM.
+        config["architectures"] = [type(model).__name__.removeprefix("FSDP")]
+        write_config(config, tmp, ignore)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
