@@ -27,6 +27,7 @@ back only a few files.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import shlex
@@ -305,10 +306,24 @@ def restore(args) -> None:
             (results / f"{name}.json").write_text(json.dumps(result, indent=2))
 
 
+def check_deepspeed() -> None:
+    """Refuse to start when deepspeed is installed but does not import: transformers and accelerate import it in
+    every run once it is installed, so each launch (FSDP and DDP too) would fail seconds in. Seen on the GPU machine:
+    deepspeed 0.19.8 from a carried sdist without pydantic, which the machine's image lacks."""
+    code = "import deepspeed.runtime.zero.config"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode != 0:
+        error = (result.stderr.strip().splitlines() or ["no error text"])[-1]
+        raise SystemExit(f"deepspeed is installed but does not import ({error}); install what it names (pydantic: "
+                         "pydantic, pydantic-core, annotated-types, typing-inspection) or uninstall deepspeed")
+
+
 def run(args) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.restore:
         restore(args)
+    if importlib.util.find_spec("deepspeed") is not None:
+        check_deepspeed()
     phases = plan(args)
     say(f"{args.gpus} GPU(s); estimated wall time {estimate(phases, args.gpus) / 60:.1f} min on 4 H100s (guesses: "
         f"{GUESS}), less what earlier starts finished")  # fmt: skip

@@ -4,6 +4,8 @@ earlier skipped on a second start, and the benchmarks.md rows it writes from res
 import argparse
 import json
 
+import pytest
+
 from experiments import multi_gpu_suite as suite
 
 
@@ -70,3 +72,16 @@ def test_summary_rows(tmp_path):
     assert "| fsdp | 2 | 1.50 | 1.50x |" in text  # 32B: DDP's one-GPU row is the baseline
     assert "10.0 / 12.5" in text and "NVIDIA H100 80GB HBM3" in text
     assert sorted(p.name for p in (tmp_path / "bundle").iterdir()) == ["logs.tar.gz", "results.json", "summary.md"]
+
+
+def test_a_deepspeed_that_does_not_import_stops_the_suite_before_any_launch(tmp_path, monkeypatch):
+    """A deepspeed installed without its pydantic (as carried to the GPU machine once) breaks every launch, FSDP and
+    DDP too, since transformers imports it: the suite refuses to start and names the missing module."""
+    zero = tmp_path / "deepspeed" / "runtime" / "zero"
+    zero.mkdir(parents=True)
+    for folder in (tmp_path / "deepspeed", tmp_path / "deepspeed" / "runtime", zero):
+        (folder / "__init__.py").write_text("")
+    (zero / "config.py").write_text("import pydantic_that_is_missing\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(SystemExit, match="pydantic_that_is_missing"):
+        suite.check_deepspeed()
