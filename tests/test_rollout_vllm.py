@@ -14,11 +14,18 @@ import torch
 from fakes import make_trainer
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig, Qwen3Config
 
-from qerl import policy, rollout
+from qerl import aqn, policy, rollout
 from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 from qerl.nvfp4.quantize import quantize_model
 from qerl.rollout import truncate_at_eos
-from qerl.rollout.vllm import VLLMEngine, VLLMRollout, adapter_tensors, lora_settings, sampling_kwargs
+from qerl.rollout.vllm import (
+    VLLMEngine,
+    VLLMRollout,
+    _register_fp32_rmsnorm,
+    adapter_tensors,
+    lora_settings,
+    sampling_kwargs,
+)
 from qerl.trainer import QeRLConfig
 
 
@@ -235,3 +242,129 @@ def test_nvfp4_checkpoint_of_a_model_built_in_memory_names_its_causal_lm(tmp_pat
     written = json.loads((folder / "config.json").read_text())
     assert written["architectures"] == [architecture]
     assert written["model_type"] == model.config.model_type and "quantization_config" in written
+
+
+@pytest.fixture
+def vllm_norms(monkeypatch):
+    """Stand-ins for what _register_fp32_rmsnorm uses of vLLM 0.26 (model_executor/custom_op.py and
+    layers/layernorm.py): a CustomOp is built as the class op_registry_oot holds under its class name,
+    register_oot refuses a name twice, and RMSNorm / GemmaRMSNorm compute as vLLM's native forwards."""
+    registry = {}
+
+    class CustomOp(torch.nn.Module):
+        def __new__(cls, *args, **kwargs):
+            return super().__new__(registry.get(cls.__name__, cls))
+
+        @classmethod
+        def register_oot(cls, _decorated_op_cls=None, name=None):
+            def decorator(op_cls):
+                assert name not in registry, f"Duplicate op name: {name}"
+                op_cls.name = name
+                registry[name] = op_cls
+                return op_cls
+
+            return decorator
+
+    def rms_norm(x, weight, epsilon):  # vllm/ir/ops/layernorm.py
+        orig_dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+        return (x.to(weight.dtype) * weight).to(orig_dtype)
+
+    class RMSNorm(CustomOp):
+        def __init__(self, hidden_size, eps=1e-6, var_hidden_size=None, has_weight=True, dtype=None):
+            super().__init__()
+            self.variance_epsilon = eps
+            self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype or torch.get_default_dtype()))
+
+        def forward(self, x):
+            return rms_norm(x, self.weight.data, self.variance_epsilon)
+
+    class GemmaRMSNorm(CustomOp):
+        def __init__(self, hidden_size, eps=1e-6):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+            self.variance_epsilon = eps
+
+        def forward(self, x):
+            return rms_norm(x, self.weight.float() + 1.0, self.variance_epsilon)
+
+    custom_op = types.ModuleType("vllm.model_executor.custom_op")
+    custom_op.CustomOp, custom_op.op_registry_oot = CustomOp, registry
+    layernorm = types.ModuleType("vllm.model_executor.layers.layernorm")
+    layernorm.RMSNorm, layernorm.GemmaRMSNorm = RMSNorm, GemmaRMSNorm
+    for module in (types.ModuleType("vllm"), types.ModuleType("vllm.model_executor"), custom_op,
+                   types.ModuleType("vllm.model_executor.layers"), layernorm):  # fmt: skip
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # vLLM builds the model under the model's dtype
+    yield types.SimpleNamespace(registry=registry, RMSNorm=RMSNorm, GemmaRMSNorm=GemmaRMSNorm)
+    torch.set_default_dtype(default_dtype)
+
+
+def test_fp32_norms_cover_rmsnorm_and_gemma_rmsnorm(vllm_norms):
+    """Both of vLLM's norm classes are built with an FP32 scale (Gemma-3 uses GemmaRMSNorm throughout); a second
+    engine in the process registers nothing again, and each name is skipped on its own."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    registry = vllm_norms.registry
+    registry["RMSNorm"] = kept = type("OtherRMSNorm", (vllm_norms.RMSNorm,), {})  # registered before us
+    _register_fp32_rmsnorm()
+    assert registry["RMSNorm"] is kept and set(registry) == {"RMSNorm", "GemmaRMSNorm"}
+    del registry["RMSNorm"]
+    _register_fp32_rmsnorm()
+    registered = dict(registry)
+    _register_fp32_rmsnorm()  # would trip register_oot's duplicate-name assertion
+    assert registry == registered
+
+    norm = vllm_norms.RMSNorm(16, eps=1e-6)
+    assert type(norm) is registry["RMSNorm"] and norm.weight.dtype == torch.float32
+    gemma = vllm_norms.GemmaRMSNorm(16, eps=1e-6)
+    assert type(gemma) is registry["GemmaRMSNorm"] and isinstance(gemma, vllm_norms.GemmaRMSNorm)
+    assert isinstance(gemma.weight, torch.nn.Parameter) and gemma.weight.dtype == torch.float32
+    assert torch.equal(gemma.weight, torch.zeros(16)) and gemma.variance_epsilon == 1e-6
+    # Same w, same output as the policy's Gemma3RMSNorm: the (1 + w) convention is kept, so w is copied as is.
+    w = torch.randn(16, dtype=torch.float32) * 0.1
+    reference = Gemma3RMSNorm(16, eps=1e-6).float()  # the policy's trained norm: an FP32 master
+    with torch.no_grad():
+        gemma.weight.copy_(w)
+        reference.weight.copy_(w)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    assert gemma(x).dtype == torch.bfloat16 and torch.equal(gemma(x), reference(x))
+
+
+def test_aqn_writes_in_place_on_vllm_gemma_norms_after_load_norms(vllm_norms):
+    """On a vLLM-like Gemma model, load_norms copies the trained w into the FP32 scales exactly, and AQN's fp32 rule
+    perturbs them in place (the Parameter objects that captured graphs read) and restores them bit for bit; a stock
+    BF16 GemmaRMSNorm would get a new Parameter instead, which a captured graph never sees."""
+    stock = vllm_norms.GemmaRMSNorm(16)
+    original = stock.weight
+    with aqn.noisy_norms(torch.nn.Sequential(torch.nn.ModuleList([stock])), 1e-4, torch.Generator().manual_seed(0),
+                         fp32_compute=False):  # fmt: skip
+        assert original.dtype == torch.bfloat16 and stock.weight is not original
+    _register_fp32_rmsnorm()
+
+    def layer():
+        return torch.nn.ModuleDict({n: vllm_norms.GemmaRMSNorm(16) for n in ("input_layernorm", "q_norm")})
+
+    inner = torch.nn.Module()
+    inner.layers, inner.norm = torch.nn.ModuleList([layer(), layer()]), vllm_norms.GemmaRMSNorm(16)
+    model = torch.nn.Module()
+    model.model = inner
+    trained = {f"model.layers.{i}.input_layernorm.weight": torch.randn(16, dtype=torch.float32) * 0.1 for i in (0, 1)}
+    VLLMEngine.load_norms(types.SimpleNamespace(model=model, _params=None), trained)
+    # (norm, its Parameter, the trained w) for each pushed norm
+    sites = [(model.get_submodule(n.removesuffix(".weight")), model.get_parameter(n), w) for n, w in trained.items()]
+    assert all(torch.equal(param, w) for _, param, w in sites)  # FP32 values, not rounded to BF16
+
+    x = torch.randn(3, 16, dtype=torch.float32)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    clean = [norm(x) for norm, _, _ in sites]
+    with aqn.noisy_norms(model, 1e-4, torch.Generator().manual_seed(0), fp32_compute=False) as stats:
+        assert stats.changed_fraction == 1.0  # 1e-4 survives on every FP32 entry
+        for (norm, param, w), before in zip(sites, clean, strict=True):
+            assert norm._parameters["weight"] is param  # in place
+            noise = param - w
+            assert 0 < noise.abs().max() < 1e-3
+            torch.testing.assert_close(norm(x) - before, normed * noise, rtol=1e-3, atol=1e-6)  # noise on 1 + w
+    assert all(norm._parameters["weight"] is param and torch.equal(param, w) for norm, param, w in sites)

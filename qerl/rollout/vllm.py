@@ -15,7 +15,11 @@ worker's adapter manager), so no file is written and no vLLM module is changed.
 AQN needs vLLM's norm weights in FP32 (the `fp32` noise rule): noise of 1e-4 on a scale near 1 does not
 survive a BF16 weight. `fp32_norms` registers, through vLLM's out-of-tree layer hook (`CustomOp.register_oot`),
 an RMSNorm whose weight is FP32; vLLM's RMSNorm then multiplies in FP32 (its native path: its fused CUDA kernel
-needs matching dtypes) and rounds the output once to BF16.
+needs matching dtypes) and rounds the output once to BF16. Gemma's GemmaRMSNorm (Gemma-3's layer, q/k and final
+norms) gets the same: it stores w and computes x * (1 + w) in FP32 already, so only its weight changes dtype.
+Both conventions store what the policy's norms store (Gemma3RMSNorm keeps w too), so `load_norms` copies the
+trained values as they are, and noise on w is noise on 1 + w. With FP32 weights AQN writes in place, which
+CUDA graphs and torch.compile see; a BF16 weight would be swapped for an FP32 copy they never read.
 
 The pure parts (tensor names, norm mapping, sampling parameters, the round's call order) run without vLLM and
 are tested on CPU; the engine itself is `VLLMEngine`, which the GPU tests exercise.
@@ -116,17 +120,29 @@ def sampling_kwargs(generation_config, eos_token_ids: list[int]) -> dict[str, An
 
 
 def _register_fp32_rmsnorm() -> None:
-    """Make every RMSNorm that vLLM builds in this process hold its scale in FP32 (see the module docstring)."""
+    """Make every RMSNorm and GemmaRMSNorm that vLLM builds in this process hold its scale in FP32 (see the module
+    docstring)."""
     from vllm.model_executor.custom_op import CustomOp, op_registry_oot
-    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
-    if "RMSNorm" in op_registry_oot:
-        return
+    # Each name on its own: register_oot refuses a name twice (a second engine in this process), and one of the
+    # two may be registered without the other.
+    if "RMSNorm" not in op_registry_oot:
 
-    @CustomOp.register_oot(name="RMSNorm")
-    class FP32ScaleRMSNorm(RMSNorm):
-        def __init__(self, hidden_size, eps=1e-6, var_hidden_size=None, has_weight=True, dtype=None):
-            super().__init__(hidden_size, eps, var_hidden_size, has_weight, dtype=torch.float32)
+        @CustomOp.register_oot(name="RMSNorm")
+        class FP32ScaleRMSNorm(RMSNorm):
+            def __init__(self, hidden_size, eps=1e-6, var_hidden_size=None, has_weight=True, dtype=None):
+                super().__init__(hidden_size, eps, var_hidden_size, has_weight, dtype=torch.float32)
+
+    if "GemmaRMSNorm" not in op_registry_oot:
+
+        @CustomOp.register_oot(name="GemmaRMSNorm")
+        class FP32ScaleGemmaRMSNorm(GemmaRMSNorm):
+            # GemmaRMSNorm takes no dtype: replace its weight (zeros, as it starts; the loader fills it).
+            # Its forward, (w.float() + 1) in FP32, then reads this Parameter unchanged.
+            def __init__(self, hidden_size, eps=1e-6):
+                super().__init__(hidden_size, eps)
+                self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=torch.float32))
 
 
 class VLLMEngine:
