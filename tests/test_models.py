@@ -34,9 +34,10 @@ def _byte_level_alphabet() -> list[str]:
 
 
 def write_tiny_gguf(path: Path, arch="llama", hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, seed=0) -> Path:
-    """A GGUF as llama.cpp's converter writes SmolLM2's (arch "llama") or Qwen2.5's ("qwen2": q/k/v biases in F32,
-    rope base 1e6): Q4_1 projections and embedding, F32 norms, a byte-level BPE tokenizer with ChatML specials,
-    tied embeddings, and SmolLM2's wrong metadata (eos = bos = <|im_start|>, no pad token)."""
+    """A GGUF as llama.cpp's converter writes SmolLM2's (arch "llama"), Qwen2.5's ("qwen2": q/k/v biases in F32,
+    rope base 1e6) or Qwen3's ("qwen3": no biases, head_dim 128, F32 per-head q/k RMSNorm weights): Q4_1
+    projections and embedding, F32 norms, a byte-level BPE tokenizer with ChatML specials, tied embeddings, and
+    SmolLM2's wrong metadata (eos = bos = <|im_start|>, no pad token)."""
     import gguf
     from gguf.quants import quantize
 
@@ -50,9 +51,16 @@ def write_tiny_gguf(path: Path, arch="llama", hidden=64, layers=2, ffn=128, head
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(hidden // heads)
-    writer.add_rope_freq_base(1e6 if arch == "qwen2" else 10000.0)
-    writer.add_layer_norm_rms_eps(1e-6 if arch == "qwen2" else 1e-5)
+    # Qwen3 sets head_dim apart from hidden / heads (128 in every dense Qwen3). llama.cpp writes it as key_length,
+    # which transformers' qwen3 GGUF mapping does not read: it takes Qwen3Config's default, 128.
+    head_dim = 128 if arch == "qwen3" else hidden // heads
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    qwen = arch in ("qwen2", "qwen3")
+    writer.add_rope_freq_base(1e6 if qwen else 10000.0)
+    writer.add_layer_norm_rms_eps(1e-6 if qwen else 1e-5)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
@@ -67,17 +75,20 @@ def write_tiny_gguf(path: Path, arch="llama", hidden=64, layers=2, ffn=128, head
         packed = quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
         writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
 
-    kv = hidden // heads * kv_heads
+    q, kv = head_dim * heads, head_dim * kv_heads
     q4_1("token_embd.weight", (len(tokens), hidden))
     for i in range(layers):
-        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
-                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+        for name, shape in (("attn_q", (q, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+                            ("attn_output", (hidden, q)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
                             ("ffn_down", (hidden, ffn))):  # fmt: skip
             q4_1(f"blk.{i}.{name}.weight", shape)
             if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
                 writer.add_tensor(f"blk.{i}.{name}.bias", (0.5 * rng.standard_normal(shape[0])).astype(np.float32))
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        if arch == "qwen3":
+            for norm in ("attn_q_norm", "attn_k_norm"):  # over one head's dimensions
+                writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + rng.standard_normal(head_dim)).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -125,6 +136,26 @@ def test_qwen2_conversion_keeps_qkv_biases(tmp_path):
     for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
         assert projection.bias is not None and projection.bias.abs().max() > 0.5  # drawn with sd 0.5
     assert attention.o_proj.bias is None
+    ids = torch.randint(0, ours.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, reference(ids).logits)
+
+
+def test_qwen3_conversion_keeps_qk_norms(tmp_path):
+    """Qwen3's architecture (a future registry entry's converter path): per-head q/k RMSNorm weights survive the
+    conversion, no q/k/v biases appear; the logits equal transformers' own GGUF load."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_gguf(tmp_path / "tiny-qwen3.gguf", arch="qwen3", seed=4)
+    out = tmp_path / "bf16"
+    convert_gguf(path, out, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    reference, _ = load_gguf(path, dtype=torch.bfloat16)
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert type(ours).__name__ == "Qwen3ForCausalLM" and ours.config.rope_parameters["rope_theta"] == 1e6
+    attention = ours.model.layers[1].self_attn
+    assert attention.q_proj.bias is None and attention.k_proj.bias is None
+    for norm in (attention.q_norm, attention.k_norm):
+        assert norm.weight.shape == (ours.config.head_dim,) and (norm.weight.float() - 1).abs().max() > 1  # sd 1
     ids = torch.randint(0, ours.config.vocab_size, (2, 24))
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, reference(ids).logits)
