@@ -183,8 +183,9 @@ def test_aqn_head_norms_perturbs_qwen3s_per_head_norms_in_rollout_and_shift_forw
 
     model, tokenizer = build_tiny(architecture="qwen3", head_dim=32)
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "qwen3"), model, tokenizer)
-    trainer = make_trainer(nvfp4_dir, _config(tmp_path, max_steps=2, num_stages=3, sigma_start=0.1, sigma_end=0.05,
-                                              rollout_backend="native", aqn_head_norms=True, aqn_log_shift=True))  # fmt: skip
+    args = _config(tmp_path, max_steps=2, num_stages=3, sigma_start=0.1, sigma_end=0.05, rollout_backend="native",
+                   aqn_head_norms=True, aqn_log_shift=True)  # fmt: skip
+    trainer = make_trainer(nvfp4_dir, args)
     head_norms = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n.endswith(("q_norm.weight",
                                                                                                  "k_norm.weight"))}
     trainer.train()
