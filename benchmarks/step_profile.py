@@ -52,6 +52,7 @@ class StepProfile(TrainerCallback):
         self.step = -1
         self.step_starts: list[float] = []
         self.stack: list[list] = []  # [name, start, children's time]
+        self._ranges: list = []  # the open torch.profiler ranges, one per entry of `stack`
         self.exclusive: list[dict[str, float]] = []  # per step: phase -> seconds
         self.forwards: list[dict[str, int]] = []  # per step: phase -> decoder passes (layer 0 forwards)
         self.tokens: list[dict[str, list[int]]] = []  # per step: forward phase -> [real tokens, sum of squared rows]
@@ -95,7 +96,6 @@ class StepProfile(TrainerCallback):
 
     def _instrument(self):
         t = self.trainer
-        self._ranges = []
         self._wrap(t, "_generate_and_score_completions", "generation round")
         self._wrap(t.rollout, "generate", "rollout")
         if t.rollout.name == "native":
