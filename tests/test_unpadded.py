@@ -100,11 +100,14 @@ def _grads_and_outputs(trainer, inputs):
 
 
 @pytest.mark.parametrize(
-    "precision,device", [("nvfp4", "cpu"), ("bf16", "cpu"), pytest.param("nvfp4", "cuda", marks=pytest.mark.gpu)]
-)
-def test_unpadded_forward_matches_trl_padded_path_in_bf16(checkpoints, tmp_path, precision, device, seed):
+    "precision,device,compiled",
+    [("nvfp4", "cpu", False), ("bf16", "cpu", False), pytest.param("nvfp4", "cuda", False, marks=pytest.mark.gpu),
+     pytest.param("nvfp4", "cuda", True, marks=pytest.mark.gpu)],
+)  # fmt: skip
+def test_unpadded_forward_matches_trl_padded_path_in_bf16(checkpoints, tmp_path, precision, device, compiled, seed):
     """On the GPU the two paths run different attention kernels: TRL's layout takes the padding mask to
-    EFFICIENT_ATTENTION, the unpadded one runs FlashAttention under the causal mask alone."""
+    EFFICIENT_ATTENTION, the unpadded one runs FlashAttention under the causal mask alone. `compiled`: the unpadded
+    path with compile_layers (the kernels torch.compile fuses round differently; on the CPU it compiles for minutes)."""
     bf16_dir, nvfp4_dir = checkpoints
     folder = nvfp4_dir if precision == "nvfp4" else bf16_dir
     gen = torch.Generator().manual_seed(seed)
@@ -115,7 +118,7 @@ def test_unpadded_forward_matches_trl_padded_path_in_bf16(checkpoints, tmp_path,
                           max_completion_length=96, learning_rate=1e-5, lora_rank=4, lora_alpha=8,
                           bf16=dtype == torch.bfloat16, gradient_checkpointing=False, loss_type="dapo", beta=0.0,
                           epsilon_high=0.28, aqn=False, report_to=[], seed=3, unpadded_forward=flag,
-                          use_cpu=device == "cpu")  # fmt: skip
+                          compile_layers=compiled and flag, use_cpu=device == "cpu")  # fmt: skip
         trainer = make_trainer(folder, args, dtype=dtype)
         torch.manual_seed(0)  # the same LoRA B (nonzero below) in every copy
         for module in trainer.model.modules():
