@@ -121,44 +121,40 @@ def test_conversion_gives_transformers_own_gguf_logits(tiny_gguf, converted, see
     assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()  # still tied
 
 
+def _converted_like_transformers(tmp_path, arch: str, seed: int):
+    """A tiny GGUF of `arch` converted by us, after checking that its logits equal transformers' own GGUF load."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch=arch, seed=seed)
+    convert_gguf(path, tmp_path / "bf16", eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    reference, _ = load_gguf(path, dtype=torch.bfloat16)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    ids = torch.randint(0, ours.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, reference(ids).logits)
+    return ours
+
+
 def test_qwen2_conversion_keeps_qkv_biases(tmp_path):
     """Qwen2.5's architecture: q/k/v biases (F32 in the GGUF) and rope base 1e6 survive the conversion; the logits
     equal transformers' own GGUF load."""
-    from transformers import AutoModelForCausalLM
-
-    path = write_tiny_gguf(tmp_path / "tiny-qwen2.gguf", arch="qwen2", seed=3)
-    out = tmp_path / "bf16"
-    convert_gguf(path, out, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    reference, _ = load_gguf(path, dtype=torch.bfloat16)
-    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    ours = _converted_like_transformers(tmp_path, "qwen2", seed=3)
     assert type(ours).__name__ == "Qwen2ForCausalLM" and ours.config.rope_parameters["rope_theta"] == 1e6
     attention = ours.model.layers[1].self_attn
     for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
         assert projection.bias is not None and projection.bias.abs().max() > 0.5  # drawn with sd 0.5
     assert attention.o_proj.bias is None
-    ids = torch.randint(0, ours.config.vocab_size, (2, 24))
-    with torch.no_grad():
-        assert torch.equal(ours(ids).logits, reference(ids).logits)
 
 
 def test_qwen3_conversion_keeps_qk_norms(tmp_path):
     """Qwen3's architecture (a future registry entry's converter path): per-head q/k RMSNorm weights survive the
     conversion, no q/k/v biases appear; the logits equal transformers' own GGUF load."""
-    from transformers import AutoModelForCausalLM
-
-    path = write_tiny_gguf(tmp_path / "tiny-qwen3.gguf", arch="qwen3", seed=4)
-    out = tmp_path / "bf16"
-    convert_gguf(path, out, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    reference, _ = load_gguf(path, dtype=torch.bfloat16)
-    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    ours = _converted_like_transformers(tmp_path, "qwen3", seed=4)
     assert type(ours).__name__ == "Qwen3ForCausalLM" and ours.config.rope_parameters["rope_theta"] == 1e6
     attention = ours.model.layers[1].self_attn
     assert attention.q_proj.bias is None and attention.k_proj.bias is None
     for norm in (attention.q_norm, attention.k_norm):
         assert norm.weight.shape == (ours.config.head_dim,) and (norm.weight.float() - 1).abs().max() > 1  # sd 1
-    ids = torch.randint(0, ours.config.vocab_size, (2, 24))
-    with torch.no_grad():
-        assert torch.equal(ours(ids).logits, reference(ids).logits)
 
 
 def test_conversion_fixes_special_tokens(converted):
