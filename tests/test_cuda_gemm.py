@@ -92,7 +92,7 @@ def test_wgmma_kernel_builds_unserialized(sm90a_build):
 
 
 def test_wgmma_ceiling_probe_builds_unserialized(tmp_path):
-    """benchmarks/probe_gemm.py's wgmma-ceiling kernels time the wgmma kernel's chunk loop: they must build the way it
+    """benchmarks/probe_gemm.cu's wgmma-ceiling kernels time the wgmma kernel's chunk loop: they must build the way it
     does, with no wgmma serialized and no spills, or they would time something else."""
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
@@ -102,7 +102,7 @@ def test_wgmma_ceiling_probe_builds_unserialized(tmp_path):
                                "CeilingArgs"),
                               ([f"wgmma_ceiling_ldg<{s}, {w}, {r}>" for s, r, _ in CEILING_LDG_SOURCES for w in (1, 4)],
                                "CeilingLdgArgs")):
-        report, _ = _nvcc_build(tmp_path, "sm_90a", instances, CEILING_SOURCE, params)
+        report, _ = _nvcc_build(tmp_path, "sm_90a", instances, CEILING_SOURCE.read_text(), params)
         assert "Potential Performance Loss" not in report, report
         spills = re.findall(r"(\d+) bytes spill stores", report)
         assert len(spills) == len(instances) and all(s == "0" for s in spills), report
