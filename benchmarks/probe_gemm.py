@@ -20,9 +20,10 @@ each thread's own loads, as the kernel feeds it (docs/kernel_notes.md, "Eleventh
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import functools
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -83,6 +84,35 @@ def stream(packed, scale, cfg, out):
     tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
     _stream_kernel[(n_tiles, cfg.split_k)](p_desc, s_desc, out, tiles, BLOCK_N=cfg.block_n, KW=cfg.block_k // 8,
                                            KG=cfg.block_k // 16, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+
+
+def stream_probe():
+    """On the 7B shapes at M = 1, 8, 16: the streaming probe with the Triton GEMM's default config, nvfp4_linear and
+    cuBLAS BF16; at M = 8 also the probe at other splits and ring depths, and with each CTA's tiles contiguous."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    for name, (n, k) in shapes("7B").items():
+        c = Copies(n, k, dev)
+        for m in (1, 8, 16):
+            cfg = tk.default_config(m, n, k, dev)
+            out = torch.empty(4096 * 64, dtype=torch.int32, device=dev)
+            t_stream = graph_time_us([lambda q=q, cfg=cfg, out=out: stream(q.packed, q.scale, cfg, out) for q in c.fp4])
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            t_gemm = graph_time_us([lambda q=q, x=x: kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
+                                    for q in c.fp4])
+            t_bf = graph_time_us([lambda w=w, x=x: x @ w.t() for w in c.bf16])
+            nb = nvfp4_bytes(n, k)
+            print(f"{name:8s} M={m:2d} cfg={tuple(cfg)} bf16 {t_bf:6.1f} us | stream {t_stream:6.1f} us "
+                  f"{nb / t_stream / 1e3:5.0f} GB/s | gemm {t_gemm:6.1f} us {nb / t_gemm / 1e3:5.0f} GB/s", flush=True)
+            if m != 8:
+                continue
+            for split_mul, stages in ((1, 2), (1, 4), (1, 6), (2, 3), (4, 3), (0.5, 3)):
+                v = tk.GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, max(1, int(cfg.split_k * split_mul)),
+                                  cfg.num_warps, stages)
+                t = graph_time_us([lambda q=q, v=v, out=out: stream(q.packed, q.scale, v, out) for q in c.fp4])
+                t_lin = graph_time_us([lambda q=q, v=v, out=out: stream_linear(q.packed, v, out) for q in c.fp4])
+                print(f"   stream split {v.split_k:2d} stages {stages}: {t:6.1f} us {nb / t / 1e3:5.0f} GB/s | "
+                      f"contiguous tiles {t_lin:6.1f} us {n * k // 2 / t_lin / 1e3:5.0f} GB/s", flush=True)
 
 
 def split_sweep():
@@ -338,41 +368,42 @@ def wgmma_by_k():
             torch.cuda.empty_cache()
 
 
-def main(mode):
+def ncu_targets():
+    """nvfp4_linear at M = 8 on six weight copies of each 7B shape, timing nothing: the calls for Nsight Compute to
+    sample."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    for name, (n, k) in shapes("7B").items():
+    for n, k in shapes("7B").values():
         c = Copies(n, k, dev)
-        if mode == "ncu":
-            x = torch.randn(8, k, device=dev, dtype=torch.bfloat16)
-            for q in c.fp4[:6]:
-                kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
-            torch.cuda.synchronize()
-            continue
-        for m in (1, 8, 16):
-            cfg = tk.default_config(m, n, k, dev)
-            out = torch.empty(4096 * 64, dtype=torch.int32, device=dev)
-            t_stream = graph_time_us([lambda q=q, cfg=cfg, out=out: stream(q.packed, q.scale, cfg, out) for q in c.fp4])
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            t_gemm = graph_time_us([lambda q=q, x=x: kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
-                                    for q in c.fp4])
-            t_bf = graph_time_us([lambda w=w, x=x: x @ w.t() for w in c.bf16])
-            nb = nvfp4_bytes(n, k)
-            print(f"{name:8s} M={m:2d} cfg={tuple(cfg)} bf16 {t_bf:6.1f} us | stream {t_stream:6.1f} us "
-                  f"{nb / t_stream / 1e3:5.0f} GB/s | gemm {t_gemm:6.1f} us {nb / t_gemm / 1e3:5.0f} GB/s", flush=True)
-            if m != 8:
-                continue
-            for split_mul, stages in ((1, 2), (1, 4), (1, 6), (2, 3), (4, 3), (0.5, 3)):
-                v = tk.GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, max(1, int(cfg.split_k * split_mul)),
-                                  cfg.num_warps, stages)
-                t = graph_time_us([lambda q=q, v=v, out=out: stream(q.packed, q.scale, v, out) for q in c.fp4])
-                t_lin = graph_time_us([lambda q=q, v=v, out=out: stream_linear(q.packed, v, out) for q in c.fp4])
-                print(f"   stream split {v.split_k:2d} stages {stages}: {t:6.1f} us {nb / t / 1e3:5.0f} GB/s | "
-                      f"contiguous tiles {t_lin:6.1f} us {n * k // 2 / t_lin / 1e3:5.0f} GB/s", flush=True)
+        x = torch.randn(8, k, device=dev, dtype=torch.bfloat16)
+        for q in c.fp4[:6]:
+            kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
+        torch.cuda.synchronize()
+
+
+MODES = {  # subcommand: the probe it runs, and what that measures (the module docstring's line)
+    "stream": (stream_probe, "bandwidth of the GEMM's TMA access pattern alone"),
+    "splits": (split_sweep, "every split-K on the shapes where wave count matters"),
+    "host": (host_cost, "host time per eager call (what bounds eager decode)"),
+    "cuda": (cuda_vs_triton, "CUDA vs Triton decode GEMM, with the engine's LoRA ranks"),
+    "wgmma": (wgmma_vs_triton, "CUDA wgmma vs Triton GEMM and cuBLAS BF16 at 40 and 64 rows"),
+    "wgmma-lora": (functools.partial(wgmma_vs_triton, lora=True),
+                   "the same with the rollout engine's LoRA in the same launch"),
+    "wgmma-ceiling": (wgmma_ceiling, "the 64-row wgmma loop, built up part by part"),
+    "wgmma-by-k": (wgmma_by_k, "the 64-row wgmma GEMM's time against K: fixed cost and slope"),
+    "ncu": (ncu_targets, "the GEMM on a few 7B shapes, untimed, for Nsight Compute to sample: "
+                         "ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probe_gemm ncu"),
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)  # a mistyped mode runs nothing
+    for mode, (_, measures) in MODES.items():
+        modes.add_parser(mode, help=measures, description=measures)
+    probe, _ = MODES[parser.parse_args(argv).mode]
+    probe()
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1] if len(sys.argv) > 1 else "stream"
-    {"splits": split_sweep, "host": host_cost, "cuda": cuda_vs_triton, "wgmma": wgmma_vs_triton,
-     "wgmma-lora": lambda: wgmma_vs_triton(lora=True), "wgmma-ceiling": wgmma_ceiling,
-     "wgmma-by-k": wgmma_by_k}.get(mode, lambda: main(mode))()
+    main()
