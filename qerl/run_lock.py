@@ -14,7 +14,7 @@ import os
 import socket
 from pathlib import Path
 
-from qerl.cli import UsageError
+from qerl.errors import UsageError
 
 LOCK_FILE = ".qerl-train.lock"
 

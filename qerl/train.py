@@ -28,7 +28,8 @@ import torch
 import yaml
 from trl import TrlParser
 
-from qerl import cli, data, policy, rewards
+from qerl import cli, data, input_checks, policy, rewards
+from qerl.errors import UsageError, nearest, one_line
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.run_lock import RunLock
 from qerl.trainer import QeRLConfig, QeRLTrainer
@@ -130,7 +131,7 @@ def check_ranges(settings: dict, named: Callable[[str], str]) -> None:
                 continue
         problem = rule.problem(value)
         if problem:
-            raise cli.UsageError(f"{named(name)} {problem}")
+            raise UsageError(f"{named(name)} {problem}")
 
 
 # `python -m qerl.train --help`: these first; `--help-all` lists every field of TRL and transformers.
@@ -202,30 +203,30 @@ def load_recipe(path: str, parser: _Parser, named_by: str = "--config", _extendi
     """A recipe's settings: first those of the files its `base:` names (one path or a list, relative to the recipe;
     a later file overrides an earlier one), then its own. Every key must be a flag's name (or `env`)."""
     where = f"{named_by} {path}"
-    cli.check_file(path, named_by)
+    input_checks.check_file(path, named_by)
     try:
         with open(path) as f:
             recipe = yaml.safe_load(f)
     except yaml.YAMLError as err:
-        raise cli.UsageError(f"{where}: not valid YAML ({cli.one_line(err)})") from None
+        raise UsageError(f"{where}: not valid YAML ({one_line(err)})") from None
     if not isinstance(recipe, dict):
-        raise cli.UsageError(f"{where}: expected a mapping of flag names to values")
+        raise UsageError(f"{where}: expected a mapping of flag names to values")
     known = {action.dest for action in parser._actions} | {"env", "base"}
     for key in recipe:
         if key not in known:
-            raise cli.UsageError(f"{where}: unknown key {key!r}{cli.nearest(str(key), sorted(known))}")
+            raise UsageError(f"{where}: unknown key {key!r}{nearest(str(key), sorted(known))}")
     bases = recipe.pop("base", [])
     bases = [bases] if isinstance(bases, str) else bases
     if not isinstance(bases, list) or not all(isinstance(base, str) for base in bases):
-        raise cli.UsageError(f"{where}: base must be a file name or a list of them")
+        raise UsageError(f"{where}: base must be a file name or a list of them")
     if not isinstance(recipe.get("env", {}), dict):
-        raise cli.UsageError(f"{where}: env must be a mapping of variable names to values")
+        raise UsageError(f"{where}: env must be a mapping of variable names to values")
     extending = (*_extending, os.path.realpath(path))
     settings: dict = {"env": {}}
     for base in bases:
         base_path = os.path.join(os.path.dirname(path), base)
         if os.path.realpath(base_path) in extending:
-            raise cli.UsageError(f"{where}: base {base} extends itself")
+            raise UsageError(f"{where}: base {base} extends itself")
         inherited = load_recipe(base_path, parser, f"{path}: base", extending)
         settings = {**settings, **inherited, "env": {**settings["env"], **inherited["env"]}}
     return {**settings, **recipe, "env": {**settings["env"], **recipe.get("env", {})}}
@@ -245,7 +246,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
     if "--config" in argv:  # the recipe sets the defaults, flags override them
         index = argv.index("--config")
         if index + 1 == len(argv):
-            raise cli.UsageError("--config needs a YAML file")
+            raise UsageError("--config needs a YAML file")
         recipe_path = argv.pop(index + 1)
         recipe = load_recipe(recipe_path, parser)
         argv.pop(index)
@@ -265,9 +266,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
     try:
         script_args, config = parser.parse_args_and_config(args=argv)
     except ValueError as err:  # raised while building the configs from flags: the flags are at fault
-        raise cli.UsageError(str(err)) from err
+        raise UsageError(str(err)) from err
     if not script_args.model_name:
-        raise cli.UsageError("--model-name is required (a checkpoint folder or hub id)")
+        raise UsageError("--model-name is required (a checkpoint folder or hub id)")
     for name, reason in IGNORED_FLAGS.items():
         if getattr(script_args, name) is not None:
             warnings.warn(f"ignoring --{name.replace('_', '-')}: {reason}", stacklevel=2)
@@ -275,39 +276,34 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
 
 
 def _check_dataset(name: str, dataset_format: str) -> None:
-    if name in data.KNOWN_DATASETS:
+    columns = input_checks.check_dataset(name, data.KNOWN_DATASETS, "--dataset")
+    if columns is None:
         return
-    if not os.path.exists(name) and not name.lower().endswith(cli.DATA_EXTENSIONS) and os.sep not in name:
-        raise cli.UsageError(
-            f"--dataset {name}: unknown dataset{cli.nearest(name, data.KNOWN_DATASETS)}; known datasets are "
-            f"{', '.join(data.KNOWN_DATASETS)}, or give a local {' / '.join(cli.DATA_EXTENSIONS)} file"
-        )
-    columns = cli.data_file_columns(name, "--dataset")
     fmt = dataset_format
     if fmt == "auto":
         try:
             fmt = data.detect_format(columns, name)
         except ValueError as err:
-            raise cli.UsageError(str(err)) from None
-    cli.require_columns(name, columns, data.FORMAT_COLUMNS[fmt], f"format {fmt!r}")
+            raise UsageError(str(err)) from None
+    input_checks.require_columns(name, columns, data.FORMAT_COLUMNS[fmt], f"format {fmt!r}")
 
 
 def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
     """Every check that needs no model or dataset loaded, so that a mistake costs seconds, not a 7B load."""
     if os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
-        raise cli.UsageError(f"--output-dir {config.output_dir}: is a file")
-    cli.check_model(script_args.model_name, "--model-name")
+        raise UsageError(f"--output-dir {config.output_dir}: is a file")
+    input_checks.check_model(script_args.model_name, "--model-name")
     if script_args.precision not in policy.PRECISIONS:
-        raise cli.UsageError(f"--precision {script_args.precision!r}: use one of {', '.join(policy.PRECISIONS)}")
+        raise UsageError(f"--precision {script_args.precision!r}: use one of {', '.join(policy.PRECISIONS)}")
     # A folder quantized some other way than NVFP4A16 is refused here, by name.
     if is_nvfp4_checkpoint(script_args.model_name) and script_args.precision == "bf16":
-        raise cli.UsageError(f"--model-name {script_args.model_name} is an NVFP4 checkpoint; use --precision auto")
+        raise UsageError(f"--model-name {script_args.model_name} is an NVFP4 checkpoint; use --precision auto")
     if not isinstance(getattr(torch, script_args.dtype, None), torch.dtype):
-        raise cli.UsageError(f"--dtype {script_args.dtype!r} is not a torch dtype (bfloat16, float16, float32)")
+        raise UsageError(f"--dtype {script_args.dtype!r} is not a torch dtype (bfloat16, float16, float32)")
     formats = ("auto", *data.FORMAT_COLUMNS)
     if script_args.dataset_format not in formats:
-        raise cli.UsageError(
-            f"--dataset-format {script_args.dataset_format!r}{cli.nearest(script_args.dataset_format, formats)}: "
+        raise UsageError(
+            f"--dataset-format {script_args.dataset_format!r}{nearest(script_args.dataset_format, formats)}: "
             f"use one of {', '.join(formats)}"
         )
     _check_dataset(script_args.dataset, script_args.dataset_format)
@@ -341,9 +337,9 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
         logger.warning("no complete checkpoint in %s yet: starting from scratch", output_dir)
         return None
     if not os.path.isdir(value):
-        raise cli.UsageError(f"--resume-from-checkpoint {value}: no such checkpoint folder")
+        raise UsageError(f"--resume-from-checkpoint {value}: no such checkpoint folder")
     if not _is_complete(Path(value)):
-        raise cli.UsageError(f"--resume-from-checkpoint {value}: incomplete (no readable trainer_state.json)")
+        raise UsageError(f"--resume-from-checkpoint {value}: incomplete (no readable trainer_state.json)")
     return value
 
 
@@ -367,8 +363,10 @@ def prepare_output_dir(script_args: QeRLScriptArguments, config: QeRLConfig, loc
     earlier = []
     if resume is not None:
         if script_args.overwrite_output_dir:
-            raise cli.UsageError("--overwrite-output-dir and --resume-from-checkpoint contradict each other: pick one")
-        cli.check_adapter(resume, "--resume-from-checkpoint", script_args.model_name, "--model-name", config.lora_rank)
+            raise UsageError("--overwrite-output-dir and --resume-from-checkpoint contradict each other: pick one")
+        input_checks.check_adapter(
+            resume, "--resume-from-checkpoint", script_args.model_name, "--model-name", config.lora_rank
+        )
         with open(os.path.join(resume, "trainer_state.json")) as f:
             step = json.load(f)["global_step"]
         total = config.max_steps if config.max_steps > 0 else "the epochs asked for"
@@ -376,7 +374,7 @@ def prepare_output_dir(script_args: QeRLScriptArguments, config: QeRLConfig, loc
     else:
         earlier = _checkpoints(output_dir) + [output_dir / f for f in _ADAPTER_FILES if (output_dir / f).exists()]
         if earlier and not script_args.overwrite_output_dir:
-            raise cli.UsageError(
+            raise UsageError(
                 f"--output-dir {output_dir} holds an earlier run ({', '.join(p.name for p in earlier[:3])}): pass "
                 "--resume-from-checkpoint true to continue it, or --overwrite-output-dir to start over (deleting them)"
             )
@@ -402,7 +400,7 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=No
     )  # fmt: skip
     train_dataset = data.drop_long_prompts(task.train, tokenizer, script_args.max_prompt_length)
     if len(train_dataset) == 0:
-        raise cli.UsageError(
+        raise UsageError(
             f"no prompt of {script_args.dataset} fits --max-prompt-length {script_args.max_prompt_length}"
         )
     if config.vllm_max_model_length is None and script_args.max_prompt_length:
