@@ -29,10 +29,11 @@ import yaml
 from trl import TrlParser
 
 from qerl import cli, data, input_checks, policy, rewards
+from qerl.config import QeRLConfig
 from qerl.errors import UsageError, nearest, one_line
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.run_lock import RunLock
-from qerl.trainer import QeRLConfig, QeRLTrainer
+from qerl.trainer import QeRLTrainer
 
 logger = logging.getLogger("qerl.train")
 

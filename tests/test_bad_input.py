@@ -27,12 +27,12 @@ from safetensors.torch import load_file, save_file
 from eval import common, gsm8k
 from eval import math as eval_math
 from qerl import cli, policy, train
+from qerl.config import QeRLConfig
 from qerl.errors import UsageError, nearest, one_line
 from qerl.input_checks import FETCH_COMMAND
 from qerl.model_files import looks_like_path
 from qerl.run_lock import RunLock
 from qerl.tiny import build_tiny, build_tiny_tokenizer, save_tiny_checkpoints
-from qerl.trainer import QeRLConfig
 
 MAINS = {
     "quantize_nvfp4": quantize_nvfp4.main,
