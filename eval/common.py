@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qerl import cli
+from qerl import cli, input_checks
+from qerl.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -255,26 +256,20 @@ def build_parser(benchmark: Benchmark, description: str) -> cli.ArgumentParser:
 def _check_out(path: str) -> None:
     out = Path(path)
     if out.is_dir():
-        raise cli.UsageError(f"--out {path}: is a folder; give a file name")
+        raise UsageError(f"--out {path}: is a folder; give a file name")
     for parent in out.parents:
         if parent.exists() and not parent.is_dir():
-            raise cli.UsageError(f"--out {path}: {parent} is a file, not a folder")
+            raise UsageError(f"--out {path}: {parent} is a file, not a folder")
 
 
 def _check_data(benchmark: Benchmark, data: str) -> None:
-    known = [*benchmark.datasets, *benchmark.builtin]
-    if data in known:
+    columns = input_checks.check_dataset(data, [*benchmark.datasets, *benchmark.builtin], "--data")
+    if columns is None:
         return
-    if not os.path.exists(data) and not data.lower().endswith(cli.DATA_EXTENSIONS) and os.sep not in data:
-        raise cli.UsageError(
-            f"--data {data}: unknown dataset{cli.nearest(data, known)}; known: {', '.join(known)}, "
-            "or a local .jsonl / .json / .parquet file"
-        )
-    columns = cli.data_file_columns(data, "--data")
     questions, gold = benchmark.columns
     if not any(c in columns for c in questions):
-        cli.require_columns(data, columns, questions[:1], f"eval.{benchmark.name}")
-    cli.require_columns(data, columns, (gold,), f"eval.{benchmark.name}")
+        input_checks.require_columns(data, columns, questions[:1], f"eval.{benchmark.name}")
+    input_checks.require_columns(data, columns, (gold,), f"eval.{benchmark.name}")
 
 
 def _warn_eos(model: str) -> None:
@@ -307,18 +302,18 @@ def _read_rows(benchmark: Benchmark, data: str, split: str | None, limit: int | 
 def run(benchmark: Benchmark, argv: list[str], description: str) -> dict:
     """Parse and check the flags and files, generate, score; print and write the results."""
     args = build_parser(benchmark, description).parse_args(argv)
-    cli.check_model(args.model)
+    input_checks.check_model(args.model)
     if args.adapter:
-        cli.check_adapter(args.adapter, model=args.model)
+        input_checks.check_adapter(args.adapter, model=args.model)
     _check_data(benchmark, args.data)
     if args.out:
         _check_out(args.out)
     from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 
     if args.load == "bf16" and is_nvfp4_checkpoint(args.model):
-        raise cli.UsageError(f"--model {args.model} is an NVFP4 checkpoint; use --load auto or nvfp4")
+        raise UsageError(f"--model {args.model} is an NVFP4 checkpoint; use --load auto or nvfp4")
     if args.device is not None:
-        cli.check_device(args.device)
+        input_checks.check_device(args.device)
     else:
         import torch
 

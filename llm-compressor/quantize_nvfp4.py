@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from qerl import cli  # noqa: E402
+from qerl import cli, input_checks  # noqa: E402
+from qerl.errors import UsageError  # noqa: E402
 from qerl.nvfp4.checkpoint import quantize_checkpoint  # noqa: E402
 from qerl.nvfp4.checkpoint.format import resolve_model_dir  # noqa: E402
 from qerl.nvfp4.checkpoint.write import DEFAULT_SHARD_BYTES, AtomicOutputDir, copy_side_files  # noqa: E402
@@ -36,7 +37,7 @@ def quantize_with_llmcompressor(model: str, output: str, device: str, dtype, ign
         from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import QuantizationModifier
     except ImportError as err:
-        raise cli.UsageError(
+        raise UsageError(
             f"--backend llmcompressor needs llmcompressor (pip install -e .[quantize]): {err}"
         ) from err
     from transformers import AutoModelForCausalLM
@@ -70,8 +71,8 @@ def build_parser() -> cli.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cli.check_model(args.model)
-    cli.check_device(args.device)
+    input_checks.check_model(args.model)
+    input_checks.check_device(args.device)
 
     dtype = DTYPES[args.dtype]
     if args.backend == "native":

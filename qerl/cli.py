@@ -1,39 +1,28 @@
 """The convention of the command-line tools (llm-compressor/quantize_nvfp4.py, `python -m qerl.train`,
-`python -m eval.gsm8k` / `eval.math`): a user's mistake is one line on stderr and exit code 2, found before
-anything heavy loads; an error of the program itself keeps its traceback. `--debug` (or QERL_DEBUG=1) shows
-the traceback of user errors too.
+`python -m eval.gsm8k` / `eval.math`, `python -m qerl.models`): a user's mistake (a UsageError, qerl/errors.py) is
+one line on stderr and exit code 2, found before anything heavy loads; an error of the program itself keeps its
+traceback. `--debug` (or QERL_DEBUG=1) shows the traceback of user errors too. SIGINT and SIGTERM end a run in one
+line too, after the `finally` blocks on the way out.
 
-Also here: the checks of flags and input files that those tools share. Nothing here imports torch at module
-level, so a tool can validate before it pays for the heavy imports.
+Also here: the argparse helpers those tools share (one-line parser errors, misspelt flags named, numeric ranges).
+The checks of input files are in qerl/input_checks.py. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import difflib
-import json
 import math
 import os
-import re
 import signal
-import struct
 import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
+
+from qerl.errors import UsageError, nearest, one_line
 
 DEBUG_ENV = "QERL_DEBUG"
-
-
-class UsageError(ValueError):
-    """A mistake in the flags or the input files. Its message names the culprit (and the fix, where known)."""
-
-
-def one_line(message: object) -> str:
-    return " ".join(str(message).split())
 
 
 def run_cli(main: Callable[[list[str]], int | None], prog: str, argv: list[str] | None = None) -> int:
@@ -99,12 +88,6 @@ def signals_deferred():
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags
-
-
-def nearest(word: str, choices: Iterable[str]) -> str:
-    """' (did you mean X?)' for the closest choice, or ''."""
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]}?)" if match else ""
 
 
 def reject_unknown_flags(argv: list[str], known: Iterable[str]) -> None:
@@ -225,248 +208,3 @@ POSITIVE = Range(float, 0, low_open=True)
 NON_NEGATIVE = Range(float, 0)
 FRACTION = Range(float, 0, 1)
 SEED = Range(int, 0, 2**32 - 1)  # numpy's seed range (transformers seeds numpy too)
-
-
-def check_device(text: str, flag: str = "--device") -> str:
-    """A device string torch understands, and that device present on this machine."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise UsageError(f"{flag} {text!r}: not a device name (cpu, cuda, cuda:1, ...)") from None
-    if device.type == "cpu":
-        return text
-    backend = getattr(torch, device.type, None)
-    if backend is None or not hasattr(backend, "device_count"):
-        raise UsageError(f"{flag} {text!r}: device type {device.type!r} is not supported here (cpu, cuda)")
-    count = backend.device_count() if backend.is_available() else 0
-    if count == 0:
-        raise UsageError(f"{flag} {text!r}: no {device.type.upper()} device here (torch {torch.__version__})")
-    if device.index is not None and device.index >= count:
-        raise UsageError(f"{flag} {text!r}: there is no such device ({count} {device.type.upper()} device(s) here)")
-    return text
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Files
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-
-
-def looks_like_path(name: str) -> bool:
-    """Whether a model name can only mean a local path: not shaped like a hub id (org/name), or its first part is
-    a folder here (ckpt/qwen-7b with ./ckpt present)."""
-    if not _HUB_ID.match(name):
-        return True
-    return "/" in name and os.path.isdir(name.split("/", 1)[0])
-
-
-def check_safetensors(path: str | os.PathLike) -> dict:
-    """A safetensors file whose header parses and whose size matches what the header describes (a truncated
-    download or copy fails here, by name, rather than deep inside a load); returns the header (tensor name ->
-    dtype, shape, offsets)."""
-    path = Path(path)
-    size = path.stat().st_size
-    bad = f"{path}: truncated or corrupt safetensors file"
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise UsageError(f"{bad} ({size} bytes, shorter than a header)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8:
-            raise UsageError(f"{bad} (header of {header_len} bytes in a file of {size})")
-        try:
-            header = json.loads(f.read(header_len))
-            header.pop("__metadata__", None)
-            end = max((t["data_offsets"][1] for t in header.values()), default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            raise UsageError(f"{bad} (unreadable header)") from None
-    if 8 + header_len + end != size:
-        raise UsageError(f"{bad} (its header describes {8 + header_len + end} bytes, the file has {size})")
-    return header
-
-
-FETCH_COMMAND = "python -m qerl.models fetch smollm2-135m-instruct --output DIR"
-
-
-def _gguf_error(flag: str, name: str, gguf: Path) -> UsageError:
-    return UsageError(
-        f"{flag} {name}: {gguf.name} is a GGUF file (llama.cpp's format), which is not read here; pass a safetensors "
-        f"model folder instead, such as the one `{FETCH_COMMAND}` makes of SmolLM2-135M-Instruct's GGUF"
-    )
-
-
-def check_causal_lm(config_path: Path, flag: str, name: str) -> None:
-    """config.json names an architecture that transformers builds as a causal LM (what the loaders, the quantizer
-    and generation need)."""
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as err:
-        raise UsageError(f"{config_path}: not JSON ({err})") from None
-    from transformers import __version__
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    config = config if isinstance(config, dict) else {}
-    model_type = config.get("model_type")
-    architecture = "/".join(config.get("architectures") or []) or "a model"
-    if model_type not in CONFIG_MAPPING_NAMES:
-        raise UsageError(
-            f"{flag} {name}: {architecture} of model_type {model_type!r}, unknown to transformers {__version__}"
-        )
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UsageError(
-            f"{flag} {name}: {architecture} (model_type {model_type!r}) is not a causal language model; these tools "
-            "load decoder-only causal LMs (Llama, Qwen2, Mistral, ...)"
-        )
-
-
-def check_model(name: str, flag: str = "--model") -> str:
-    """A local model folder (a causal LM, its safetensors files intact) or a hub id. A name that can only be a path
-    and is missing is said so at once, without asking the hub; a GGUF file is named as such."""
-    path = Path(name).expanduser()
-    if path.suffix.lower() == ".gguf" and not path.is_dir():
-        raise _gguf_error(flag, name, path) if path.exists() else UsageError(f"{flag} {name}: no such file")
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if ggufs and not any(path.glob("*.safetensors")):
-            raise _gguf_error(flag, name, ggufs[0])
-        if not (path / "config.json").is_file():
-            raise UsageError(f"{flag} {name}: no config.json in this folder, so it is not a model checkpoint")
-        check_causal_lm(path / "config.json", flag, name)
-        for weights in sorted(path.glob("*.safetensors")):
-            check_safetensors(weights)
-        return str(path)
-    if path.exists():
-        raise UsageError(f"{flag} {name}: is a file; expected a model folder (or a hub id)")
-    if looks_like_path(name):
-        raise UsageError(f"{flag} {name}: no such folder")
-    return name
-
-
-def check_adapter(
-    path: str, flag: str = "--adapter", model: str | None = None, model_flag: str = "--model", rank: int | None = None
-) -> str:
-    """A LoRA adapter folder, intact; given the base `model` (a local folder), one that fits it: an adapter trained
-    on another base (or, given `rank`, at another LoRA rank) is named by its first module that does not fit."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise UsageError(f"{flag} {path}: no such folder" if not folder.exists() else f"{flag} {path}: not a folder")
-    config = folder / "adapter_config.json"
-    if not config.is_file():
-        raise UsageError(f"{flag} {path}: no adapter_config.json, so this is not a LoRA adapter folder")
-    try:
-        json.loads(config.read_text())
-    except ValueError as err:
-        raise UsageError(f"{config}: not JSON ({err})") from None
-    headers = [check_safetensors(weights) for weights in sorted(folder.glob("*.safetensors"))]
-    if model is not None and Path(model).is_dir():
-        from qerl.nvfp4.checkpoint.format import logical_shapes
-
-        base = logical_shapes(Path(model))
-        for header in headers:
-            _check_adapter_fits(header, base, f"{flag} {path}", f"{model_flag} {model}", rank)
-    return path
-
-
-_LORA = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])\.weight$")
-
-
-def _check_adapter_fits(header: dict, base: dict[str, tuple], adapter: str, model: str, rank: int | None) -> None:
-    """LoRA A [r, in] and B [out, r] of each module against the base's weight [out, in]; the other tensors (trained
-    norms) against the base's tensor of the same name."""
-    where = f"{adapter} does not fit {model}"
-    lora: dict[str, dict[str, list[int]]] = {}
-    for key, info in header.items():
-        match = _LORA.match(key)
-        if match:
-            lora.setdefault(match.group(1), {})[match.group(2)] = info["shape"]
-            continue
-        name = key.removeprefix("base_model.model.")
-        if name not in base:
-            raise UsageError(f"{where}: the adapter has {name}, which the model does not")
-        if tuple(info["shape"]) != base[name]:
-            raise UsageError(f"{where}: {name} is {list(base[name])} in the model, {info['shape']} in the adapter")
-    for module, ab in lora.items():
-        a, b = ab.get("A", [0, 0]), ab.get("B", [0, 0])
-        weight = base.get(f"{module}.weight")
-        if weight is None:
-            raise UsageError(f"{where}: the adapter has LoRA on {module}, which the model does not have")
-        if (b[0], a[1]) != weight:
-            raise UsageError(
-                f"{where}: {module} is {list(weight)} (out, in) in the model, {[b[0], a[1]]} in the adapter (LoRA B "
-                f"{b} x A {a}): trained on another base"
-            )
-        if rank is not None and a[0] != rank:
-            raise UsageError(f"{adapter}: its LoRA rank is {a[0]}, --lora-rank is {rank}; pass --lora-rank {a[0]}")
-
-
-def check_file(path: str, flag: str) -> str:
-    if not os.path.exists(path):
-        raise UsageError(f"{flag} {path}: no such file")
-    if not os.path.isfile(path):
-        raise UsageError(f"{flag} {path}: not a file")
-    return path
-
-
-DATA_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
-
-
-def _jsonl_columns(path: str) -> list[str]:
-    columns = None
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as err:
-                raise UsageError(f"{path}, line {number}: not JSON ({err})") from None
-            if not isinstance(row, dict):
-                raise UsageError(f"{path}, line {number}: expected a JSON object per line, got {type(row).__name__}")
-            columns = columns if columns is not None else list(row)
-    if columns is None:
-        raise UsageError(f"{path}: no rows")
-    return columns
-
-
-def data_file_columns(path: str, flag: str = "--dataset") -> list[str]:
-    """The column names of a local data file, reading it through once to find malformed JSON by line."""
-    check_file(path, flag)
-    ext = os.path.splitext(path)[1].lower()
-    if ext == ".jsonl":
-        return _jsonl_columns(path)
-    if ext == ".json":
-        try:
-            with open(path, encoding="utf-8") as f:
-                content = json.load(f)
-        except ValueError:
-            return _jsonl_columns(path)  # JSON Lines under a .json name, as `datasets` accepts
-        if isinstance(content, list) and content and isinstance(content[0], dict):
-            return list(content[0])
-        if isinstance(content, dict) and content:
-            return list(content)  # columnar: {"question": [...], "answer": [...]}
-        raise UsageError(f"{path}: expected a list of rows or a mapping of columns")
-    if ext == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return list(pq.read_schema(path).names)
-        except Exception as err:  # pyarrow raises several types for a file that is not parquet
-            raise UsageError(f"{path}: not a readable parquet file ({one_line(err)})") from None
-    if ext == ".csv":
-        with open(path, encoding="utf-8", newline="") as f:
-            header = next(csv.reader(f), None)
-        if not header:
-            raise UsageError(f"{path}: empty CSV file")
-        return header
-    raise UsageError(f"{flag} {path}: unsupported file type {ext or '(none)'!r}; use {', '.join(DATA_EXTENSIONS)}")
-
-
-def require_columns(path: str, columns: list[str], needed: Iterable[str], what: str) -> None:
-    missing = [c for c in needed if c not in columns]
-    if missing:
-        raise UsageError(
-            f"{path}: {what} needs column(s) {', '.join(missing)}, which are missing (columns: {', '.join(columns)})"
-        )

@@ -29,8 +29,9 @@ import torch
 from transformers import PrinterCallback, TrainerCallback
 
 from qerl import data, plotting, policy
+from qerl.config import QeRLConfig
 from qerl.tiny import build_tiny, save_tiny_checkpoints
-from qerl.trainer import QeRLConfig, QeRLTrainer
+from qerl.trainer import QeRLTrainer
 
 MAX_OPERAND = 20
 GSM8K_SAMPLE = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "train_sample.jsonl"

@@ -5,261 +5,36 @@ QeRL changes one thing, the generation hook: every generation round samples from
 Gaussian noise on its RMSNorm scales (sigma from the AQN schedule), and returns the log-probability of each
 sampled token under that noisy policy. The loss then runs on clean norms.
 
-What this relies on inside TRL is listed, and used, in one section of QeRLTrainer: "THE TRL SEAM".
+What this relies on inside TRL is listed, and used, in one section of QeRLTrainer: "THE TRL SEAM". As in TRL, the
+config (QeRLConfig and its checks) is apart, in qerl/config.py, and so are the callbacks (qerl/callbacks.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import is_peft_model
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
 from qerl import aqn, cli, norms, policy, rollout, sharding, unpadded
+from qerl.callbacks import JsonlMetrics, KeepModelEos
+from qerl.config import QeRLConfig
+from qerl.nonfinite_dump import dump_if_nonfinite
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout.native.kv_cache import KV_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
-AQN_DTYPES = list(aqn.DTYPE_RULES)  # QeRLConfig's field `aqn` shadows the module inside the class body
 # Attention kernels the training forward and backward may use: all but cuDNN's. Its backward (torch's first choice
 # for SDPA on H100/H200; seen with torch 2.11 + cuDNN 9.19) returns NaN dQ when a mask is passed, the padded length
 # is 64 mod 128 and a query row is fully masked, as every left-padded prompt row is (pytorch/pytorch#196678,
 # trl#7181). It turned 7 of 9 SmolLM2 runs NaN at the steps whose prompt + completion length was 448
 # (experiments/nonfinite.py found it).
 TRAINING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _also_as(name: str, *aliases: str):
-    """GRPOConfig's field `name` as it is (default, help), accepted on the command line under `aliases` too."""
-    inherited = GRPOConfig.__dataclass_fields__[name]
-    return field(default=inherited.default, metadata={**inherited.metadata, "aliases": list(aliases)})
-
-
-@dataclass
-class QeRLConfig(GRPOConfig):
-    r"""GRPOConfig plus QeRL's knobs. Defaults follow the QeRL reference scripts where it sets them.
-
-    AQN (Adaptive Quantization Noise): `num_stages` equal intervals over the run; the first is noise-free,
-    interval i uses sigma_start * (sigma_end / sigma_start) ** ((i - 1) / (num_stages - 2)).
-    """
-
-    aqn: bool | None = field(
-        default=None,
-        metadata={"help": "Adaptive Quantization Noise on the rollout policy's RMSNorm scales. Default: on for "
-                  "an NVFP4 base, off for a BF16 base."},
-    )  # fmt: skip
-    sigma_start: float = field(default=1e-2, metadata={"help": "AQN noise std of the first noisy stage."})
-    sigma_end: float = field(default=1e-4, metadata={"help": "AQN noise std of the last stage."})
-    num_stages: int = field(default=10, metadata={"help": "AQN stages (the first is noise-free)."})
-    aqn_final_norm: bool = field(
-        default=False, metadata={"help": "Also perturb the final RMSNorm (the paper perturbs the per-layer norms)."}
-    )
-    aqn_head_norms: bool = field(
-        default=False,
-        metadata={"help": "Also perturb the per-head q/k RMSNorms (Qwen3, Gemma-3). Off by default, as the paper's "
-                  "rule implies: it perturbs the scales of norms that precede quantized linears, where w + Z on the "
-                  "norm is Z-shaped noise on the input channels of q/k/v (or gate/up), i.e. stands in for noise on "
-                  "their 4-bit weights. The q/k norms act after the projections, per head, on queries and keys "
-                  "that go into rotary and q.k, not into a quantized linear: their noise emulates no weight "
-                  "quantization, it rescales attention logits (one vector shared by every head, dimension d of q "
-                  "and k scaled by (w_q + Z_q)_d (w_k + Z_k)_d, then mixed with d + D/2 by the rotary). An "
-                  "exploration knob whose effect the paper does not measure. Their noise is drawn after the other "
-                  "norms', which keep theirs."},
-    )  # fmt: skip
-    aqn_dtype: str = field(
-        default="fp32",
-        metadata={"help": "Where AQN noise meets the scales. fp32: added in FP32 to an FP32 copy of each scale, the "
-                  "perturbed norms run in FP32 and round once, so every level of the schedule reaches the sampler. "
-                  "bf16: the reference's bit-faithful rule, noise cast to the BF16 scale and added there (noise "
-                  "below half a BF16 ulp rounds away: on scales near 1, sigma 1e-4 changes nothing).",
-                  "choices": AQN_DTYPES},
-    )  # fmt: skip
-    aqn_log_shift: bool = field(
-        default=False,
-        metadata={"help": "Log aqn/logprob_shift, the mean |logprob(noisy) - logprob(clean)| of the sampled tokens in "
-                  "the training forward: how far the noise moved the policy, apart from the rollout engine's own "
-                  "numerics. Costs one no-grad forward of the batch per noisy round (the clean side is the loss's); "
-                  "without it, sampling/sampling_logp_difference/mean measures the noise and the engine together."},
-    )  # fmt: skip
-    unpadded_forward: bool = field(
-        default=True,
-        metadata={"help": "Run the training forwards on each row's real tokens from column 0 (left padding removed, "
-                  "the micro-batch cut at its longest row, rows with nothing to score left out) under a causal mask "
-                  "alone, so that no compute goes to padding and attention runs FlashAttention (qerl/unpadded.py). "
-                  "false: TRL's padded layout with a padding mask. Text-only models."},
-    )  # fmt: skip
-    # The QeRL reference's names of two TrainingArguments fields (transformers 5 reads a warmup_steps below 1 as a
-    # ratio, so the reference's --warmup-ratio is that).
-    seed: int = _also_as("seed", "--random-state", "--random_state")
-    warmup_steps: float = _also_as("warmup_steps", "--warmup-ratio", "--warmup_ratio")
-    lora_rank: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: list(policy.LORA_TARGETS),
-        metadata={"help": "Modules that get LoRA adapters.", "aliases": ["--target-modules"]},
-    )
-    trainable_norms: bool = field(
-        default=False,
-        metadata={"help": "Train the per-layer RMSNorm scales too (the reference's `ln`).", "aliases": ["--ln"]},
-    )
-    rollout_backend: str = field(
-        default="auto",
-        metadata={"help": f"Rollout engine: {', '.join(rollout.CHOICES)}. auto: native on a CUDA device (vllm or "
-                  "transformers where native cannot run the model, or under DeepSpeed/FSDP), transformers on CPU. "
-                  "native reads rollout_kv_cache_gib; vllm reads TRL's vllm_gpu_memory_utilization, "
-                  "vllm_max_model_length and vllm_enable_sleep_mode."},
-    )  # fmt: skip
-    rollout_kv_cache_gib: float | None = field(
-        default=None,
-        metadata={"help": "rollout_backend native: GPU memory (GiB) the KV cache of a round may take (default: 80% of "
-                  "what is free); a round that needs more runs in waves of as many sequences as fit."},
-    )  # fmt: skip
-    rollout_kv_cache_dtype: str = field(
-        default="auto",
-        metadata={"help": "rollout_backend native: the KV cache's dtype. auto: the model's; fp8: E4M3 with one scale "
-                  "per token and KV head (half the memory and attention reads; adds rounding to the sampled "
-                  "log-probs, see docs/benchmarks.md).", "choices": list(KV_CACHE_DTYPES)},
-    )  # fmt: skip
-    vllm_enable_sleep_mode: bool = field(
-        default=True,
-        metadata={"help": "rollout_backend vllm: put the engine to sleep between rounds (level 1: KV cache freed, "
-                  "weights parked in CPU memory) so that the trainer's forward and backward passes get the GPU "
-                  "memory. TRL's default is off; QeRL colocates, so on."},
-    )  # fmt: skip
-    vllm_importance_sampling_correction: bool = field(
-        default=False,
-        metadata={"help": "Correct the rollout/training mismatch (AQN makes one) with TRL's truncated importance "
-                  "sampling against the rollout log-probs, whatever the rollout backend. Off by default: the "
-                  "QeRL reference has no correction."},
-    )  # fmt: skip
-    compile_layers: bool = field(
-        default=False,
-        metadata={"help": "torch.compile each decoder layer of the policy for the training forwards and backward "
-                  "(dynamic shapes: one compilation serves every layer and length), which fuses the norms, rotary, "
-                  "gate, LoRA's scaling and the residual adds into few kernels. Costs the compilation at the first "
-                  "step (~1 min at 32B). The rollout engines do not run these modules. Measured on one GPU only (not "
-                  "under DDP, FSDP2 or ZeRO)."},
-    )  # fmt: skip
-    metrics_jsonl: bool = field(
-        default=True,
-        metadata={"help": "Write every log line to <output_dir>/metrics.jsonl (a resume continues the file; a new run "
-                  "keeps an earlier one aside as metrics.N.jsonl)."},
-    )  # fmt: skip
-
-    dump_nonfinite_grads: bool = field(
-        default=False,
-        metadata={"help": "After each micro-batch's backward, check the trainable gradients (one device sync); the "
-                  "first micro-batch that makes one non-finite is saved with the trainable parameters it ran with "
-                  "to <output_dir>/nonfinite-step<N>-micro<M>.pt, for `python -m experiments.nonfinite`."},
-    )  # fmt: skip
-
-    def __post_init__(self):
-        rollout.resolve_backend(self.rollout_backend)  # validates the name
-        if self.use_vllm:
-            # TRL's colocate path merges the adapter into the base and pushes full weights into vLLM: a packed
-            # NVFP4 base cannot be merged into, and it would sample without AQN. rollout_backend=vllm pushes the
-            # unmerged LoRA tensors instead.
-            raise ValueError(
-                "use_vllm is TRL's own vLLM path, which would sample without AQN; QeRL picks its engine with "
-                f"rollout_backend (available: {', '.join(rollout.CHOICES)})"
-            )
-        if self.aqn_dtype not in aqn.DTYPE_RULES:
-            raise ValueError(f"unknown aqn_dtype {self.aqn_dtype!r}; available: {', '.join(aqn.DTYPE_RULES)}")
-        if self.aqn is not False:
-            aqn.sigma_trend(self.sigma_start, self.sigma_end, self.num_stages)  # validates the schedule
-        try:
-            super().__post_init__()
-        except ValueError as err:
-            fix = QeRLTrainer._batch_error_fix(err, self)  # TRL seam
-            if fix is None:
-                raise
-            raise ValueError(f"{err} {fix}") from err
-        self._check_distributed()
-
-    def _check_distributed(self):
-        """Refuse, before any model loads, the multi-GPU set-ups QeRL cannot run. `accelerate launch` hands its
-        config to the processes as environment variables; TrainingArguments reads the DeepSpeed ones into
-        deepspeed_plugin, not the FSDP ones."""
-        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true") and os.environ.get(
-            "FSDP_VERSION", "1"
-        ) != "2":
-            raise ValueError(
-                "FSDP version 1 is not supported: AQN and the rollout engines read and perturb parameters outside "
-                "the forward, which FSDP1 keeps flattened; use fsdp_version: 2 (configs/accelerate/fsdp.yaml)"
-            )
-        plugin = self.deepspeed_plugin
-        if plugin is not None and plugin.zero_stage == 3 and not self.ds3_gather_for_generation:
-            raise ValueError(
-                "ds3_gather_for_generation false is not supported: QeRL's rollouts and AQN work on the policy's whole "
-                "parameters, which ZeRO-3 holds only while TRL gathers them for generation"
-            )
-
-
-class JsonlMetrics(TrainerCallback):
-    """Writes each log line as one JSON object (with the step) to a file, from the main process.
-
-    One file holds one run: a fresh start keeps an earlier run's file aside as metrics.N.jsonl; a resume from
-    step k keeps the lines up to k and drops what an interrupted run logged after it (kept aside the same way),
-    so no step appears twice.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero or not os.path.isfile(self.path):
-            return
-        with open(self.path) as f:
-            lines = [line for line in f if line.strip()]
-        kept = [
-            line
-            for line in lines
-            if state.global_step and json.loads(line).get("step", 0) <= state.global_step
-            and "train_runtime" not in line  # the interrupted session's closing summary
-        ]  # fmt: skip
-        if kept == lines:
-            return
-        root, ext = os.path.splitext(self.path)
-        aside = next(f"{root}.{n}{ext}" for n in range(1, 10**6) if not os.path.exists(f"{root}.{n}{ext}"))
-        os.rename(self.path, aside)
-        with open(self.path, "w") as f:
-            f.writelines(kept)
-        logger.warning("%s: %s; the earlier file is kept as %s", self.path,
-                       f"continues at step {state.global_step}" if state.global_step else "starts anew",
-                       os.path.basename(aside))  # fmt: skip
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
-
-
-class KeepModelEos(TrainerCallback):
-    """Puts the model's EOS ids back as its configs had them when the trainer was built. transformers' Trainer.train
-    "aligns" them to the tokenizer's EOS before the first step (align_special_tokens, logged as "Updated tokens"),
-    which would make a wrong tokenizer EOS (a GGUF's metadata) the model's own."""
-
-    def __init__(self, model):
-        self.configs = (model.config, model.generation_config)
-        self.eos = [copy.copy(getattr(config, "eos_token_id", None)) for config in self.configs]
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        for config, eos in zip(self.configs, self.eos, strict=True):
-            if config is not None:
-                config.eos_token_id = eos
 
 
 class QeRLTrainer(GRPOTrainer):
@@ -395,8 +170,10 @@ class QeRLTrainer(GRPOTrainer):
     # transformers' Trainer (TRL's base class):
     #   _save_checkpoint(model, trial): wrapped, so that SIGINT/SIGTERM wait until a checkpoint is whole (it writes
     #       trainer_state.json last: qerl.train resumes only from a checkpoint that has it).
-    #   align_special_tokens, called in Trainer.train before the first on_train_begin: undone there (KeepModelEos).
-    # Matched by text: GRPOConfig.__post_init__'s "... must be divisible by num_generations" (_batch_error_fix).
+    #   align_special_tokens, called in Trainer.train before the first on_train_begin: undone there
+    #       (callbacks.KeepModelEos).
+    # Matched by text, in qerl/config.py: GRPOConfig.__post_init__'s "... must be divisible by num_generations"
+    #   (batch_error_fix).
     # torch's private DistributedDataParallel._set_params_and_buffers_to_ignore_for_model (_adapt_trl_internals).
 
     _tag_names = ["trl", "grpo", "qerl"]
@@ -575,41 +352,16 @@ class QeRLTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         with sdpa_kernel(TRAINING_SDPA_BACKENDS):  # the backward runs inside too; see TRAINING_SDPA_BACKENDS
             loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.args.dump_nonfinite_grads and self.nonfinite_dump is None:
-            self._dump_if_nonfinite()
-        return loss
-
-    @torch.no_grad()
-    def _dump_if_nonfinite(self):
-        """Gradients accumulate over the micro-batches of a step, so the first check that fails names the micro-batch
-        that made them non-finite; the parameters are still those it ran with (the optimizer steps after the last)."""
-        policy_model = self.accelerator.unwrap_model(self.model)
-        named = [(n, p) for n, p in policy_model.named_parameters() if p.requires_grad]
-        bad = [n for n, p in named if p.grad is not None and not torch.isfinite(p.grad).all()]
-        if not bad:
-            return
-        micro = (self._step - 1) % self.current_gradient_accumulation_steps
-        step = self.state.global_step + 1
-        path = os.path.join(self.args.output_dir, f"nonfinite-step{step}-micro{micro}.pt")
         a = self.args
-        batch = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in (self._micro_batch or {}).items()}
-        torch.save(
-            {
-                "step": step,
-                "micro_batch": micro,
-                "nonfinite_grads": bad,
-                "batch": batch,
-                "trainable": {n: p.detach().cpu() for n, p in named},
-                "temperature": self.temperature,
-                "loss_type": self.loss_type,
-                "lora": {"rank": a.lora_rank, "alpha": a.lora_alpha, "targets": list(a.lora_target_modules),
-                         "trainable_norms": a.trainable_norms},
-            },  # fmt: skip
-            path,
-        )
-        self.nonfinite_dump = path
-        logger.error("step %d, micro-batch %d made %d trainable gradients non-finite (first: %s); saved to %s",
-                     step, micro, len(bad), bad[0], path)  # fmt: skip
+        if a.dump_nonfinite_grads and self.nonfinite_dump is None:
+            self.nonfinite_dump = dump_if_nonfinite(
+                self.accelerator.unwrap_model(self.model), a.output_dir, step=self.state.global_step + 1,
+                micro=(self._step - 1) % self.current_gradient_accumulation_steps, batch=self._micro_batch,
+                loss_settings={"temperature": self.temperature, "loss_type": self.loss_type,
+                               "lora": {"rank": a.lora_rank, "alpha": a.lora_alpha,
+                                        "targets": list(a.lora_target_modules), "trainable_norms": a.trainable_norms}},
+            )  # fmt: skip
+        return loss
 
     @torch.no_grad()
     def _log_rollout_mismatch(self, clean_logps: torch.Tensor, batch):
@@ -640,17 +392,3 @@ class QeRLTrainer(GRPOTrainer):
         if self.model.training and "loss" in logs and not self._metrics["train"].get("aqn/sigma"):
             self._metrics["train"]["aqn/sigma"].append(self.current_sigma())
         super().log(logs, start_time)
-
-    @staticmethod
-    def _batch_error_fix(err: ValueError, config: QeRLConfig) -> str | None:
-        """The fix for GRPOConfig's batch/num_generations error, recognised by its text; None for another error."""
-        if "divisible by num_generations" not in str(err):
-            return None
-        per_round = config.generation_batch_size
-        divisors = ", ".join(str(n) for n in range(2, per_round + 1) if per_round % n == 0) or "none"
-        return (
-            f"Each generation round samples per_device_train_batch_size x processes x steps_per_generation "
-            f"= {per_round} completions, in groups of num_generations completions of one prompt. Fix: set "
-            f"num_generations to a divisor of {per_round} (here: {divisors}), or raise per_device_train_batch_size "
-            f"or gradient_accumulation_steps so that the product is a multiple of {config.num_generations}."
-        )

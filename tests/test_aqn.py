@@ -5,8 +5,8 @@ from fakes import make_trainer
 from peft import LoraConfig, get_peft_model
 
 from qerl import aqn, norms
+from qerl.config import QeRLConfig
 from qerl.tiny import build_tiny
-from qerl.trainer import QeRLConfig
 
 
 # The reference (NVlabs/QeRL trl_trainer/noise_scheduler.py + grpo_trainer.py), transcribed as the oracle.

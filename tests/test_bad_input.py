@@ -26,10 +26,13 @@ from safetensors.torch import load_file, save_file
 
 from eval import common, gsm8k
 from eval import math as eval_math
-from qerl import cli, policy, train
-from qerl.run_lock import RunLock
+from qerl import cli, policy, recipes, train
+from qerl.config import QeRLConfig
+from qerl.errors import UsageError, nearest, one_line
+from qerl.input_checks import FETCH_COMMAND
+from qerl.model_files import looks_like_path
+from qerl.run_dir import RunLock
 from qerl.tiny import build_tiny, build_tiny_tokenizer, save_tiny_checkpoints
-from qerl.trainer import QeRLConfig
 
 MAINS = {
     "quantize_nvfp4": quantize_nvfp4.main,
@@ -134,7 +137,7 @@ TRIALS = [
     ("quantize_nvfp4", [*Q, "--device", "cuda:7"], "--device 'cuda:7'"),
     ("quantize_nvfp4", [*Q, "--overwite"], "unknown flag --overwite (did you mean --overwrite?)"),
     ("quantize_nvfp4", [*Q, "--max-shard-gb", "-1"], "--max-shard-gb: must be a number > 0, got -1"),
-    ("quantize_nvfp4", ["--model", "model.gguf", "--output", "out"], "model.gguf is a GGUF file", cli.FETCH_COMMAND),
+    ("quantize_nvfp4", ["--model", "model.gguf", "--output", "out"], "model.gguf is a GGUF file", FETCH_COMMAND),
     ("quantize_nvfp4", ["--model", "t5", "--output", "out"], "T5ForConditionalGeneration (model_type 't5') is not a"),
     ("qerl.train", ["--output-dir", "fresh", "--use-cpu", "True"], "--model-name is required"),
     ("qerl.train", [*T, "--model-name", "./nope"], "--model-name ./nope: no such folder"),
@@ -163,7 +166,7 @@ TRIALS = [
     ("qerl.train", [*T, "--config", "zero.yaml"], "zero.yaml: num_generations must be an integer >= 2"),
     ("qerl.train", [*T, "--lora-rank", "0"], "--lora-rank must be an integer >= 1, got 0"),
     ("qerl.train", [*T, "--num-stages", "2"], "--num-stages must be an integer >= 3 (AQN"),
-    ("qerl.train", [*T, "--model-name", "model.gguf"], "model.gguf is a GGUF file", cli.FETCH_COMMAND),
+    ("qerl.train", [*T, "--model-name", "model.gguf"], "model.gguf is a GGUF file", FETCH_COMMAND),
     ("qerl.train", [*T, "--model-name", "alien"], "AlienForCausalLM of model_type 'alien_lm', unknown to transformers"),
     ("qerl.train", [*T, "--output-dir", "run_r4", "--resume-from-checkpoint", "true", "--lora-rank", "8"],
      "checkpoint-1: its LoRA rank is 4, --lora-rank is 8; pass --lora-rank 4"),
@@ -244,7 +247,7 @@ def test_each_cli_as_a_process(world, tmp_path):
         (["-m", "qerl.train", *T, "--sigma-strat", "1"], "qerl.train", "did you mean --sigma-start?"),
         (["-m", "qerl.train", *T, "--output-dir", "run"], "qerl.train", "--resume-from-checkpoint true"),
         (["-m", "qerl.train", *T, "--num-generations", "0"], "qerl.train", "--num-generations must be an integer >= 2"),
-        (["-m", "qerl.train", *T, "--model-name", "model.gguf"], "qerl.train", "GGUF", cli.FETCH_COMMAND),
+        (["-m", "qerl.train", *T, "--model-name", "model.gguf"], "qerl.train", "GGUF", FETCH_COMMAND),
         (["-m", "qerl.train", *T, "--output-dir", "busy"], "qerl.train",
          f"--output-dir busy is in use by another run (process {os.getpid()} on {socket.gethostname()}"),
         (["-m", "eval.gsm8k", *E, "--adapter", "no_adapter"], "eval.gsm8k", "adapter_config.json"),
@@ -308,25 +311,25 @@ def test_every_numeric_setting_has_a_range():
     """A numeric field of the training configs (ours, TRL's, transformers') or a numeric flag of eval and the quantizer
     without a range fails here: the table is the one place where the checks come from."""
     fields = numeric_fields(train.QeRLScriptArguments) + numeric_fields(QeRLConfig)
-    assert len(fields) > 70 and sorted(fields) == sorted(train.RANGES)  # stale entries too (a field TRL dropped)
+    assert len(fields) > 70 and sorted(fields) == sorted(recipes.RANGES)  # stale entries too (a field TRL dropped)
     for parser, _ in NUMERIC_FLAGS.values():
         for action in parser._actions:
             assert action.type not in (int, float), f"{action.option_strings}: give it a cli.Range type"
 
 
-@pytest.mark.parametrize("name", sorted(train.RANGES))
+@pytest.mark.parametrize("name", sorted(recipes.RANGES))
 def test_zero_and_minus_one_in_every_training_setting(tmp_path, name):
     """0 and -1 in each numeric field: refused in one line naming the flag where its range says so, and otherwise
     accepted all the way through TRL's and transformers' own config checks."""
-    rule, flag = train.RANGES[name], f"--{name.replace('_', '-')}"
+    rule, flag = recipes.RANGES[name], f"--{name.replace('_', '-')}"
     for value in (0, -1):
         argv = ["--model-name", "m", "--output-dir", str(tmp_path), "--use-cpu", "True", flag, str(value)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # ignored reference flags say so
             if rule is not None and rule.problem(value):
-                with pytest.raises(cli.UsageError) as refused:
+                with pytest.raises(UsageError) as refused:
                     train.parse_args(argv)
-                assert cli.one_line(refused.value) == f"{flag} must be {rule.describe()}, got {value}"
+                assert one_line(refused.value) == f"{flag} must be {rule.describe()}, got {value}"
             else:
                 train.parse_args(argv)
 
@@ -338,7 +341,7 @@ def test_zero_and_minus_one_in_every_numeric_flag(prog, flag):
     rule = next(a.type for a in parser._actions if flag in a.option_strings)
     for value in (0, -1):
         if rule.problem(value):
-            with pytest.raises(cli.UsageError, match=re.escape(f"argument {flag}: must be {rule.describe()}")):
+            with pytest.raises(UsageError, match=re.escape(f"argument {flag}: must be {rule.describe()}")):
                 parser.parse_args([*argv, flag, str(value)])
         else:
             assert getattr(parser.parse_args([*argv, flag, str(value)]), flag[2:].replace("-", "_")) == value
@@ -346,10 +349,10 @@ def test_zero_and_minus_one_in_every_numeric_flag(prog, flag):
 
 def test_debug_shows_the_traceback_and_program_errors_keep_theirs(world, monkeypatch, capsys):
     monkeypatch.chdir(world)
-    with pytest.raises(cli.UsageError, match="no such folder"):
+    with pytest.raises(UsageError, match="no such folder"):
         cli.run_cli(gsm8k.main, "eval.gsm8k", ["--model", "./nope", "--debug"])
     monkeypatch.setenv(cli.DEBUG_ENV, "1")
-    with pytest.raises(cli.UsageError, match="no such folder"):
+    with pytest.raises(UsageError, match="no such folder"):
         cli.run_cli(gsm8k.main, "eval.gsm8k", ["--model", "./nope"])
 
     def buggy(argv):
@@ -416,9 +419,9 @@ def test_setup_stamp_lives_in_the_environment():
 
 def test_cli_helpers():
     assert cli.attach_negative_numbers(["--lr", "-1e-5", "--x", "-y"]) == ["--lr=-1e-5", "--x", "-y"]
-    assert cli.looks_like_path("./model") and cli.looks_like_path("/abs/model") and cli.looks_like_path("a/b/c")
-    assert not cli.looks_like_path("Qwen/Qwen2.5-7B-Instruct") and not cli.looks_like_path("gpt2")
-    assert cli.nearest("--lora-rnak", ["--lora-rank", "--lora-alpha"]) == " (did you mean --lora-rank?)"
+    assert looks_like_path("./model") and looks_like_path("/abs/model") and looks_like_path("a/b/c")
+    assert not looks_like_path("Qwen/Qwen2.5-7B-Instruct") and not looks_like_path("gpt2")
+    assert nearest("--lora-rnak", ["--lora-rank", "--lora-alpha"]) == " (did you mean --lora-rank?)"
     low, high = __import__("eval.common", fromlist=["x"]).wilson_interval(0, 10)
     assert low == 0.0 and 0.27 < high < 0.29  # the rule of three, roughly
     assert torch.tensor(1.0)  # torch stays importable next to the CLI helpers

@@ -18,7 +18,7 @@ from clis import QUANTIZER, child_env, quantize_nvfp4, snapshot
 from fakes import train_argv
 
 from qerl import cli, train
-from qerl.run_lock import LOCK_FILE
+from qerl.run_dir import LOCK_FILE
 
 # Holds the run inside the save of checkpoint-2, after the adapter and optimizer and before trainer_state.json, until
 # the file `sent` says that the signal was sent.

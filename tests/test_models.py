@@ -12,11 +12,11 @@ from fakes import digit_share_reward, make_trainer
 
 from eval import gsm8k
 from qerl import cli, policy
+from qerl.config import QeRLConfig
 from qerl.models import fetch, registry  # the modules
 from qerl.models.__main__ import main as models_main
 from qerl.models.gguf import convert_gguf, fix_special_tokens, load_gguf
 from qerl.nvfp4.checkpoint import quantize_checkpoint
-from qerl.trainer import QeRLConfig
 
 GSM8K_SAMPLE = Path(__file__).parent / "data" / "gsm8k" / "test_sample.jsonl"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -5,10 +5,10 @@ import torch
 from fakes import make_trainer
 
 from qerl import policy
+from qerl.config import QeRLConfig
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.tiny import build_tiny
-from qerl.trainer import QeRLConfig
 
 
 def _policy(checkpoint, tmp_path, dtype=torch.float32, **config):

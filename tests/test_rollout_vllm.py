@@ -15,6 +15,7 @@ from fakes import make_trainer
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig, Qwen3Config
 
 from qerl import aqn, policy, rollout
+from qerl.config import QeRLConfig
 from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 from qerl.nvfp4.quantize import quantize_model
 from qerl.rollout import truncate_at_eos
@@ -26,7 +27,6 @@ from qerl.rollout.vllm import (
     lora_settings,
     sampling_kwargs,
 )
-from qerl.trainer import QeRLConfig
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ rows add up to the step, and the forwards per update are the ones the configurat
 from fakes import make_trainer
 
 from benchmarks.step_profile import StepProfile
-from qerl.trainer import QeRLConfig
+from qerl.config import QeRLConfig
 
 
 def test_profile_splits_the_step_and_counts_forwards(checkpoints, tmp_path):

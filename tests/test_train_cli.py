@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from qerl import rewards, train
-from qerl.cli import UsageError
+from qerl.errors import UsageError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,10 +8,11 @@ import torch
 from fakes import digit_share_reward, make_trainer
 
 from qerl import aqn, norms, policy
+from qerl.config import QeRLConfig
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.transformers import SampledTokenLogprobs, sampling_warpers
 from qerl.tiny import save_tiny_checkpoints
-from qerl.trainer import QeRLConfig, QeRLTrainer
+from qerl.trainer import QeRLTrainer
 
 
 def _config(tmp_path, **overrides):
@@ -352,7 +353,7 @@ def test_demo_pipeline(tmp_path):
     # and keeps the first aside.
     from transformers import TrainerState
 
-    from qerl.trainer import JsonlMetrics
+    from qerl.callbacks import JsonlMetrics
 
     JsonlMetrics(summary["metrics"]).on_train_begin(None, TrainerState(), None)
     assert os.path.getsize(summary["metrics"]) == 0

@@ -12,7 +12,8 @@ from fakes import make_trainer
 from torch.nn.parallel import DistributedDataParallel
 from trl import GRPOConfig, GRPOTrainer
 
-from qerl.trainer import QeRLConfig, QeRLTrainer
+from qerl.config import QeRLConfig, batch_error_fix
+from qerl.trainer import QeRLTrainer
 
 
 def _params(function) -> list[str]:
@@ -115,7 +116,7 @@ def test_copied_sampling_metrics_are_trls(trainer):
 def test_batch_error_text_is_matched():
     with pytest.raises(ValueError, match="divisible by num_generations") as info:
         GRPOConfig("out", per_device_train_batch_size=6, num_generations=4, use_cpu=True, report_to=[])
-    assert QeRLTrainer._batch_error_fix(info.value, QeRLConfig("out", use_cpu=True, report_to=[])) is not None
+    assert batch_error_fix(info.value, QeRLConfig("out", use_cpu=True, report_to=[])) is not None
     assert GRPOConfig("out", per_device_train_batch_size=4, num_generations=4, use_cpu=True).generation_batch_size == 4
 
 

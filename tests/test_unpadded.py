@@ -10,7 +10,7 @@ import torch
 from fakes import make_trainer
 
 from qerl import unpadded
-from qerl.trainer import QeRLConfig
+from qerl.config import QeRLConfig
 
 GSM8K = Path(__file__).parent / "data" / "gsm8k" / "train_sample.jsonl"
 

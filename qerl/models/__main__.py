@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from qerl import cli
+from qerl.errors import UsageError
 from qerl.models.fetch import CACHE_ENV, entry_for, fetch
 from qerl.models.registry import MODELS
 
@@ -29,7 +30,7 @@ def main(argv: list[str]) -> int:
             print(f"{name}: {entry.description} ({entry.license}; from {source})")
         return 0
     if args.name is None:
-        raise cli.UsageError(f"fetch needs a model name: {', '.join(MODELS)}")
+        raise UsageError(f"fetch needs a model name: {', '.join(MODELS)}")
     entry = entry_for(args.name)
     folder, written = fetch(args.name, args.output, args.cache_dir, args.gguf)
     what = "wrote" if written else "already there, reused"

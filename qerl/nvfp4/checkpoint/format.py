@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qerl.cli import UsageError, check_safetensors, looks_like_path
+from qerl.errors import UsageError
+from qerl.model_files import check_safetensors, looks_like_path
 from qerl.nvfp4 import codec
 from qerl.nvfp4.quantize import DEFAULT_IGNORE
 

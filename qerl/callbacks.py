@@ -1,0 +1,70 @@
+"""The trainer's callbacks (transformers' TrainerCallback): each log line to metrics.jsonl, and the model's EOS ids
+kept as its configs had them. Apart from the trainer, as TRL keeps its callbacks.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+
+class JsonlMetrics(TrainerCallback):
+    """Writes each log line as one JSON object (with the step) to a file, from the main process.
+
+    One file holds one run: a fresh start keeps an earlier run's file aside as metrics.N.jsonl; a resume from
+    step k keeps the lines up to k and drops what an interrupted run logged after it (kept aside the same way),
+    so no step appears twice.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or not os.path.isfile(self.path):
+            return
+        with open(self.path) as f:
+            lines = [line for line in f if line.strip()]
+        kept = [
+            line
+            for line in lines
+            if state.global_step and json.loads(line).get("step", 0) <= state.global_step
+            and "train_runtime" not in line  # the interrupted session's closing summary
+        ]  # fmt: skip
+        if kept == lines:
+            return
+        root, ext = os.path.splitext(self.path)
+        aside = next(f"{root}.{n}{ext}" for n in range(1, 10**6) if not os.path.exists(f"{root}.{n}{ext}"))
+        os.rename(self.path, aside)
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        logger.warning("%s: %s; the earlier file is kept as %s", self.path,
+                       f"continues at step {state.global_step}" if state.global_step else "starts anew",
+                       os.path.basename(aside))  # fmt: skip
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+
+
+class KeepModelEos(TrainerCallback):
+    """Puts the model's EOS ids back as its configs had them when the trainer was built. transformers' Trainer.train
+    "aligns" them to the tokenizer's EOS before the first step (align_special_tokens, logged as "Updated tokens"),
+    which would make a wrong tokenizer EOS (a GGUF's metadata) the model's own."""
+
+    def __init__(self, model):
+        self.configs = (model.config, model.generation_config)
+        self.eos = [copy.copy(getattr(config, "eos_token_id", None)) for config in self.configs]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        for config, eos in zip(self.configs, self.eos, strict=True):
+            if config is not None:
+                config.eos_token_id = eos

@@ -1,0 +1,44 @@
+"""dump_nonfinite_grads (QeRLConfig): after each micro-batch's backward, the trainable gradients are checked for NaN
+and Inf; the first micro-batch that makes one non-finite is saved, with the trainable parameters it ran with, to
+<output_dir>/nonfinite-step<N>-micro<M>.pt, which `python -m experiments.nonfinite` replays.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def dump_if_nonfinite(policy: nn.Module, output_dir: str, step: int, micro: int, batch: dict | None,
+                      loss_settings: dict) -> str | None:  # fmt: skip
+    """The dump's path if a trainable gradient of `policy` is non-finite (None otherwise): `batch`, the micro-batch
+    as the loss saw it, and `loss_settings`, what the replay needs to rebuild that loss (temperature, loss_type,
+    lora). Gradients accumulate over the micro-batches of a step, so the first check that fails names the
+    micro-batch that made them non-finite; the parameters are still those it ran with (the optimizer steps after the
+    last)."""
+    named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+    bad = [n for n, p in named if p.grad is not None and not torch.isfinite(p.grad).all()]
+    if not bad:
+        return None
+    path = os.path.join(output_dir, f"nonfinite-step{step}-micro{micro}.pt")
+    batch = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in (batch or {}).items()}
+    torch.save(
+        {
+            "step": step,
+            "micro_batch": micro,
+            "nonfinite_grads": bad,
+            "batch": batch,
+            "trainable": {n: p.detach().cpu() for n, p in named},
+            **loss_settings,
+        },
+        path,
+    )
+    logger.error("step %d, micro-batch %d made %d trainable gradients non-finite (first: %s); saved to %s",
+                 step, micro, len(bad), bad[0], path)  # fmt: skip
+    return path
