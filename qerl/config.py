@@ -100,7 +100,7 @@ class QeRLConfig(GRPOConfig):
     )  # fmt: skip
     rollout_kv_cache_gib: float | None = field(
         default=None,
-        metadata={"help": "rollout_backend native: GPU memory (GiB) the KV cache of a round may take (default: 80% of "
+        metadata={"help": "rollout_backend native: GPU memory (GiB) the KV cache of a round may take (default: 80%% of "
                   "what is free); a round that needs more runs in waves of as many sequences as fit."},
     )  # fmt: skip
     rollout_kv_cache_dtype: str = field(

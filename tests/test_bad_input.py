@@ -397,6 +397,9 @@ def test_help_is_short_shows_defaults_and_says_what_flags_do(capsys):
     parser = train._parser()
     no_metrics = next(a for a in parser._actions if "--no_metrics_jsonl" in a.option_strings)
     assert no_metrics.help == "Turn --metrics-jsonl off."
+    with pytest.raises(SystemExit, match="0"):  # argparse %-formats every help text: a bare "%" broke it once
+        train.parse_args(["--help-all"])
+    assert "--rollout_kv_cache_gib" in capsys.readouterr().out
     for main in (quantize_nvfp4.main, gsm8k.main):
         with pytest.raises(SystemExit, match="0"):
             main(["--help"])
