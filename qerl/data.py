@@ -268,7 +268,7 @@ LONG_PROMPTS = ("drop", "keep_last")  # what `fit_prompts` does with a prompt ov
 def keep_last_prompt_tokens(dataset: Dataset, tokenizer, max_prompt_length: int | None) -> Dataset:
     """Every prompt as the text its chat template makes (TRL then tokenizes it as plain text, to the same ids), and
     one over max_prompt_length tokens cut to its last max_prompt_length tokens: the QeRL reference's handling (its
-    TRL 0.21 trainer keeps the last tokens, NVlabs/QeRL trl_trainer/grpo_trainer.py:1509-1519), which cuts the
+    TRL 0.21 trainer keeps the last tokens, NVlabs/QeRL trl_trainer/grpo_trainer.py:1511-1524), which cuts the
     system prompt and the start of the question but keeps every row. The cut is decoded with its special tokens, as
     the reference hands vLLM; should the text tokenize longer at the cut, one token fewer is kept."""
     if not max_prompt_length:
