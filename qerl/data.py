@@ -2,8 +2,8 @@
 
 Named datasets use the QeRL reference's hub ids and prompt formats (NVlabs/QeRL utils/data.py):
   gsm8k        openai/gsm8k (main): the think/answer system prompt (which the rewards pay for) + the question,
-               gold = the number after ####. The reference HEAD defines that system prompt but comments it out,
-               sending the bare question to rewards that pay only for the tags: a bug not reproduced here.
+               gold = the number after ####. The reference HEAD defines that system prompt but comments out its
+               message, sending the bare question to rewards that pay only for the tags: a bug not reproduced here.
   gsm8k_hash   the same rows as the reference's first commit (1bf4803, paper time) posed them: its "####"
                instruction appended to the question, "#### N" scored (1.0) plus a <think> block (0.2)
   gsm8k_lenient the gsm8k_hash prompt, scored for models too small to follow it: the final answer ("#### N", else
