@@ -2,11 +2,15 @@
 
     python -m eval.math --model ckpt/qwen2.5-7b-nvfp4 --adapter runs/bigmath/checkpoint-500 --data math500
     python -m eval.math --model ckpt/qwen2.5-7b-nvfp4 --data aime24 --protocol greedy
+    python -m eval.math --model ckpt/qwen2.5-7b-nvfp4 --adapter runs/bigmath --data amc23   (aime25 alike)
     python -m eval.math --model ckpt/qwen2.5-7b-nvfp4 --data my_problems.jsonl     (columns: problem, answer)
 
 The prompt is Big-Math's in training (the think/answer system prompt, then the problem); a completion is correct
 when qerl.rewards' math-verify reward finds its answer (a \\boxed{} one first) equal to the gold answer. Same
 protocols, flags and outputs as eval.gsm8k.
+Named datasets (--data; BENCHMARK below): math500, aime24, aime25 (yentinglin/aime_2025, what lighteval's aime25
+task reads: the reference evaluates AIME25 with lighteval), aime and amc (AI-MO's AIME and AMC
+validation sets), amc23 (math-ai/amc23, 40 problems: the AMC of the reference's own eval script).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ BENCHMARK = common.Benchmark(
     datasets={
         "math500": ("HuggingFaceH4/MATH-500", None, "test"),
         "aime24": ("HuggingFaceH4/aime_2024", None, "train"),
+        "aime25": ("yentinglin/aime_2025", None, "train"),  # lighteval's aime25, which the reference's README runs
         "aime": ("AI-MO/aimo-validation-aime", None, "train"),
         "amc": ("AI-MO/aimo-validation-amc", None, "train"),
+        "amc23": ("math-ai/amc23", None, "test"),  # the reference eval's AMC (its eval/gsm8k.py:51): 40 problems
     },
     columns=(("problem", "question"), "answer"),
     gold=str,

@@ -62,7 +62,7 @@ def sigma_at(step: int, total_steps: int, sigma_start: float, sigma_end: float, 
 # Applying the noise
 
 # How the noise meets the scale. "fp32": added in FP32 to an FP32 copy of the scale, so that every level of the
-# schedule survives (Eq. 10: w + Z). "bf16": the reference's: the noise is cast to the BF16 scale's dtype and
+# schedule survives (Eq. 10: w + Z). "bf16": the reference code's: the noise is cast to the BF16 scale's dtype and
 # added there, so noise below half a BF16 ulp of the scale rounds away (on scales near 1: sigma 1e-3 moves ~3%
 # of the entries, 1e-4 none).
 DTYPE_RULES = {"fp32": torch.float32, "bf16": torch.bfloat16}

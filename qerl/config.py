@@ -58,8 +58,9 @@ class QeRLConfig(GRPOConfig):
         default="fp32",
         metadata={"help": "Where AQN noise meets the scales. fp32: added in FP32 to an FP32 copy of each scale, the "
                   "perturbed norms run in FP32 and round once, so every level of the schedule reaches the sampler. "
-                  "bf16: the reference's bit-faithful rule, noise cast to the BF16 scale and added there (noise "
-                  "below half a BF16 ulp rounds away: on scales near 1, sigma 1e-4 changes nothing).",
+                  "bf16: the arithmetic of the reference's code, noise cast to the BF16 scale and added there (noise "
+                  "below half a BF16 ulp rounds away: on scales near 1, sigma 1e-4 changes nothing); as its scripts "
+                  "run, that code never fires (docs/reference.md).",
                   "choices": AQN_DTYPES},
     )  # fmt: skip
     aqn_log_shift: bool = field(

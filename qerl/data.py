@@ -2,8 +2,8 @@
 
 Named datasets use the QeRL reference's hub ids and prompt formats (NVlabs/QeRL utils/data.py):
   gsm8k        openai/gsm8k (main): the think/answer system prompt (which the rewards pay for) + the question,
-               gold = the number after ####. The reference HEAD defines that system prompt but comments it out,
-               sending the bare question to rewards that pay only for the tags: a bug not reproduced here.
+               gold = the number after ####. The reference HEAD defines that system prompt but comments out its
+               message, sending the bare question to rewards that pay only for the tags: a bug not reproduced here.
   gsm8k_hash   the same rows as the reference's first commit (1bf4803, paper time) posed them: its "####"
                instruction appended to the question, "#### N" scored (1.0) plus a <think> block (0.2)
   gsm8k_lenient the gsm8k_hash prompt, scored for models too small to follow it: the final answer ("#### N", else
@@ -260,3 +260,42 @@ def drop_long_prompts(dataset: Dataset, tokenizer, max_prompt_length: int | None
         return len(ids) <= max_prompt_length
 
     return dataset.filter(fits)
+
+
+LONG_PROMPTS = ("drop", "keep_last")  # what `fit_prompts` does with a prompt over the cap
+
+
+def keep_last_prompt_tokens(dataset: Dataset, tokenizer, max_prompt_length: int | None) -> Dataset:
+    """Every prompt as the text its chat template makes (TRL then tokenizes it as plain text, to the same ids), and
+    one over max_prompt_length tokens cut to its last max_prompt_length tokens: the QeRL reference's handling (its
+    TRL 0.21 trainer keeps the last tokens, NVlabs/QeRL trl_trainer/grpo_trainer.py:1511-1524), which cuts the
+    system prompt and the start of the question but keeps every row. The cut is decoded with its special tokens, as
+    the reference hands vLLM; should the text tokenize longer at the cut, one token fewer is kept."""
+    if not max_prompt_length:
+        return dataset
+    bos = tokenizer.bos_token
+    adds_bos = bos is not None and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]
+
+    def cut(row):
+        text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        if adds_bos and text.startswith(bos):
+            text = text[len(bos) :]  # the template wrote it and the tokenizer adds it: once is the chat's ids
+        if len(tokenizer(text)["input_ids"]) <= max_prompt_length:
+            return {"prompt": text}
+        body = tokenizer(text, add_special_tokens=False)["input_ids"]
+        keep = max_prompt_length - int(adds_bos)
+        while True:
+            text = tokenizer.decode(body[-keep:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if keep == 1 or len(tokenizer(text)["input_ids"]) <= max_prompt_length:
+                return {"prompt": text}
+            keep -= 1
+
+    return dataset.map(cut)
+
+
+def fit_prompts(dataset: Dataset, tokenizer, max_prompt_length: int | None, long_prompts: str = "drop") -> Dataset:
+    """The training rows under the prompt cap: over-long prompts dropped (default) or cut to their last tokens."""
+    if long_prompts not in LONG_PROMPTS:
+        raise ValueError(f"unknown long_prompts {long_prompts!r}; use one of {', '.join(LONG_PROMPTS)}")
+    fit = keep_last_prompt_tokens if long_prompts == "keep_last" else drop_long_prompts
+    return fit(dataset, tokenizer, max_prompt_length)

@@ -63,8 +63,14 @@ class QeRLScriptArguments:
     )
     num_examples: int | None = field(default=None, metadata={"help": "Use only the first N examples."})
     max_prompt_length: int | None = field(
-        default=None, metadata={"help": "Drop prompts longer than this many tokens (TRL 1.16 does not truncate)."}
+        default=None, metadata={"help": "Prompts longer than this many tokens are dropped, or cut (--long-prompts)."}
     )
+    long_prompts: str = field(
+        default="drop",
+        metadata={"help": f"A prompt over --max-prompt-length: {' or '.join(data.LONG_PROMPTS)}. drop: left out (TRL "
+                  "1.16 does not truncate); keep_last: its last tokens kept, as the QeRL reference's TRL 0.21 did (the "
+                  "system prompt and the question's start are cut)."},
+    )  # fmt: skip
     soft_overlong_cache: int = field(
         default=0, metadata={"help": "DAPO soft overlong punishment over the last N completion tokens (0: off)."}
     )
@@ -155,6 +161,8 @@ def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
             f"--dataset-format {script_args.dataset_format!r}{nearest(script_args.dataset_format, formats)}: "
             f"use one of {', '.join(formats)}"
         )
+    if script_args.long_prompts not in data.LONG_PROMPTS:
+        raise cli.UsageError(f"--long-prompts {script_args.long_prompts!r}: use one of {', '.join(data.LONG_PROMPTS)}")
     _check_dataset(script_args.dataset, script_args.dataset_format)
 
 
@@ -168,7 +176,7 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=No
         script_args.dataset, script_args.dataset_split, script_args.dataset_format, script_args.num_examples,
         seed=config.seed,
     )  # fmt: skip
-    train_dataset = data.drop_long_prompts(task.train, tokenizer, script_args.max_prompt_length)
+    train_dataset = data.fit_prompts(task.train, tokenizer, script_args.max_prompt_length, script_args.long_prompts)
     if len(train_dataset) == 0:
         raise UsageError(
             f"no prompt of {script_args.dataset} fits --max-prompt-length {script_args.max_prompt_length}"

@@ -2,6 +2,7 @@ import json
 import os
 
 import pytest
+from datasets import Dataset
 
 from qerl import data, rewards
 from qerl.tiny import build_tiny_tokenizer
@@ -131,3 +132,49 @@ def test_drop_long_prompts():
     kept = data.drop_long_prompts(ds, tok, limit)
     assert len(kept) == sum(n <= limit for n in lengths) and 0 < len(kept) < 50
     assert data.drop_long_prompts(ds, tok, None) is ds
+
+
+def test_keep_last_prompt_tokens_on_real_gsm8k_rows():
+    """--long-prompts keep_last, the reference's truncation: every row stays; a prompt over the cap becomes the end
+    of its chat-templated text (the question's end and the generation prompt), the cap's tokens exactly; a prompt
+    that fits becomes that text whole, which tokenizes to the ids the chat template gives."""
+    tok = build_tiny_tokenizer()
+    task = data.load_task(_gsm8k_test_file(), dataset_format="gsm8k", num_examples=100)
+    whole = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in task.train["prompt"]]
+    lengths = [len(tok(text)["input_ids"]) for text in whole]
+    cap = sorted(lengths)[len(lengths) // 2]
+    kept = data.fit_prompts(task.train, tok, cap, "keep_last")
+    assert len(kept) == len(task.train) and kept["answer"] == task.train["answer"]
+    for text, full, n, messages in zip(kept["prompt"], whole, lengths, task.train["prompt"], strict=True):
+        if n <= cap:
+            assert text == full
+            assert tok(text)["input_ids"] == tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        else:
+            assert tok(text)["input_ids"] == tok(full)["input_ids"][-cap:] and text.endswith("<|assistant|>")
+    assert len(data.fit_prompts(task.train, tok, cap)) == sum(n <= cap for n in lengths) < len(kept)  # drop
+    assert data.fit_prompts(task.train, tok, None, "keep_last") is task.train
+    with pytest.raises(ValueError, match="drop, keep_last"):
+        data.fit_prompts(task.train, tok, cap, "truncate")
+
+
+def test_keep_last_prompt_tokens_with_a_tokenizer_that_adds_bos():
+    """A tokenizer that puts BOS before plain text itself (Llama-3) while its chat template writes BOS too: the
+    text prompt leaves the template's out, so a prompt that fits has one BOS, as the chat ids; a cut one has BOS
+    and the last tokens, the cap in all."""
+    from tokenizers import processors
+
+    from qerl.tiny import CHAT_TEMPLATE
+
+    tok = build_tiny_tokenizer()
+    tok.add_special_tokens({"bos_token": "<bos>"})
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)]
+    )
+    tok.chat_template = "{{ bos_token }}" + CHAT_TEMPLATE
+    short, long = [{"role": "user", "content": "2+2="}], [{"role": "user", "content": "What is 12 times 12? " * 3}]
+    rows = data.fit_prompts(Dataset.from_dict({"prompt": [short, long], "answer": ["4", "144"]}), tok, 20, "keep_last")
+    chat = tok.apply_chat_template(short, add_generation_prompt=True)["input_ids"]
+    assert chat.count(tok.bos_token_id) == 1 and tok(rows["prompt"][0])["input_ids"] == chat
+    cut = tok(rows["prompt"][1])["input_ids"]
+    full = tok.apply_chat_template(long, add_generation_prompt=True)["input_ids"]
+    assert len(cut) == 20 and cut == [tok.bos_token_id, *full[-19:]]

@@ -89,6 +89,45 @@ def test_math_eval_on_a_local_file_scores_boxed_answers(checkpoints, tmp_path, m
     assert rows[0]["question"] == "1+1?"
 
 
+AMC23_ROWS = [  # math-ai/amc23 as the reference's eval reads it (question, answer); a copy stores answers as floats
+    {"id": 0, "question": "What is $6 \\cdot 4 + 3$?", "answer": 27.0, "url": "u"},
+    {"id": 1, "question": "What is half of 5?", "answer": 2.5, "url": "u"},
+]
+AIME25_ROWS = [  # yentinglin/aime_2025, the set lighteval's aime25 task reads (problem, answer as text)
+    {"id": "I-1", "problem": "Find $9 \\cdot 9 + 9$.", "answer": "90", "solution": "s", "url": "u", "year": "2025"},
+    {"id": "I-2", "problem": "Find $2^{10}$ mod 1000.", "answer": "24", "solution": "s", "url": "u", "year": "2025"},
+]
+
+
+@pytest.mark.parametrize(
+    "name,hub_id,split,rows,right",
+    [
+        ("amc23", "math-ai/amc23", "test", AMC23_ROWS, "27"),
+        ("aime25", "yentinglin/aime_2025", "train", AIME25_ROWS, "90"),
+    ],
+)
+def test_math_eval_named_competition_sets(checkpoints, tmp_path, monkeypatch, name, hub_id, split, rows, right):
+    """--data amc23 / aime25 load their hub sets (id, split) and take the question and gold from their columns:
+    checked on rows in each set's schema, served in place of the hub (none here)."""
+    import datasets
+
+    _, nvfp4_dir = checkpoints
+    asked = []
+
+    def hub(path, config=None, split=None, **kwargs):
+        asked.append((path, config, split))
+        return datasets.Dataset.from_list(rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    canned = [f"<think>...</think> <answer>$\\boxed{{{right}}}$</answer>", "so $\\boxed{7}$"]  # right, wrong
+    monkeypatch.setitem(common.GENERATORS, "transformers", lambda spec, prompts, sampling, batch: canned)
+    summary, scored = _eval(eval_math, ["--model", nvfp4_dir, "--data", name, "--device", "cpu"], tmp_path / "m.jsonl")
+    assert asked == [(hub_id, None, split)] and summary["data"] == name
+    assert [r["question"] for r in scored] == [row.get("question", row.get("problem")) for row in rows]
+    assert [r["gold"] for r in scored] == [str(row["answer"]) for row in rows]
+    assert [r["correct"] for r in scored] == [True, False] and summary["accuracy"] == 0.5
+
+
 def test_wilson_interval():
     assert common.wilson_interval(0, 0) == (0.0, 1.0)
     low, high = common.wilson_interval(50, 100)

@@ -132,6 +132,35 @@ def test_llama_recipe_is_the_references_batch(tmp_path):
     assert (script.dataset, script.max_prompt_length, config.max_completion_length) == ("gsm8k", 256, 2048)
 
 
+GSM8K_TEST = os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
+
+
+@pytest.mark.skipif(not os.path.isfile(GSM8K_TEST), reason=f"GSM8K data not found at {GSM8K_TEST}")
+def test_long_prompts_keep_last_trains_on_every_row(checkpoints, tmp_path):
+    """A BF16 base on real GSM8K rows whose prompts all exceed --max-prompt-length: the default drops every row (a
+    one-line refusal); --long-prompts keep_last keeps all, and the rollout (so the loss too) gets them cut to it."""
+    bf16_dir, _ = checkpoints
+    cap = 400  # characters = tokens for the tiny tokenizer; these think/answer prompts run 460-900
+    argv = train_argv(bf16_dir, str(tmp_path), 1, "--dataset", GSM8K_TEST, "--num-examples", "16",
+                      "--max-prompt-length", str(cap))  # fmt: skip
+    with pytest.raises(UsageError, match=f"no prompt of .* fits --max-prompt-length {cap}"):
+        train.build_trainer(*train.parse_args(argv))
+    trainer = train.build_trainer(*train.parse_args([*argv, "--long-prompts", "keep_last"]))
+    assert len(trainer.train_dataset) == 16
+    seen = []
+    generate = trainer._generate_single_turn
+
+    def spy(prompt_ids, *args, **kwargs):
+        seen.extend(len(ids) for ids in prompt_ids)
+        return generate(prompt_ids, *args, **kwargs)
+
+    trainer._generate_single_turn = spy
+    trainer.train()
+    assert seen == [cap] * 8  # 2 prompts x 4 samples
+    with pytest.raises(UsageError, match="--long-prompts 'truncate': use one of drop, keep_last"):
+        train.validate(*train.parse_args([*argv, "--long-prompts", "truncate"]))
+
+
 def _run(checkpoint, output_dir, steps, *extra):
     return train.main(train_argv(checkpoint, output_dir, steps, *extra))
 

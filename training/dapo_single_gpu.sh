@@ -3,9 +3,10 @@
 # on one GPU with the QeRL reference's hyper-parameters. They live in the recipe configs/dapo_<dataset>_<precision>.yaml
 # (and the parts it extends); this file passes only what depends on the model size: the batch, and the model.
 #
-# Set by the calling script: SIZE (3B, 7B, 14B, 32B), PRECISION (nvfp4 or bf16), BATCH (prompts = samples
-# per step). From the user: MODEL_PATH (required for nvfp4: the NVFP4 checkpoint folder; default for bf16:
-# Qwen/Qwen2.5-$SIZE-Instruct), DATA_NAME=gsm8k|bigmath|dapomath (default gsm8k), CKPTS_DIR (default
+# Set by the calling script: SIZE (3B, 7B, 14B, 32B), PRECISION (nvfp4 or bf16), BATCH (the per-device batch and
+# num_generations, as in the reference: one prompt x BATCH samples per step). From the user: MODEL_PATH (required for
+# nvfp4: the NVFP4 checkpoint folder; default for bf16: Qwen/Qwen2.5-$SIZE-Instruct), DATA_NAME=gsm8k|bigmath|dapomath
+# (default gsm8k for both precisions; the reference's BF16 scripts default to bigmath), CKPTS_DIR (default
 # ./ckpt/<run name>), PYTHON, DRY_RUN=1 (print the command instead of running it). Extra flags override the
 # recipe. Re-running continues from the newest checkpoint in CKPTS_DIR, as the reference does.
 # One GPU, so the decoder layers are compiled for the training passes (--compile-layers: at 32B an update's passes
