@@ -162,7 +162,7 @@ def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
             f"use one of {', '.join(formats)}"
         )
     if script_args.long_prompts not in data.LONG_PROMPTS:
-        raise cli.UsageError(f"--long-prompts {script_args.long_prompts!r}: use one of {', '.join(data.LONG_PROMPTS)}")
+        raise UsageError(f"--long-prompts {script_args.long_prompts!r}: use one of {', '.join(data.LONG_PROMPTS)}")
     _check_dataset(script_args.dataset, script_args.dataset_format)
 
 
