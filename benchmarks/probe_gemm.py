@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.kernels import Copies, graph_time_us, measure_ceilings, nvfp4_bytes, shapes
+from qerl.device_facts import sm_count
 from qerl.nvfp4 import kernels
 from qerl.nvfp4 import triton_kernels as tk
 
@@ -486,7 +487,7 @@ def wgmma_ceiling(iters: int = 4000, shared_only_loops: bool = True):
     idx = torch.cuda.current_device()
     if torch.cuda.get_device_capability(idx) != (9, 0):
         raise SystemExit("wgmma-ceiling: needs compute capability 9.0 (wgmma)")
-    sms = cuda_gemm._sm_count(idx)
+    sms = sm_count(dev)
     copy_gbs, _ = measure_ceilings(dev)
     print(f"{torch.cuda.get_device_name(idx)}, copy {copy_gbs:.0f} GB/s; {sms} CTAs, one per SM; per chunk: 128 K x "
           "64 weight rows per warpgroup (8 m64n64k16)")

@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from qerl.device_facts import INTERPRET
+
 try:  # Triton is Linux-only; without it nothing here is launched.
     import triton
     import triton.language as tl
@@ -33,17 +35,9 @@ try:  # Triton is Linux-only; without it nothing here is launched.
 except ImportError:  # pragma: no cover - depends on the platform
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @functools.cache
 def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def triton_runs_on(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels take tensors on t's device: CUDA, or the CPU under TRITON_INTERPRET=1."""
-    return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
 
 def pdl_enabled(device: torch.device) -> bool:

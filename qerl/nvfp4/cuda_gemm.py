@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from qerl.device_facts import sm_count
 from qerl.pdl import pdl_enabled
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
@@ -171,11 +172,6 @@ def available(device_index: int, wgmma: bool = False) -> bool:
     return True
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=4096)  # called on every launch
 def default_config(m: int, n: int, k: int, device_index: int) -> CudaGemmConfig:
     """Fitted to the H100 sweep (docs/kernel_notes.md, "CUDA decode GEMM"): 32-row tiles, a 2-deep ring (deeper rings
@@ -185,7 +181,7 @@ def default_config(m: int, n: int, k: int, device_index: int) -> CudaGemmConfig:
     CTAs give anywhere else (7B down: 2 splits, which still fit one wave; 32B down: 3; at 9-16 rows 2 for the 14B and
     32B downs).
     """
-    sms = _sm_count(device_index)
+    sms = sm_count(torch.device("cuda", device_index))
     n_tiles = -(-n // 32)
     warps = 8 if (n_tiles < 4 * sms if m <= 8 else n_tiles <= 128) else 4
     chunks_per_warp = k // CHUNK // warps
@@ -207,7 +203,7 @@ def wgmma_config(n: int, k: int, device_index: int) -> WgmmaConfig:
     per SM, uncapped, K split in up to 3 so that the CTAs come close to one per SM (fewer CTAs than SMs beat more
     splits: each split adds 64 x N FP32 partials and a serial sum)."""
     n_tiles = -(-n // 128)
-    sms = _sm_count(device_index)
+    sms = sm_count(torch.device("cuda", device_index))
     if n_tiles >= sms:
         return WgmmaConfig(2, 3, 1, 2)
     split = min(3, max(1, sms // n_tiles), k // CHUNK)

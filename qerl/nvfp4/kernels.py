@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from qerl.device_facts import triton_runs_on
 from qerl.nvfp4 import codec, cuda_gemm
 
 try:  # Triton is Linux-only; the torch path keeps everything working without it.
@@ -36,7 +37,7 @@ FUSED_MAX_M = int(os.environ.get("QERL_NVFP4_FUSED_MAX_M", "64"))
 
 
 def _triton_ok(t: torch.Tensor) -> bool:
-    return _tk is not None and (t.is_cuda or (_tk.INTERPRET and t.device.type == "cpu"))
+    return _tk is not None and triton_runs_on(t)
 
 
 # ------------------------------------------------------------------------------------------- custom ops

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from qerl.pdl import INTERPRET, pdl_enabled, triton_runs_on
+from qerl.device_facts import INTERPRET, triton_runs_on
+from qerl.pdl import pdl_enabled
 from qerl.rollout.native import kv_cache
 
 try:  # Triton is Linux-only; the torch twins keep the engine working without it.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, TemperatureLogitsWarper
 
-from qerl.pdl import triton_runs_on
+from qerl.device_facts import triton_runs_on
 from qerl.rollout.transformers import sampling_warpers
 
 try:  # Triton is Linux-only; the torch path serves everywhere else.
