@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, GenerationConfi
 
 from qerl import policy as qpolicy
 from qerl.nvfp4.quantize import quantize_model
-from qerl.rollout import RolloutSetup, create_backend
+from qerl.rollout import KV_CACHE_DTYPES, RolloutSetup, create_backend
 from qerl.rollout.native import kv_cache
 from qerl.tiny import build_tiny_tokenizer
 
@@ -323,7 +323,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="native: GPU time per decode step by kernel family")
     parser.add_argument("--kv-cache-dtypes", default="auto", help=f"native: KV-cache dtypes to time, of "
-                        f"{', '.join(kv_cache.KV_CACHE_DTYPES)}")
+                        f"{', '.join(KV_CACHE_DTYPES)}")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: its share of the GPU")
     parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/rollout.json")

@@ -27,7 +27,7 @@ from trl.extras.profiling import profiling_context
 
 from qerl import aqn, cli, norms, policy, rollout, sharding, unpadded
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout.native.kv_cache import KV_CACHE_DTYPES
+from qerl.rollout import KV_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
 AQN_DTYPES = list(aqn.DTYPE_RULES)  # QeRLConfig's field `aqn` shadows the module inside the class body

@@ -35,6 +35,9 @@ from qerl.cli import UsageError
 logger = logging.getLogger(__name__)
 
 Perturb = Callable[[nn.Module], AbstractContextManager]
+# The native backend's kv_cache_dtype option, here so that the trainer's config offers the choices without importing
+# the engine. auto: the model's dtype; fp8: E4M3 with a scale per token and KV head (native/kv_cache.py).
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
