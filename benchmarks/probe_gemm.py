@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.kernels import Copies, graph_time_us, measure_ceilings, nvfp4_bytes, shapes
 from qerl.device_facts import sm_count
-from qerl.nvfp4 import kernels
+from qerl.nvfp4 import ops
 from qerl.nvfp4 import triton_kernels as tk
 
 
@@ -126,7 +126,7 @@ def host_cost():
     cfg = tk.default_config(1, n, k, dev)
     cases = {
         "bf16 x @ w.t()": lambda: x @ w.t(),
-        "nvfp4_linear (custom op)": lambda: kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, cnt),
+        "nvfp4_linear (custom op)": lambda: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, cnt),
         "triton_kernels.gemm": lambda: tk.gemm(x, q.packed, q.scale, q.global_scale, counters=cnt),
         "default_config": lambda: tk.default_config(1, n, k, dev),
         "TensorDescriptor.from_tensor": lambda: TensorDescriptor.from_tensor(q.packed, [64, 128]),
@@ -198,8 +198,8 @@ def cuda_vs_triton():
 def _dispatch(x, q, counters, lora=None):
     """What a projection's call picks: nvfp4_linear, or with an adapter the rollout engine's nvfp4_linear_lora."""
     if lora is None:
-        return kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=counters)
-    return kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, None, counters, *lora)
+        return ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=counters)
+    return ops.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, None, counters, *lora)
 
 
 def wgmma_vs_triton(lora: bool = False):
@@ -220,7 +220,7 @@ def wgmma_vs_triton(lora: bool = False):
         for name, (n, k) in shapes(model).items():
             c = Copies(n, k, dev)
             rank = ENGINE_LORA_RANKS[name] if lora else 0
-            counters = [kernels.splitk_counters(n, dev, rank) for _ in c.fp4]
+            counters = [ops.splitk_counters(n, dev, rank) for _ in c.fp4]
             adapter = {"lora": _engine_lora(name, n, k, dev)} if lora else {}
             for m in (40, 64):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -559,7 +559,7 @@ def main(mode):
         if mode == "ncu":
             x = torch.randn(8, k, device=dev, dtype=torch.bfloat16)
             for q in c.fp4[:6]:
-                kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
+                ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
             torch.cuda.synchronize()
             continue
         for m in (1, 8, 16):
@@ -567,7 +567,7 @@ def main(mode):
             out = torch.empty(4096 * 64, dtype=torch.int32, device=dev)
             t_stream = graph_time_us([lambda q=q, cfg=cfg, out=out: stream(q.packed, q.scale, cfg, out) for q in c.fp4])
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            t_gemm = graph_time_us([lambda q=q, x=x: kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
+            t_gemm = graph_time_us([lambda q=q, x=x: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
                                     for q in c.fp4])
             t_bf = graph_time_us([lambda w=w, x=x: x @ w.t() for w in c.bf16])
             nb = nvfp4_bytes(n, k)

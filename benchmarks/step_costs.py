@@ -26,7 +26,7 @@ import torch
 from transformers import GenerationConfig
 
 from qerl.rollout.native import engine as engine_module
-from qerl.rollout.native import ops
+from qerl.rollout.native import kernels
 from qerl.rollout.native.engine import NativeEngine
 from qerl.rollout.native.model import Decoder
 from qerl.rollout.native.sampling import Sampler
@@ -77,9 +77,9 @@ def _without_lora(engine: NativeEngine) -> Iterator[None]:
 
 # family -> (engine -> context manager in which the family's kernels are replaced by their stand-in)
 STAND_INS: dict[str, Callable[[NativeEngine], contextlib.AbstractContextManager]] = {
-    "add+RMSNorm": lambda engine: _replaced(ops, "rmsnorm", _skip_norm),
-    "SiLU gate": lambda engine: _replaced(ops, "silu_mul", _skip_silu_mul),
-    "rotary+KV write": lambda engine: _replaced(ops, "rope_cache", _skip_rope_cache),
+    "add+RMSNorm": lambda engine: _replaced(kernels, "rmsnorm", _skip_norm),
+    "SiLU gate": lambda engine: _replaced(kernels, "silu_mul", _skip_silu_mul),
+    "rotary+KV write": lambda engine: _replaced(kernels, "rope_cache", _skip_rope_cache),
     "attention": lambda engine: _replaced(engine_module, "decode_attention", _skip_attention),
     "sampling (all but an argmax)": lambda engine: _replaced(engine, "sampler", _argmax_sampler),
     "LoRA (in the NVFP4 GEMMs)": _without_lora,

@@ -1,4 +1,5 @@
-"""NVFP4 x BF16 compute: y = x @ W^T and its input gradient, with W stored packed.
+"""NVFP4 x BF16 compute: y = x @ W^T and its input gradient, with W stored packed, as torch custom ops that choose
+the kernel (the kernels themselves: triton_kernels.py, cuda_gemm.py).
 
 Public functions (NVFP4Linear and the rest of the package call these two):
   dequantize(packed, scale, global_scale, dtype)   -> W [N, K], bit-exact with codec.dequantize
