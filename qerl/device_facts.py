@@ -1,5 +1,6 @@
 """What the kernels ask of the device they run on: whether Triton's CPU interpreter is on, whether the Triton kernels
-take a tensor, and how many streaming multiprocessors a GPU has (what split-K and grid sizes are fitted to).
+take a tensor, a GPU's compute capability (which kernels and launch features it has) and how many streaming
+multiprocessors it has (what split-K and grid sizes are fitted to).
 
 Imports nothing of qerl, so that every layer (nvfp4, the rollout engine, benchmarks) can read it.
 """
@@ -23,6 +24,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def triton_runs_on(t: torch.Tensor) -> bool:
     """Whether the Triton kernels take tensors on t's device: CUDA, or the CPU under TRITON_INTERPRET=1."""
     return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+
+@functools.cache  # asked on every eager launch: torch's query costs microseconds of host time
+def compute_capability(index: int) -> tuple[int, int]:
+    """(major, minor) of the CUDA device `index`."""
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from qerl.device_facts import sm_count
+from qerl.device_facts import compute_capability, sm_count
 from qerl.pdl import pdl_enabled
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
@@ -109,16 +109,11 @@ def supported(x: torch.Tensor, k: int, lora_rank: int = 0, n: int = 0) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and 0 < m <= MAX_M and k % CHUNK == 0 and ENABLED):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    capability = _capability(index)
+    capability = compute_capability(index)
     if m <= DECODE_MAX_M:
         return capability >= (8, 9) and available(index)
     lora_pays = not lora_rank or (lora_rank <= WGMMA_LORA_MAX_RANK and n >= WGMMA_LORA_MIN_N)
     return m >= WGMMA_MIN_M and lora_pays and capability == (9, 0) and available(index, wgmma=True)
-
-
-@functools.cache  # on every eager call: torch's query costs microseconds of host time
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _wgmma_shared_bytes(mt: int, warpgroups: int) -> int:
@@ -146,7 +141,7 @@ _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_
 
 
 def _decode_kernel(nt: int, mt: int, warps: int, stages: int, l2_prefetch: int, device_index: int):
-    major, minor = _capability(device_index)
+    major, minor = compute_capability(device_index)
     return _kernel(f"nvfp4_decode_gemm<{nt}, {mt}, {warps}, {stages}, {l2_prefetch}>", f"{major}{minor}", 0,
                    device_index)
 
