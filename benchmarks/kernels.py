@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from qerl.nvfp4 import codec, kernels
+from qerl.nvfp4 import codec, ops
 from qerl.nvfp4 import triton_kernels as tk
 
 MODELS = {  # hidden, heads, kv heads, intermediate (Qwen2.5; head_dim 128)
@@ -108,7 +108,7 @@ class Copies:
             q = base[i % len(base)][1]
             self.fp4.append(codec.NVFP4Weight(q.packed.clone(), q.scale.clone(), q.global_scale.clone()))
         # Kept per weight, as NVFP4Linear keeps them: no memset per call (room for the probes' LoRA ranks, up to 64).
-        self.counters = [kernels.splitk_counters(n, device, lora_rank=64) for _ in self.fp4]
+        self.counters = [ops.splitk_counters(n, device, lora_rank=64) for _ in self.fp4]
 
 
 def measure_ceilings(device):
@@ -146,7 +146,7 @@ def check_shape(n, k, device, ms=(1, 7, 16, 64)):
     for m in ms:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         y = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
-        kernels._linear_2d(x, q.packed, q.scale, q.global_scale, None)  # dispatch path compiles
+        ops._linear_2d(x, q.packed, q.scale, q.global_scale, None)  # dispatch path compiles
         tk.gemm(x, q.packed, q.scale, q.global_scale, out=y)
         e = rel_err(y, x.double() @ w64.t())
         if not (e < 1e-2):
@@ -171,7 +171,7 @@ def bench_small(c: Copies, m, copy_gbs, config=None, use_asm=None):
     x = torch.randn(m, c.k, device="cuda", dtype=torch.bfloat16)
     t_bf = graph_time_us([lambda w=w: x @ w.t() for w in c.bf16])
     if config is None:
-        fns = [lambda q=q, cnt=cnt: kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, cnt)
+        fns = [lambda q=q, cnt=cnt: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, cnt)
                for q, cnt in zip(c.fp4, c.counters, strict=True)]
     else:
         fns = [lambda q=q: tk.gemm(x, q.packed, q.scale, q.global_scale, config=config, use_asm=use_asm)
@@ -188,11 +188,11 @@ def bench_large(c: Copies, m, tflops):
     g = torch.randn(m, c.n, device="cuda", dtype=torch.bfloat16)
     ws, qs = c.bf16[:2], c.fp4[:2]  # compute bound: two copies are enough
     t_bf = graph_time_us([lambda w=w: x @ w.t() for w in ws], calls=4)
-    t_fp = graph_time_us([lambda q=q: kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale) for q in qs],
+    t_fp = graph_time_us([lambda q=q: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale) for q in qs],
                          calls=4)
     t_bf_b = graph_time_us([lambda w=w: g @ w for w in ws], calls=4)
     t_fp_b = graph_time_us(
-        [lambda q=q: g @ kernels.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16) for q in qs],
+        [lambda q=q: g @ ops.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16) for q in qs],
         calls=4)
     flops = 2 * m * c.n * c.k
     return dict(fwd_bf16_us=t_bf, fwd_nvfp4_us=t_fp, fwd_ratio=t_bf / t_fp,
@@ -209,7 +209,7 @@ def bench_layer(model, m, copy_gbs):
     xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for name, (n, k) in sh.items()}
     bf = [{name: w.clone() for name, (w, q) in ws.items()} for _ in range(layers)]
     fp = [{name: (codec.NVFP4Weight(q.packed.clone(), q.scale.clone(), q.global_scale.clone()),
-                  kernels.splitk_counters(q.packed.shape[0], "cuda"))
+                  ops.splitk_counters(q.packed.shape[0], "cuda"))
            for name, (w, q) in ws.items()} for _ in range(copies_for(sum(nvfp4_bytes(n, k) for n, k in sh.values())))]
 
     def run_bf(layer):
@@ -219,7 +219,7 @@ def bench_layer(model, m, copy_gbs):
     def run_fp(layer):
         for name in sh:
             q, counters = layer[name]
-            kernels.nvfp4_linear(xs[name], q.packed, q.scale, q.global_scale, None, counters)
+            ops.nvfp4_linear(xs[name], q.packed, q.scale, q.global_scale, None, counters)
 
     t_bf = graph_time_us([lambda L=L: run_bf(L) for L in bf])
     t_fp = graph_time_us([lambda L=L: run_fp(L) for L in fp])
@@ -308,7 +308,7 @@ def main(argv=None):
             deq_rows.append((f"{model}.{name}", f"{n}x{k}", f"{d['us']:.1f}", f"{d['gbs']:.0f}", f"{d['pct']:.0f}%"))
             for m in small_m:
                 r = bench_small(c, m, copy_gbs)
-                cfg = tk.default_config(m, n, k, dev) if m <= kernels.FUSED_MAX_M else None
+                cfg = tk.default_config(m, n, k, dev) if m <= ops.FUSED_MAX_M else None
                 result["small"].append(dict(model=model, shape=name, n=n, k=k, m=m, config=cfg, **r))
                 small_rows.append((f"{model}.{name}", f"{n}x{k}", m, f"{r['bf16_us']:.1f}", f"{r['nvfp4_us']:.1f}",
                                    f"{r['speedup']:.2f}x", f"{r['gbs']:.0f}", f"{r['pct']:.0f}%"))

@@ -22,13 +22,14 @@ REPO = Path(__file__).resolve().parents[1]
 _MEASURE = """
 import sys, json, torch, transformers
 import qerl.nvfp4.checkpoint as ckpt
+from qerl.nvfp4.quantize_checkpoint import quantize_checkpoint
 def status_mb(key):  # VmHWM/VmRSS, not ru_maxrss: ru_maxrss keeps the parent's peak across fork+exec
     line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
     return int(line.split()[1]) / 1024
 base = status_mb("VmRSS")
 step, src, dst = sys.argv[1:4]
 if step == "quantize":
-    ckpt.quantize_checkpoint(src, dst, max_shard_bytes=512 * 1024**2)
+    quantize_checkpoint(src, dst, max_shard_bytes=512 * 1024**2)
 else:
     model = ckpt.load_nvfp4_model(src, device="cpu")
     checksum = sum(t.view(torch.uint8).max().item() for t in model.state_dict().values())  # touch every page

@@ -32,7 +32,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.kernels import Copies, graph_time_us, measure_ceilings, nvfp4_bytes, shapes
-from qerl.nvfp4 import kernels
+from qerl.device_facts import sm_count
+from qerl.nvfp4 import ops
 from qerl.nvfp4 import triton_kernels as tk
 
 
@@ -98,7 +99,7 @@ def stream_probe():
             out = torch.empty(4096 * 64, dtype=torch.int32, device=dev)
             t_stream = graph_time_us([lambda q=q, cfg=cfg, out=out: stream(q.packed, q.scale, cfg, out) for q in c.fp4])
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            t_gemm = graph_time_us([lambda q=q, x=x: kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
+            t_gemm = graph_time_us([lambda q=q, x=x: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
                                     for q in c.fp4])
             t_bf = graph_time_us([lambda w=w, x=x: x @ w.t() for w in c.bf16])
             nb = nvfp4_bytes(n, k)
@@ -156,7 +157,7 @@ def host_cost():
     cfg = tk.default_config(1, n, k, dev)
     cases = {
         "bf16 x @ w.t()": lambda: x @ w.t(),
-        "nvfp4_linear (custom op)": lambda: kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, cnt),
+        "nvfp4_linear (custom op)": lambda: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, cnt),
         "triton_kernels.gemm": lambda: tk.gemm(x, q.packed, q.scale, q.global_scale, counters=cnt),
         "default_config": lambda: tk.default_config(1, n, k, dev),
         "TensorDescriptor.from_tensor": lambda: TensorDescriptor.from_tensor(q.packed, [64, 128]),
@@ -228,8 +229,8 @@ def cuda_vs_triton():
 def _dispatch(x, q, counters, lora=None):
     """What a projection's call picks: nvfp4_linear, or with an adapter the rollout engine's nvfp4_linear_lora."""
     if lora is None:
-        return kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=counters)
-    return kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, None, counters, *lora)
+        return ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=counters)
+    return ops.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, None, counters, *lora)
 
 
 def wgmma_vs_triton(lora: bool = False):
@@ -250,7 +251,7 @@ def wgmma_vs_triton(lora: bool = False):
         for name, (n, k) in shapes(model).items():
             c = Copies(n, k, dev)
             rank = ENGINE_LORA_RANKS[name] if lora else 0
-            counters = [kernels.splitk_counters(n, dev, rank) for _ in c.fp4]
+            counters = [ops.splitk_counters(n, dev, rank) for _ in c.fp4]
             adapter = {"lora": _engine_lora(name, n, k, dev)} if lora else {}
             for m in (40, 64):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -302,7 +303,7 @@ def wgmma_ceiling(iters: int = 4000, shared_only_loops: bool = True):
     idx = torch.cuda.current_device()
     if torch.cuda.get_device_capability(idx) != (9, 0):
         raise SystemExit("wgmma-ceiling: needs compute capability 9.0 (wgmma)")
-    sms = cuda_gemm._sm_count(idx)
+    sms = sm_count(dev)
     copy_gbs, _ = measure_ceilings(dev)
     print(f"{torch.cuda.get_device_name(idx)}, copy {copy_gbs:.0f} GB/s; {sms} CTAs, one per SM; per chunk: 128 K x "
           "64 weight rows per warpgroup (8 m64n64k16)")
@@ -377,7 +378,7 @@ def ncu_targets():
         c = Copies(n, k, dev)
         x = torch.randn(8, k, device=dev, dtype=torch.bfloat16)
         for q in c.fp4[:6]:
-            kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
+            ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
         torch.cuda.synchronize()
 
 

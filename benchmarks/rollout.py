@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, GenerationConfi
 
 from qerl import policy as qpolicy
 from qerl.nvfp4.quantize import quantize_model
-from qerl.rollout import RolloutSetup, create_backend
+from qerl.rollout import KV_CACHE_DTYPES, RolloutSetup, create_backend, no_noise
 from qerl.rollout.native import kv_cache
 from qerl.tiny import build_tiny_tokenizer
 
@@ -230,27 +230,23 @@ def profile_decode_step(engine, prompts) -> dict[str, float]:
 
 
 def setup_for(model, new_tokens: int, model_path: str | None, options: dict) -> RolloutSetup:
-    return RolloutSetup(
-        generation_config=GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                           max_new_tokens=new_tokens),
-        eos_token_ids=[], pad_token_id=0, open_policy=lambda: contextlib.nullcontext(model),
-        device=torch.device("cuda"), model_path=model_path, options=options,
-    )  # fmt: skip
+    """Temperature 1 and nothing else, no EOS: every sequence samples `new_tokens`."""
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens)
+    return RolloutSetup.for_model(model, config, [], 0, model_path=model_path, options=options)
 
 
 def time_batch(args, backend, base, gb: float, precision: str, batch: int, gen: torch.Generator,
                kv_dtype: str = "auto") -> dict:
     """One timed rollout of `batch` random prompts (after a short warm-up at the same batch) as a result row."""
-    noop = lambda module: contextlib.nullcontext()  # noqa: E731
     if args.engine == "native":
         backend.engine.kv_fp8 = kv_cache.resolve(kv_dtype)
     torch.cuda.reset_peak_memory_stats()
     prompts = torch.randint(10, base.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
     with max_new_tokens(backend, 16):
-        backend.generate(prompts, noop)  # warm-up at the timed batch: Triton compiles per shape
+        backend.generate(prompts, no_noise)  # warm-up at the timed batch: Triton compiles per shape
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = backend.generate(prompts, noop)
+    out = backend.generate(prompts, no_noise)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = sum(len(c) for c in out.completion_ids)
@@ -323,7 +319,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="native: GPU time per decode step by kernel family")
     parser.add_argument("--kv-cache-dtypes", default="auto", help=f"native: KV-cache dtypes to time, of "
-                        f"{', '.join(kv_cache.KV_CACHE_DTYPES)}")
+                        f"{', '.join(KV_CACHE_DTYPES)}")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: its share of the GPU")
     parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/rollout.json")

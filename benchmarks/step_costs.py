@@ -23,13 +23,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
 
+from qerl.rollout import create_backend
 from qerl.rollout.native import engine as engine_module
-from qerl.rollout.native import ops
+from qerl.rollout.native import kernels
 from qerl.rollout.native.engine import NativeEngine
-from qerl.rollout.native.model import Decoder
-from qerl.rollout.native.sampling import Sampler
 
 
 @contextlib.contextmanager
@@ -77,9 +75,9 @@ def _without_lora(engine: NativeEngine) -> Iterator[None]:
 
 # family -> (engine -> context manager in which the family's kernels are replaced by their stand-in)
 STAND_INS: dict[str, Callable[[NativeEngine], contextlib.AbstractContextManager]] = {
-    "add+RMSNorm": lambda engine: _replaced(ops, "rmsnorm", _skip_norm),
-    "SiLU gate": lambda engine: _replaced(ops, "silu_mul", _skip_silu_mul),
-    "rotary+KV write": lambda engine: _replaced(ops, "rope_cache", _skip_rope_cache),
+    "add+RMSNorm": lambda engine: _replaced(kernels, "rmsnorm", _skip_norm),
+    "SiLU gate": lambda engine: _replaced(kernels, "silu_mul", _skip_silu_mul),
+    "rotary+KV write": lambda engine: _replaced(kernels, "rope_cache", _skip_rope_cache),
     "attention": lambda engine: _replaced(engine_module, "decode_attention", _skip_attention),
     "sampling (all but an argmax)": lambda engine: _replaced(engine, "sampler", _argmax_sampler),
     "LoRA (in the NVFP4 GEMMs)": _without_lora,
@@ -136,9 +134,8 @@ def main(argv=None) -> None:
         raise SystemExit("benchmarks.step_costs needs a CUDA GPU")
     batches = [int(b) for b in args.batches.split(",") if b]
     model = rollout.with_lora(rollout.build(args.size, "nvfp4"), args.lora_rank)
-    sampler = Sampler(GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0))
-    engine = NativeEngine(Decoder(model), sampler, eos_token_ids=[], pad_token_id=0)
-    engine.decoder.refresh()
+    engine = create_backend("native", rollout.setup_for(model, args.new_tokens, None, {})).engine
+    engine.decoder.refresh()  # the adapter into the engine's buffers, as every round does
     gen = torch.Generator().manual_seed(1)
     results = {}
     for batch in batches:

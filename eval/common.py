@@ -8,9 +8,10 @@ checkpoint's generation_config.json, for an NVFP4 base as for a BF16 one:
   greedy     greedy decoding
 Prompt formats (`--format`) fix how a question is asked and how a completion is scored, as in training (the
 think/answer system prompt by default, which the reference's eval uses).
-Generation is one function behind GENERATORS: transformers' generate on the policy, the native engine on the policy
-(what training samples with), or vLLM on the checkpoint with the adapter pushed from memory; auto picks native on a
-CUDA device (vLLM or transformers where native cannot run the model), transformers on CPU.
+Generation is one function behind GENERATORS: transformers' generate on the policy, the native rollout backend on the
+policy (what training samples with), or vLLM on the checkpoint with the adapter pushed from memory
+(rollout.vllm.checkpoint_engine); auto picks native on a CUDA device (vLLM or transformers where native cannot run the
+model: rollout.with_auto_fallback, as in training), transformers on CPU.
 """
 
 from __future__ import annotations
@@ -124,29 +125,24 @@ def transformers_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: 
 
 
 def native_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling, batch_size: int) -> list[str]:
-    """Completions from the native rollout engine on the policy itself (base + adapter, LoRA unmerged, its norms),
+    """Completions from the native rollout backend on the policy itself (base + adapter, LoRA unmerged, its norms),
     the engine training samples with: all prompts in one round, in as many waves as the KV cache needs
     (`batch_size` does not apply). Raises rollout.Unsupported for a model the engine cannot run."""
     import torch
     from transformers import GenerationConfig
 
-    from qerl.rollout import truncate_at_eos
-    from qerl.rollout.native.engine import NativeEngine
-    from qerl.rollout.native.model import Decoder
-    from qerl.rollout.native.sampling import Sampler
+    from qerl.rollout import RolloutSetup, build_backend, no_noise
 
     model, tokenizer = _load_policy(spec)
-    config = GenerationConfig(do_sample=sampling.do_sample, temperature=sampling.temperature if sampling.do_sample
-                              else None, top_p=sampling.top_p, top_k=0)  # fmt: skip
-    eos = _generation_eos(spec.model, tokenizer)
-    budget = None if spec.kv_cache_gib is None else int(spec.kv_cache_gib * 2**30)
-    engine = NativeEngine(Decoder(model), Sampler(config), eos, tokenizer.pad_token_id, kv_cache_bytes=budget)
-    engine.decoder.refresh()  # the adapter's LoRA and trained norms into the engine's buffers
+    temperature = sampling.temperature if sampling.do_sample else None
+    config = GenerationConfig(do_sample=sampling.do_sample, temperature=temperature, top_p=sampling.top_p, top_k=0,
+                              max_new_tokens=sampling.max_new_tokens)
+    setup = RolloutSetup.for_model(model, config, _generation_eos(spec.model, tokenizer), tokenizer.pad_token_id,
+                                   options={"kv_cache_gib": spec.kv_cache_gib})
+    backend = build_backend("native", setup)
     ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"] for p in prompts]
     torch.manual_seed(sampling.seed)
-    completion_ids, logprobs = engine.generate(ids, sampling.max_new_tokens)
-    return tokenizer.batch_decode(truncate_at_eos(completion_ids, logprobs, eos).completion_ids,
-                                  skip_special_tokens=True)  # fmt: skip
+    return tokenizer.batch_decode(backend.generate(ids, no_noise).completion_ids, skip_special_tokens=True)
 
 
 def vllm_generate(
@@ -155,24 +151,12 @@ def vllm_generate(
     """Completions from a vLLM engine on the checkpoint folder (Marlin NVFP4 or BF16), the adapter's LoRA as
     in-memory tensors and its trained norms copied into vLLM's FP32 norm scales, as the vllm rollout backend
     does in training. vLLM schedules all prompts itself: `batch_size` does not apply."""
-    from safetensors.torch import load_file
-
     from qerl.policy import load_tokenizer
-    from qerl.rollout.vllm import VLLMEngine, split_adapter_state, vllm_lora_settings
+    from qerl.rollout.vllm import VLLMEngine, checkpoint_engine
 
     tokenizer = load_tokenizer(spec.model)
-    lora = norms = settings = None
-    if spec.adapter:
-        with open(os.path.join(spec.adapter, "adapter_config.json")) as f:
-            settings = vllm_lora_settings(json.load(f))
-        lora, norms = split_adapter_state(load_file(os.path.join(spec.adapter, "adapter_model.safetensors")))
-    engine = (engine_factory or VLLMEngine)(
-        spec.model, lora_rank=settings["r"] if settings else None, gpu_memory_utilization=0.85, sleep=False,
-        seed=sampling.seed,
-    )  # fmt: skip
-    if settings:
-        engine.load_lora(lora, settings)
-        engine.load_norms(norms)
+    engine = checkpoint_engine(spec.model, spec.adapter, engine_factory=engine_factory or VLLMEngine,
+                               gpu_memory_utilization=0.85, sleep=False, seed=sampling.seed)
     stop = _generation_eos(spec.model, tokenizer)
     params = {
         "n": 1, "temperature": sampling.temperature if sampling.do_sample else 0.0,
@@ -197,15 +181,10 @@ def _generation_eos(model: str, tokenizer) -> list[int]:
 def _auto_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling, batch_size: int) -> list[str]:
     """On a CUDA device the native engine (what training samples with), or vLLM / transformers where it cannot
     run the model; on CPU transformers."""
-    from qerl.rollout import Unsupported, resolve_backend, serving_backend
+    from qerl.rollout import with_auto_fallback
 
-    backend = resolve_backend("auto", spec.device)
-    try:
-        return GENERATORS[backend](spec, prompts, sampling, batch_size)
-    except Unsupported as error:
-        fallback = serving_backend(spec.device)
-        print(f"eval: {error}; using {fallback}")
-        return GENERATORS[fallback](spec, prompts, sampling, batch_size)
+    return with_auto_fallback(spec.device, lambda backend: GENERATORS[backend](spec, prompts, sampling, batch_size),
+                              lambda error, fallback: print(f"eval: {error}; using {fallback}"))
 
 
 GENERATORS: dict[str, Callable[[ModelSpec, list[list[dict]], Sampling, int], list[str]]] = {

@@ -1,7 +1,10 @@
-"""Quantize a BF16 Hugging Face causal LM to an NVFP4A16 compressed-tensors checkpoint.
+"""Quantize a BF16 Hugging Face causal LM to an NVFP4A16 compressed-tensors checkpoint, with llmcompressor's oneshot
+as a second backend.
 
-    python llm-compressor/quantize_nvfp4.py --model Qwen/Qwen2.5-7B-Instruct --output ckpt/qwen2.5-7b-nvfp4
+    python llm-compressor/quantize_nvfp4.py --backend llmcompressor --model Qwen/Qwen2.5-7B-Instruct --output OUT
 
+This script is here for the llmcompressor backend (in the folder named after the library, where the QeRL reference
+keeps its quantizer); the default one is the package's `python -m qerl.quantize`, whose flags it takes too.
 Backends write the same bytes:
   native         (default) streams the checkpoint one decoder layer at a time: a 32B model quantizes in
                  well under 24 GiB of RAM, on the CPU or a GPU (--device cuda).
@@ -20,16 +23,10 @@ from pathlib import Path
 # Run as a script, this file's folder (not the repository) is on sys.path: make the checkout's qerl the one imported.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
-from qerl import cli, input_checks  # noqa: E402
+from qerl import cli, quantize  # noqa: E402
 from qerl.errors import UsageError  # noqa: E402
-from qerl.nvfp4.checkpoint import quantize_checkpoint  # noqa: E402
 from qerl.nvfp4.checkpoint.format import resolve_model_dir  # noqa: E402
-from qerl.nvfp4.checkpoint.write import DEFAULT_SHARD_BYTES, AtomicOutputDir, copy_side_files  # noqa: E402
-from qerl.nvfp4.quantize import DEFAULT_IGNORE  # noqa: E402
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from qerl.nvfp4.checkpoint.write import AtomicOutputDir, copy_side_files  # noqa: E402
 
 
 def quantize_with_llmcompressor(model: str, output: str, device: str, dtype, ignore, overwrite: bool) -> Path:
@@ -53,39 +50,18 @@ def quantize_with_llmcompressor(model: str, output: str, device: str, dtype, ign
 
 
 def build_parser() -> cli.ArgumentParser:
-    parser = cli.ArgumentParser(prog="quantize_nvfp4.py", description=__doc__)
-    parser.add_argument("--model", required=True, help="BF16 model: local folder or hub id")
-    parser.add_argument("--output", required=True, help="folder to write the NVFP4 checkpoint to")
+    parser = quantize.build_parser(prog="quantize_nvfp4.py", description=__doc__)
     parser.add_argument("--backend", choices=("native", "llmcompressor"), default="native", help="see above")
-    parser.add_argument("--device", default="cpu", help="where the quantization math runs (cpu, cuda, cuda:1)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype the weights are read in")
-    parser.add_argument("--ignore", nargs="*", default=list(DEFAULT_IGNORE), help="Linears kept in BF16")
-    parser.add_argument("--max-shard-gb", type=cli.POSITIVE, default=DEFAULT_SHARD_BYTES / 1024**3,
-                        help="largest output shard, in GiB")  # fmt: skip
-    parser.add_argument(
-        "--overwrite", action="store_true",
-        help="replace --output if it is an empty folder or a checkpoint this tool wrote (nothing else is replaced)",
-    )  # fmt: skip
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    input_checks.check_model(args.model)
-    input_checks.check_device(args.device)
-
-    dtype = DTYPES[args.dtype]
+    quantize.check_flags(args)
     if args.backend == "native":
-        out = quantize_checkpoint(
-            args.model,
-            args.output,
-            device=args.device,
-            dtype=dtype,
-            ignore=args.ignore,
-            overwrite=args.overwrite,
-            max_shard_bytes=int(args.max_shard_gb * 1024**3),
-        )
+        out = quantize.quantize_streaming(args)
     else:
+        dtype = quantize.DTYPES[args.dtype]
         out = quantize_with_llmcompressor(args.model, args.output, args.device, dtype, args.ignore, args.overwrite)
     print(f"quantize_nvfp4: wrote {out}")
     return 0

@@ -1,8 +1,8 @@
-"""The convention of the command-line tools (llm-compressor/quantize_nvfp4.py, `python -m qerl.train`,
-`python -m eval.gsm8k` / `eval.math`, `python -m qerl.models`): a user's mistake (a UsageError, qerl/errors.py) is
-one line on stderr and exit code 2, found before anything heavy loads; an error of the program itself keeps its
-traceback. `--debug` (or QERL_DEBUG=1) shows the traceback of user errors too. SIGINT and SIGTERM end a run in one
-line too, after the `finally` blocks on the way out.
+"""The convention of the command-line tools (`python -m qerl.quantize`, `python -m qerl.train`, `python -m eval.gsm8k`
+/ `eval.math`, `python -m qerl.models`, llm-compressor/quantize_nvfp4.py): a user's mistake (a UsageError,
+qerl/errors.py) is one line on stderr and exit code 2, found before anything heavy loads; an error of the program
+itself keeps its traceback. `--debug` (or QERL_DEBUG=1) shows the traceback of user errors too. SIGINT and SIGTERM
+end a run in one line too, after the `finally` blocks on the way out.
 
 Also here: the argparse helpers those tools share (one-line parser errors, misspelt flags named, numeric ranges).
 The checks of input files are in qerl/input_checks.py. Nothing here imports torch.

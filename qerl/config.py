@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from qerl import aqn, policy, rollout
-from qerl.rollout.native.kv_cache import KV_CACHE_DTYPES
+from qerl.rollout import KV_CACHE_DTYPES
 
 AQN_DTYPES = list(aqn.DTYPE_RULES)  # QeRLConfig's field `aqn` shadows the module inside the class body
 

@@ -21,10 +21,11 @@ Kernels of other libraries (cuBLAS) between ours launch without PDL and wait for
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
+
+from qerl.device_facts import INTERPRET, compute_capability
 
 try:  # Triton is Linux-only; without it nothing here is launched.
     import triton
@@ -33,24 +34,11 @@ try:  # Triton is Linux-only; without it nothing here is launched.
 except ImportError:  # pragma: no cover - depends on the platform
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.cache
-def _device_has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def triton_runs_on(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels take tensors on t's device: CUDA, or the CPU under TRITON_INTERPRET=1."""
-    return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
-
-
 def pdl_enabled(device: torch.device) -> bool:
     """Launch with PDL: a CUDA device of compute capability 9.0+, not the interpreter, QERL_PDL not "0"."""
     if triton is None or INTERPRET or device.type != "cuda" or os.environ.get("QERL_PDL", "1") == "0":
         return False
-    return _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    return compute_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
 if triton is not None:

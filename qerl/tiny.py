@@ -127,7 +127,7 @@ def save_tiny_checkpoints(root, model=None, tokenizer=None, seed: int = 0) -> tu
     """
     import os
 
-    from qerl.nvfp4.checkpoint import quantize_checkpoint
+    from qerl.nvfp4.quantize_checkpoint import quantize_checkpoint
 
     if model is None:
         model, tokenizer = build_tiny(seed=seed)

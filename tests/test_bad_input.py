@@ -1,4 +1,4 @@
-"""Bad input to the three CLIs (quantize_nvfp4.py, qerl.train, eval.gsm8k / eval.math): one line naming the culprit,
+"""Bad input to the three CLIs (qerl.quantize, qerl.train, eval.gsm8k / eval.math): one line naming the culprit,
 exit code 2, no traceback, found before anything loads, and the disk left as it was.
 
 A few trials run each CLI as a real process (the wiring: exit code, stderr); the many others call the same entry
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from clis import QUANTIZER, REPO, child_env, quantize_nvfp4, snapshot
+from clis import QUANTIZER, REPO, child_env, snapshot
 from safetensors.torch import load_file, save_file
 
 from eval import common, gsm8k
 from eval import math as eval_math
-from qerl import cli, policy, recipes, train
+from qerl import cli, policy, quantize, recipes, train
 from qerl.config import QeRLConfig
 from qerl.errors import UsageError, nearest, one_line
 from qerl.input_checks import FETCH_COMMAND
@@ -35,7 +35,7 @@ from qerl.run_dir import RunLock
 from qerl.tiny import build_tiny, build_tiny_tokenizer, save_tiny_checkpoints
 
 MAINS = {
-    "quantize_nvfp4": quantize_nvfp4.main,
+    "qerl.quantize": quantize.main,
     "qerl.train": lambda argv: train.main(argv) and 0,
     "eval.gsm8k": gsm8k.main,
     "eval.math": eval_math.main,
@@ -121,24 +121,24 @@ E = ["--model", "ck/nvfp4", "--data", "good.jsonl", "--device", "cpu"]
 
 TRIALS = [
     # prog, argv, fragment(s) of the one line
-    ("quantize_nvfp4", ["--model", "ck/bf16", "--output", "ck/bf16", "--overwrite"], "holds the input model"),
-    ("quantize_nvfp4", ["--model", "parent/model", "--output", "parent", "--overwrite"], "holds the input model"),
-    ("quantize_nvfp4", ["--model", "ck/bf16", "--output", ".", "--overwrite"], "holds the input model"),
-    ("quantize_nvfp4", ["--model", "ck/bf16", "--output", "notes.txt", "--overwrite"], "notes.txt: is a file"),
-    ("quantize_nvfp4", ["--model", "ck/bf16", "--output", "parent", "--overwrite"], "not a checkpoint this tool wrote"),
-    ("quantize_nvfp4", ["--model", "ck/bf16", "--output", "ck/nvfp4"], "pass --overwrite"),
-    ("quantize_nvfp4", ["--model", "./ck/nope", "--output", "out"], "./ck/nope: no such folder"),
-    ("quantize_nvfp4", ["--model", "ck/nope", "--output", "out"], "ck/nope: no such folder"),
-    ("quantize_nvfp4", ["--model", "notes.txt", "--output", "out"], "notes.txt: is a file"),
-    ("quantize_nvfp4", ["--model", "truncated", "--output", "out"], "model.safetensors: truncated or corrupt"),
-    ("quantize_nvfp4", ["--model", "nan", "--output", "out"], "model.norm.weight contains NaN or Inf"),
-    ("quantize_nvfp4", ["--model", "ck/nvfp4", "--output", "out"], "already quantized"),
-    ("quantize_nvfp4", [*Q, "--device", "gpu0"], "--device 'gpu0': not a device name"),
-    ("quantize_nvfp4", [*Q, "--device", "cuda:7"], "--device 'cuda:7'"),
-    ("quantize_nvfp4", [*Q, "--overwite"], "unknown flag --overwite (did you mean --overwrite?)"),
-    ("quantize_nvfp4", [*Q, "--max-shard-gb", "-1"], "--max-shard-gb: must be a number > 0, got -1"),
-    ("quantize_nvfp4", ["--model", "model.gguf", "--output", "out"], "model.gguf is a GGUF file", FETCH_COMMAND),
-    ("quantize_nvfp4", ["--model", "t5", "--output", "out"], "T5ForConditionalGeneration (model_type 't5') is not a"),
+    ("qerl.quantize", ["--model", "ck/bf16", "--output", "ck/bf16", "--overwrite"], "holds the input model"),
+    ("qerl.quantize", ["--model", "parent/model", "--output", "parent", "--overwrite"], "holds the input model"),
+    ("qerl.quantize", ["--model", "ck/bf16", "--output", ".", "--overwrite"], "holds the input model"),
+    ("qerl.quantize", ["--model", "ck/bf16", "--output", "notes.txt", "--overwrite"], "notes.txt: is a file"),
+    ("qerl.quantize", ["--model", "ck/bf16", "--output", "parent", "--overwrite"], "not a checkpoint this tool wrote"),
+    ("qerl.quantize", ["--model", "ck/bf16", "--output", "ck/nvfp4"], "pass --overwrite"),
+    ("qerl.quantize", ["--model", "./ck/nope", "--output", "out"], "./ck/nope: no such folder"),
+    ("qerl.quantize", ["--model", "ck/nope", "--output", "out"], "ck/nope: no such folder"),
+    ("qerl.quantize", ["--model", "notes.txt", "--output", "out"], "notes.txt: is a file"),
+    ("qerl.quantize", ["--model", "truncated", "--output", "out"], "model.safetensors: truncated or corrupt"),
+    ("qerl.quantize", ["--model", "nan", "--output", "out"], "model.norm.weight contains NaN or Inf"),
+    ("qerl.quantize", ["--model", "ck/nvfp4", "--output", "out"], "already quantized"),
+    ("qerl.quantize", [*Q, "--device", "gpu0"], "--device 'gpu0': not a device name"),
+    ("qerl.quantize", [*Q, "--device", "cuda:7"], "--device 'cuda:7'"),
+    ("qerl.quantize", [*Q, "--overwite"], "unknown flag --overwite (did you mean --overwrite?)"),
+    ("qerl.quantize", [*Q, "--max-shard-gb", "-1"], "--max-shard-gb: must be a number > 0, got -1"),
+    ("qerl.quantize", ["--model", "model.gguf", "--output", "out"], "model.gguf is a GGUF file", FETCH_COMMAND),
+    ("qerl.quantize", ["--model", "t5", "--output", "out"], "T5ForConditionalGeneration (model_type 't5') is not a"),
     ("qerl.train", ["--output-dir", "fresh", "--use-cpu", "True"], "--model-name is required"),
     ("qerl.train", [*T, "--model-name", "./nope"], "--model-name ./nope: no such folder"),
     ("qerl.train", [*T, "--dataset", "gsm9k"], "--dataset gsm9k: unknown dataset (did you mean gsm8k?)"),
@@ -241,8 +241,10 @@ def test_each_cli_as_a_process(world, tmp_path):
     lock.acquire()
     before = snapshot(world)
     trials = [
-        ([str(QUANTIZER), "--model", "parent/model", "--output", "parent", "--overwrite"], "quantize_nvfp4", "parent"),
-        ([str(QUANTIZER), "--model", "truncated", "--output", "out"], "quantize_nvfp4", "truncated/model.safetensors"),
+        (["-m", "qerl.quantize", "--model", "parent/model", "--output", "parent", "--overwrite"], "qerl.quantize",
+         "parent"),
+        (["-m", "qerl.quantize", "--model", "truncated", "--output", "out"], "qerl.quantize",
+         "truncated/model.safetensors"),
         ([str(QUANTIZER), "--model", "t5", "--output", "out"], "quantize_nvfp4", "T5ForConditionalGeneration"),
         (["-m", "qerl.train", *T, "--sigma-strat", "1"], "qerl.train", "did you mean --sigma-start?"),
         (["-m", "qerl.train", *T, "--output-dir", "run"], "qerl.train", "--resume-from-checkpoint true"),
@@ -303,7 +305,7 @@ def numeric_fields(cls) -> list[str]:
 
 NUMERIC_FLAGS = {  # the numeric flags of eval and the quantizer: parser -> argv that is valid but for the flag
     "eval.gsm8k": (common.build_parser(gsm8k.BENCHMARK, ""), ["--model", "m"]),
-    "quantize_nvfp4": (quantize_nvfp4.build_parser(), ["--model", "m", "--output", "o"]),
+    "qerl.quantize": (quantize.build_parser(), ["--model", "m", "--output", "o"]),
 }
 
 
@@ -376,7 +378,7 @@ def test_overwrite_replaces_only_its_own_checkpoint_and_cleans_stale_work_folder
     source_before = snapshot(src)
     for overwrite in ([], ["--overwrite"]):
         code = cli.run_cli(
-            quantize_nvfp4.main, "quantize_nvfp4", ["--model", str(src), "--output", str(out), *overwrite]
+            quantize.main, "qerl.quantize", ["--model", str(src), "--output", str(out), *overwrite]
         )
         assert code == 0
     assert any(f"removed {stale}" in r.getMessage() and "did not finish" in r.getMessage() for r in caplog.records)
@@ -400,7 +402,7 @@ def test_help_is_short_shows_defaults_and_says_what_flags_do(capsys):
     with pytest.raises(SystemExit, match="0"):  # argparse %-formats every help text: a bare "%" broke it once
         train.parse_args(["--help-all"])
     assert "--rollout_kv_cache_gib" in capsys.readouterr().out
-    for main in (quantize_nvfp4.main, gsm8k.main):
+    for main in (quantize.main, gsm8k.main):
         with pytest.raises(SystemExit, match="0"):
             main(["--help"])
         assert "(default: bfloat16)" in capsys.readouterr().out or main is gsm8k.main

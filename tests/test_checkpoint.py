@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clis import QUANTIZER, quantize_nvfp4
 from reference import reference_compress, reference_global_scale
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -20,19 +21,15 @@ from transformers import (
     Qwen3Config,
 )
 
-from qerl.nvfp4.checkpoint import (
-    CheckpointError,
-    is_nvfp4_checkpoint,
-    load_nvfp4_model,
-    quantize_checkpoint,
-    save_nvfp4_checkpoint,
-)
+from qerl import quantize
+from qerl.nvfp4.checkpoint import CheckpointError, is_nvfp4_checkpoint, load_nvfp4_model, save_nvfp4_checkpoint
 from qerl.nvfp4.checkpoint.format import INDEX_FILE, tensor_index
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.nvfp4.quantize import quantize_model
+from qerl.nvfp4.quantize_checkpoint import quantize_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = REPO / "llm-compressor" / "quantize_nvfp4.py"
+QUANTIZE = [sys.executable, "-m", "qerl.quantize"]
 SIZES = dict(
     vocab_size=96,
     hidden_size=64,
@@ -72,7 +69,7 @@ def _decompressed_by_compressed_tensors(path: Path):
 def test_cli_round_trip_logits_equal_compressed_tensors(seed, tmp_path, arch):
     _bf16_model(arch, tmp_path / "bf16")
     result = subprocess.run(
-        [sys.executable, str(CLI), "--model", str(tmp_path / "bf16"), "--output", str(tmp_path / "nvfp4")],
+        [*QUANTIZE, "--model", str(tmp_path / "bf16"), "--output", str(tmp_path / "nvfp4")],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -229,7 +226,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
     config = Qwen2Config(**{**SIZES, "hidden_size": 40, "num_attention_heads": 4, "num_key_value_heads": 2})
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "odd")
     result = subprocess.run(
-        [sys.executable, str(CLI), "--model", str(tmp_path / "odd"), "--output", str(tmp_path / "out")],
+        [*QUANTIZE, "--model", str(tmp_path / "odd"), "--output", str(tmp_path / "out")],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -240,6 +237,15 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_llmcompressor_script_native_backend_is_the_package_quantizer(seed, tmp_path):
+    """llm-compressor/quantize_nvfp4.py's default backend writes what `python -m qerl.quantize` writes."""
+    _bf16_model("qwen2", tmp_path / "bf16")
+    for main, out in ((quantize.main, "package"), (quantize_nvfp4.main, "script")):
+        assert main(["--model", str(tmp_path / "bf16"), "--output", str(tmp_path / out)]) == 0
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "package" / name).read_bytes() == (tmp_path / "script" / name).read_bytes()
+
+
 def test_llmcompressor_backend_writes_the_same_bytes(seed, tmp_path):
     pytest.importorskip("llmcompressor", reason="the llmcompressor backend is optional (pip install -e .[quantize])")
     _bf16_model("qwen2", tmp_path / "bf16")
@@ -247,7 +253,7 @@ def test_llmcompressor_backend_writes_the_same_bytes(seed, tmp_path):
         result = subprocess.run(
             [
                 sys.executable,
-                str(CLI),
+                str(QUANTIZER),
                 "--model",
                 str(tmp_path / "bf16"),
                 "--output",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl.nvfp4 import codec, cuda_gemm, kernels
+from qerl.nvfp4 import codec, cuda_gemm, ops
 
 
 def _weight(n, k, device):
@@ -211,7 +211,7 @@ def test_gpu_matches_float64_every_variant(seed, n, k, rows_configs):
     rows, configs = rows_configs
     q = _weight(n, k, "cuda")
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    counters = kernels.splitk_counters(n, "cuda")
+    counters = ops.splitk_counters(n, "cuda")
     for m in rows:
         x = torch.randn(m + 1, k, device="cuda", dtype=torch.bfloat16)[1:]  # misaligned rows: the kernel copies x
         for with_bias in (False, True):
@@ -245,7 +245,7 @@ def test_gpu_lora_in_the_same_launch(seed, rank, rows_config):
                     torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05)
             bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
             ref = _reference(x, q, bias, lora)
-            counters = kernels.splitk_counters(n, "cuda", lora_rank=rank)
+            counters = ops.splitk_counters(n, "cuda", lora_rank=rank)
             at_rest = counters.clone()  # zeros, then the s slots' empty marks
             for cfg in (None, split_config):
                 for _ in range(2):
@@ -268,7 +268,7 @@ LORA_DISPATCH_CASES = {  # rows, weight shape and rank of a rollout engine's cal
 def test_gpu_lora_dispatch_and_graph_replay_equal_eager(seed, case):
     m, n, k, rank = case
     q = _weight(n, k, "cuda")
-    counters = kernels.splitk_counters(n, "cuda", lora_rank=rank)
+    counters = ops.splitk_counters(n, "cuda", lora_rank=rank)
     at_rest = counters.clone()
     lora = (torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
             torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05)
@@ -276,7 +276,7 @@ def test_gpu_lora_dispatch_and_graph_replay_equal_eager(seed, case):
     assert cuda_gemm.supported(x, k, rank, n)
 
     def step():
-        return kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, None, counters, *lora)
+        return ops.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, None, counters, *lora)
 
     assert _rel_err(step(), _reference(x, q, lora=lora)) < 4e-3
     _assert_graph_replay_equals_eager(step, x)
@@ -304,12 +304,12 @@ def _assert_graph_replay_equals_eager(step, x):
 def test_gpu_wgmma_dispatch_and_graph_replay_equal_eager(seed):
     n, k = 4608, 3584
     q = _weight(n, k, "cuda")
-    counters = kernels.splitk_counters(n, "cuda")
+    counters = ops.splitk_counters(n, "cuda")
     x = torch.randn(48, k, device="cuda", dtype=torch.bfloat16)
     assert cuda_gemm.supported(x, k)
 
     def step():
-        return kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=counters)
+        return ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale, splitk_counters=counters)
 
     assert _rel_err(step(), _reference(x, q)) < 4e-3
     _assert_graph_replay_equals_eager(step, x)

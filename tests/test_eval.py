@@ -71,6 +71,30 @@ def test_runs_on_nvfp4_base_applies_the_adapter_and_is_seeded(checkpoints, tmp_p
     assert greedy["do_sample"] is False and not list(tmp_path.glob("*.partial-*"))
 
 
+def test_native_backend_runs_on_the_policy_and_auto_falls_back_as_training_does(checkpoints, tmp_path, monkeypatch,
+                                                                               capsys):
+    """--backend native samples with the rollout backend training uses (here on the CPU, seeded); auto falls back
+    where the engine refuses a model through the rule training uses (rollout.with_auto_fallback)."""
+    from qerl import rollout
+
+    _, nvfp4_dir = checkpoints
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a} + {a}?", "answer": f"#### {2 * a}"}) + "\n" for a in (1, 7)))
+    argv = ["--model", nvfp4_dir, "--data", str(data), "--max-new-tokens", "5", "--device", "cpu"]
+    runs = [_eval(gsm8k, [*argv, "--backend", "native"], tmp_path / f"native{i}.jsonl")[1] for i in range(2)]
+    assert [r["completion"] for r in runs[0]] == [r["completion"] for r in runs[1]] and len(runs[0]) == 2
+
+    def refuse(*args):
+        raise rollout.Unsupported("the native engine cannot run this model")
+
+    monkeypatch.setattr(rollout, "resolve_backend", lambda name, device=None: "native")  # as on a GPU
+    monkeypatch.setitem(common.GENERATORS, "native", refuse)
+    monkeypatch.setitem(common.GENERATORS, "transformers", lambda spec, prompts, sampling, batch: ["4"] * len(prompts))
+    _, rows = _eval(gsm8k, argv, tmp_path / "auto.jsonl")
+    assert [r["completion"] for r in rows] == ["4", "4"]
+    assert "eval: the native engine cannot run this model; using transformers" in capsys.readouterr().out
+
+
 def test_math_eval_on_a_local_file_scores_boxed_answers(checkpoints, tmp_path, monkeypatch):
     """eval.math reads problem/answer rows and scores through qerl.rewards' math-verify reward."""
     _, nvfp4_dir = checkpoints

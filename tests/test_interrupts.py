@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from clis import QUANTIZER, child_env, quantize_nvfp4, snapshot
+from clis import child_env, snapshot
 from fakes import train_argv
 
-from qerl import cli, train
+from qerl import cli, quantize, train
 from qerl.run_dir import LOCK_FILE
 
 # Holds the run inside the save of checkpoint-2, after the adapter and optimizer and before trainer_state.json, until
@@ -55,8 +55,8 @@ QUANTIZE_HARNESS = textwrap.dedent("""
         flush(self)
 
     write.ShardWriter.flush = held
-    sys.argv = sys.argv[2:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    sys.argv = ["qerl.quantize", *sys.argv[2:]]
+    runpy.run_module("qerl.quantize", run_name="__main__")
 """)
 
 
@@ -121,14 +121,13 @@ def test_quantizer_interrupted_leaves_no_output(checkpoints, tmp_path, caplog):
     for sig in (signal.SIGTERM, signal.SIGKILL):
         folder = tmp_path / sig.name
         folder.mkdir()
-        children[sig] = start(QUANTIZE_HARNESS, folder / "held", QUANTIZER, "--model", bf16_dir,
-                              "--output", folder / "out")  # fmt: skip
+        children[sig] = start(QUANTIZE_HARNESS, folder / "held", "--model", bf16_dir, "--output", folder / "out")
     for sig, child in children.items():  # both held at once: their imports overlap
         wait_for(tmp_path / sig.name / "held", child)
         child.send_signal(sig)
     _, stderr = children[signal.SIGTERM].communicate(timeout=120)
     assert children[signal.SIGTERM].returncode == 128 + signal.SIGTERM
-    assert_interrupted(stderr, "quantize_nvfp4", "SIGTERM")
+    assert_interrupted(stderr, "qerl.quantize", "SIGTERM")
     assert sorted(p.name for p in (tmp_path / "SIGTERM").iterdir()) == ["held"]
 
     killed = children[signal.SIGKILL]
@@ -137,8 +136,8 @@ def test_quantizer_interrupted_leaves_no_output(checkpoints, tmp_path, caplog):
     partial = tmp_path / "SIGKILL" / f".out.partial-{killed.pid}"
     assert sorted(p.name for p in (tmp_path / "SIGKILL").iterdir()) == [partial.name, "held"]
     before = snapshot(Path(bf16_dir))
-    assert cli.run_cli(quantize_nvfp4.main, "quantize_nvfp4", ["--model", bf16_dir, "--output",
-                                                               str(tmp_path / "SIGKILL" / "out")]) == 0  # fmt: skip
+    assert cli.run_cli(quantize.main, "qerl.quantize", ["--model", bf16_dir, "--output",
+                                                        str(tmp_path / "SIGKILL" / "out")]) == 0  # fmt: skip
     assert any(f"removed {partial}" in r.getMessage() for r in caplog.records)
     assert sorted(p.name for p in (tmp_path / "SIGKILL").iterdir()) == ["held", "out"]
     assert snapshot(Path(bf16_dir)) == before

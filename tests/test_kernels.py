@@ -15,7 +15,7 @@ import pytest
 import torch
 from interpreter import run_under_interpreter
 
-from qerl.nvfp4 import codec, kernels
+from qerl.nvfp4 import codec, ops
 
 
 def _weight(n, k, device="cpu", zero_group=True):
@@ -42,7 +42,7 @@ def _reference(x, q, bias=None):
 
 def _check_linear_and_input_grad(q, x):
     """nvfp4_linear's output and input gradient against float64 references (x requires grad)."""
-    y = kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
+    y = ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
     assert _rel_err(y, _reference(x.detach(), q)) < 1e-2
     g = torch.randn_like(y)
     y.backward(g)
@@ -56,7 +56,7 @@ def _check_linear_and_input_grad(q, x):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_cpu_dequantize_falls_back_to_codec(seed, dtype):
     q = _weight(29, 80)
-    out = kernels.dequantize(q.packed, q.scale, q.global_scale, dtype)
+    out = ops.dequantize(q.packed, q.scale, q.global_scale, dtype)
     assert torch.equal(_bits(out), _bits(codec.dequantize(q.packed, q.scale, q.global_scale, dtype)))
 
 
@@ -64,7 +64,7 @@ def test_cpu_linear_forward_backward_and_bias_grad(seed):
     q = _weight(23, 48)
     x = torch.randn(2, 3, 48, dtype=torch.float32, requires_grad=True)
     b = torch.randn(23, dtype=torch.float32, requires_grad=True)
-    y = kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale, b)
+    y = ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale, b)
     assert y.shape == (2, 3, 23)
     w = codec.dequantize(q.packed, q.scale, q.global_scale, torch.float64)
     torch.testing.assert_close(y.double(), x.double() @ w.t() + b.double(), rtol=1e-5, atol=1e-5)
@@ -82,7 +82,7 @@ def test_ops_have_fake_kernels(seed):
     torch.library.opcheck(torch.ops.qerl.nvfp4_dequantize.default, args, test_utils=utils)
     x = torch.randn(3, 32, requires_grad=True)
     b = torch.randn(16, requires_grad=True)
-    for counters in (None, kernels.splitk_counters(16)):
+    for counters in (None, ops.splitk_counters(16)):
         torch.library.opcheck(torch.ops.qerl.nvfp4_linear.default,
                               (x, q.packed, q.scale, q.global_scale, b, counters), test_utils=utils)
 
@@ -94,7 +94,7 @@ def _interpreter_checks():
     """The Triton kernels under TRITON_INTERPRET=1 (run in a subprocess; see test_triton_interpreter)."""
     from qerl.nvfp4 import triton_kernels as tk
 
-    assert tk.INTERPRET and kernels._tk is tk
+    assert tk.INTERPRET and ops._tk is tk
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"torch seed {seed}")  # the subprocess's output is shown when the test fails
     torch.manual_seed(seed)
@@ -140,33 +140,33 @@ def _interpreter_checks():
     # epilogues, with and without split-K, fp16 and bf16, twice on kept counters (the kernel re-arms them), and the
     # large-M fallback that adds it after the GEMM. The shrink is rounded to x's dtype once, as a separate GEMM would.
     for m, split, dtype in ((3, 1, torch.bfloat16), (6, 3, torch.bfloat16), (5, 2, torch.float16),
-                            (kernels.FUSED_MAX_M + 1, 1, torch.bfloat16)):
+                            (ops.FUSED_MAX_M + 1, 1, torch.bfloat16)):
         x = torch.randn(m, k, dtype=dtype)
         b = torch.randn(n, dtype=dtype)
         lora_a, lora_b = torch.randn(32, k, dtype=dtype) * 0.1, torch.randn(n, 32, dtype=dtype) * 0.1
         shrink = (x.double() @ lora_a.double().t()).to(dtype).double()
         expected = _reference(x, q, b) + shrink @ lora_b.double().t()
-        if m <= kernels.FUSED_MAX_M:
-            counters = kernels.splitk_counters(n)
+        if m <= ops.FUSED_MAX_M:
+            counters = ops.splitk_counters(n)
             for _ in range(2):
                 y = torch.full((m, n), float("nan"), dtype=dtype)
                 tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, counters=counters,
                         config=tk.GemmConfig(16, 16, 64, split, 4, 2), lora=(lora_a, lora_b))
                 assert not y.isnan().any() and not counters.any(), (m, split)
                 assert _rel_err(y, expected) < 1e-2, (m, split, dtype)
-        y = kernels.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, b, None, lora_a, lora_b)
+        y = ops.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, b, None, lora_a, lora_b)
         assert _rel_err(y, expected) < 1e-2, m
     with pytest.raises(ValueError, match="power of two"):
         tk.gemm(x[:2], q.packed, q.scale, q.global_scale, lora=(lora_a[:12], lora_b[:, :12]))
 
     # Public API under the interpreter: small M takes the fused kernel, large M dequant + matmul; grads.
     q = _weight(24, 64)
-    for m in (3, kernels.FUSED_MAX_M + 1):
+    for m in (3, ops.FUSED_MAX_M + 1):
         _check_linear_and_input_grad(q, torch.randn(m, 64, dtype=torch.bfloat16, requires_grad=True))
         with torch.no_grad():  # the eager fast path (no op dispatch) computes exactly what the op does
             x = torch.randn(2, m, 64, dtype=torch.bfloat16)
             op = torch.ops.qerl.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, None)
-            assert torch.equal(kernels.nvfp4_linear(x, q.packed, q.scale, q.global_scale), op)
+            assert torch.equal(ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale), op)
     print("interpreter checks passed")
 
 
@@ -206,7 +206,7 @@ def test_gpu_gemm_matches_float64(seed, m, use_asm):
     bm = max(16, 1 << (m - 1).bit_length())
     configs = {base, tk.GemmConfig(bm, 64, 256, 1, 4, 4), tk.GemmConfig(bm, 128, 128, 5, 8, 3),
                tk.GemmConfig(bm, 64, 128, 3, 4, 4), tk.GemmConfig(bm, 64, 256, 2, 4, 2)}
-    counters = kernels.splitk_counters(n, "cuda")
+    counters = ops.splitk_counters(n, "cuda")
     for cfg in configs:
         for _ in range(2):  # the second call runs on the counters the first left behind
             y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -232,7 +232,7 @@ def test_gpu_gemm_lora_in_the_same_launch(seed, m, rank):
         lora_b = torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05
         shrink = (x.double() @ lora_a.double().t()).to(torch.bfloat16).double()
         ref = _reference(x, q) + shrink @ lora_b.double().t()
-        counters = kernels.splitk_counters(n, "cuda")
+        counters = ops.splitk_counters(n, "cuda")
         base = tk.default_config(m, n, k, x.device)
         splits = {base.split_k, 1, 5}
         for cfg in (tk.GemmConfig(base.block_m, base.block_n, base.block_k, s, base.num_warps, base.num_stages)
@@ -261,7 +261,7 @@ def test_gpu_torch_compile_fullgraph_and_cuda_graph(seed):
     layer = NVFP4Linear.from_linear(src)
 
     def f(x):
-        return torch.relu(layer(x)) * 2 + kernels.dequantize(
+        return torch.relu(layer(x)) * 2 + ops.dequantize(
             layer.weight_packed, layer.weight_scale, layer.weight_global_scale).sum()
 
     compiled = torch.compile(f, fullgraph=True)  # raises on any graph break

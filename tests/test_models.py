@@ -16,7 +16,7 @@ from qerl.config import QeRLConfig
 from qerl.models import fetch, registry  # the modules
 from qerl.models.__main__ import main as models_main
 from qerl.models.gguf import convert_gguf, fix_special_tokens, load_gguf
-from qerl.nvfp4.checkpoint import quantize_checkpoint
+from qerl.nvfp4.quantize_checkpoint import quantize_checkpoint
 
 GSM8K_SAMPLE = Path(__file__).parent / "data" / "gsm8k" / "test_sample.jsonl"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

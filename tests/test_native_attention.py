@@ -128,7 +128,7 @@ def test_rejects_int64_lengths():
 
 
 def test_split_rule(monkeypatch):
-    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)  # H100
+    monkeypatch.setattr(attention, "sm_count", lambda device: 132)  # H100
     cuda = torch.device("cuda", 0)
     expected = {  # (B, Hkv, S_max) -> (splits, keys per split)
         (64, 4, 2304): (3, 768),  # Qwen2.5-7B rollout: 768 programs

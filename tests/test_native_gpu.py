@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 
 from qerl import aqn, policy
 from qerl.nvfp4.quantize import quantize_model
-from qerl.rollout.native import kv_cache, ops
+from qerl.rollout.native import kernels, kv_cache
 from qerl.rollout.native.engine import NativeEngine
 from qerl.rollout.native.model import Decoder
 from qerl.rollout.native.sampling import Sampler
@@ -121,8 +121,8 @@ def test_fp8_cache_write_on_the_gpu_matches_the_torch_rule():
     positions = torch.randperm(cap, device="cuda")[:m].to(torch.int32)  # distinct slots
     caches = [torch.zeros((batch, cap, hkv, d), dtype=kv_cache.FP8, device="cuda") for _ in range(4)]
     scales = [torch.zeros((batch, cap, hkv), device="cuda") for _ in range(4)]
-    ops.rope_cache(qkv, cos, sin, batch_idx, positions, caches[0], caches[1], hq, hkv, scales[0], scales[1])
-    ops.rope_cache_torch(qkv, cos, sin, batch_idx, positions, caches[2], caches[3], hq, hkv, scales[2], scales[3])
+    kernels.rope_cache(qkv, cos, sin, batch_idx, positions, caches[0], caches[1], hq, hkv, scales[0], scales[1])
+    kernels.rope_cache_torch(qkv, cos, sin, batch_idx, positions, caches[2], caches[3], hq, hkv, scales[2], scales[3])
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8)) and torch.equal(scales[1], scales[3])
     ours, ref = (kv_cache.dequantize_reference(caches[i], scales[i], torch.float64) for i in (0, 2))
     assert ((ours - ref).abs() <= ref.abs() * 2.0**-3 + scales[2].double()[..., None] * 2.0**-9).all()

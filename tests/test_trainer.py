@@ -10,7 +10,8 @@ from fakes import digit_share_reward, make_trainer
 from qerl import aqn, norms, policy
 from qerl.config import QeRLConfig
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout.transformers import SampledTokenLogprobs, sampling_warpers
+from qerl.rollout.transformers import SampledTokenLogprobs
+from qerl.rollout.warpers import sampling_warpers
 from qerl.tiny import save_tiny_checkpoints
 from qerl.trainer import QeRLTrainer
 

@@ -4,5 +4,5 @@
 # Settings: the recipe (see dapo_single_gpu.sh); this script sets the batch of its size.
 # Usage: MODEL_PATH=/models/Qwen2.5-7B-Instruct-NVFP4 bash training/dapo_qwen2.5-7b_nvfp4_single_gpu.sh [--flag value ...]
 # Make the NVFP4 checkpoint first:
-#   python llm-compressor/quantize_nvfp4.py --model Qwen/Qwen2.5-7B-Instruct --output /models/Qwen2.5-7B-Instruct-NVFP4
+#   python -m qerl.quantize --model Qwen/Qwen2.5-7B-Instruct --output /models/Qwen2.5-7B-Instruct-NVFP4
 SIZE=7B PRECISION=nvfp4 BATCH=2 exec bash "$(dirname "$0")/dapo_single_gpu.sh" "$@"

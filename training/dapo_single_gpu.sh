@@ -19,7 +19,7 @@ DATA_NAME="${DATA_NAME:-gsm8k}"
 PYTHON="${PYTHON:-python}"
 if [ "$PRECISION" = nvfp4 ]; then
     MODEL_NAME="qwen2.5-${SIZE}-single-gpus-quantized"
-    MODEL_PATH="${MODEL_PATH:?set MODEL_PATH to the NVFP4 checkpoint folder (make it with llm-compressor/quantize_nvfp4.py)}"
+    MODEL_PATH="${MODEL_PATH:?set MODEL_PATH to the NVFP4 checkpoint folder (make it with python -m qerl.quantize)}"
 else
     MODEL_NAME="qwen2.5-${SIZE}-single-gpus"
     MODEL_PATH="${MODEL_PATH:-Qwen/Qwen2.5-${SIZE}-Instruct}"

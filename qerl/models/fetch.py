@@ -168,7 +168,7 @@ def fetch(
 def bf16_and_nvfp4(model: str, checkpoint_dir: str | os.PathLike = "ckpt", device: str = "cpu") -> tuple[str, str]:
     """(BF16 folder, NVFP4 folder) of `model`, a registry name (fetched into checkpoint_dir/NAME) or a BF16 folder;
     the NVFP4 quantization (our quantizer) goes beside it as checkpoint_dir/NAME-nvfp4, made once."""
-    from qerl.nvfp4.checkpoint import quantize_checkpoint
+    from qerl.nvfp4.quantize_checkpoint import quantize_checkpoint
 
     bf16 = Path(model) if Path(model).is_dir() else fetch(model, Path(checkpoint_dir) / model)[0]
     nvfp4 = Path(checkpoint_dir) / f"{bf16.name}-nvfp4"

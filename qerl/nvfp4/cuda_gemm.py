@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from qerl.device_facts import compute_capability, sm_count
 from qerl.pdl import pdl_enabled
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
@@ -108,16 +109,11 @@ def supported(x: torch.Tensor, k: int, lora_rank: int = 0, n: int = 0) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and 0 < m <= MAX_M and k % CHUNK == 0 and ENABLED):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    capability = _capability(index)
+    capability = compute_capability(index)
     if m <= DECODE_MAX_M:
         return capability >= (8, 9) and available(index)
     lora_pays = not lora_rank or (lora_rank <= WGMMA_LORA_MAX_RANK and n >= WGMMA_LORA_MIN_N)
     return m >= WGMMA_MIN_M and lora_pays and capability == (9, 0) and available(index, wgmma=True)
-
-
-@functools.cache  # on every eager call: torch's query costs microseconds of host time
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _wgmma_shared_bytes(mt: int, warpgroups: int) -> int:
@@ -145,7 +141,7 @@ _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_
 
 
 def _decode_kernel(nt: int, mt: int, warps: int, stages: int, l2_prefetch: int, device_index: int):
-    major, minor = _capability(device_index)
+    major, minor = compute_capability(device_index)
     return _kernel(f"nvfp4_decode_gemm<{nt}, {mt}, {warps}, {stages}, {l2_prefetch}>", f"{major}{minor}", 0,
                    device_index)
 
@@ -171,11 +167,6 @@ def available(device_index: int, wgmma: bool = False) -> bool:
     return True
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=4096)  # called on every launch
 def default_config(m: int, n: int, k: int, device_index: int) -> CudaGemmConfig:
     """Fitted to the H100 sweep (docs/kernel_notes.md, "CUDA decode GEMM"): 32-row tiles, a 2-deep ring (deeper rings
@@ -185,7 +176,7 @@ def default_config(m: int, n: int, k: int, device_index: int) -> CudaGemmConfig:
     CTAs give anywhere else (7B down: 2 splits, which still fit one wave; 32B down: 3; at 9-16 rows 2 for the 14B and
     32B downs).
     """
-    sms = _sm_count(device_index)
+    sms = sm_count(torch.device("cuda", device_index))
     n_tiles = -(-n // 32)
     warps = 8 if (n_tiles < 4 * sms if m <= 8 else n_tiles <= 128) else 4
     chunks_per_warp = k // CHUNK // warps
@@ -207,7 +198,7 @@ def wgmma_config(n: int, k: int, device_index: int) -> WgmmaConfig:
     per SM, uncapped, K split in up to 3 so that the CTAs come close to one per SM (fewer CTAs than SMs beat more
     splits: each split adds 64 x N FP32 partials and a serial sum)."""
     n_tiles = -(-n // 128)
-    sms = _sm_count(device_index)
+    sms = sm_count(torch.device("cuda", device_index))
     if n_tiles >= sms:
         return WgmmaConfig(2, 3, 1, 2)
     split = min(3, max(1, sms // n_tiles), k // CHUNK)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qerl.nvfp4 import codec, kernels
+from qerl.nvfp4 import codec, ops
 
 
 class NVFP4Linear(nn.Linear):
@@ -41,8 +41,8 @@ class NVFP4Linear(nn.Linear):
             torch.zeros(out_features, in_features // codec.GROUP_SIZE, dtype=torch.float8_e4m3fn, device=device),
         )
         self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
-        # Scratch of the fused kernel (kernels.splitk_counters), not part of the checkpoint.
-        self.register_buffer("splitk_counters", kernels.splitk_counters(out_features, device), persistent=False)
+        # Scratch of the fused kernel (ops.splitk_counters), not part of the checkpoint.
+        self.register_buffer("splitk_counters", ops.splitk_counters(out_features, device), persistent=False)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
         else:
@@ -74,16 +74,16 @@ class NVFP4Linear(nn.Linear):
     def process_weights_after_loading(self) -> None:
         """A loader calls this once the checkpoint's tensors are in place (as vLLM calls its hook of this name): the
         layer builds what the checkpoint does not hold, the fused kernel's split-K scratch, next to its weight."""
-        self.splitk_counters = kernels.splitk_counters(self.out_features, self.weight_packed.device)
+        self.splitk_counters = ops.splitk_counters(self.out_features, self.weight_packed.device)
 
     def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return kernels.dequantize(
+        return ops.dequantize(
             self.weight_packed, self.weight_scale, self.weight_global_scale, dtype or self.compute_dtype
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.compute_dtype)
-        return kernels.nvfp4_linear(
+        return ops.nvfp4_linear(
             x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias, self.splitk_counters
         )
 

@@ -3,7 +3,7 @@
 llmcompressor's NVFP4A16 recipe quantizes every nn.Linear except those it is told to ignore (lm_head),
 and takes one amax over each fused group, q/k/v and gate/up of one layer, so that their global scales
 are equal and a kernel (or vLLM) can run the group as one GEMM. The same rules serve in-memory
-quantization here and the streaming checkpoint quantizer in checkpoint/stream.py.
+quantization here and the streaming checkpoint quantizer in quantize_checkpoint.py.
 """
 
 from __future__ import annotations

@@ -25,16 +25,15 @@ the INTERPRET constexpr.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from qerl.device_facts import INTERPRET, sm_count
 from qerl.pdl import let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _e4m3_to_f32(b):
@@ -412,23 +411,11 @@ class GemmConfig(tuple):
     num_stages = property(lambda s: s[5])
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def auto_split(n: int, k: int, block_n: int, block_k: int, device: torch.device, waves: int = 2) -> int:
     """Split K (powers of two) until at least `waves` CTAs per SM exist, keeping at least two K tiles per split."""
     k_tiles = triton.cdiv(k, block_k)
     n_tiles = triton.cdiv(n, block_n)
-    target = waves * _sm_count(device)
+    target = waves * sm_count(device)
     split = 1
     while n_tiles * split < target and k_tiles // (split * 2) >= 2:
         split *= 2
@@ -442,7 +429,7 @@ def decode_split(n: int, k: int, block_n: int, block_k: int, device: torch.devic
     long-K 7B down: split 16). `gemm` then drops splits left without K tiles (7B qkv: 14 tiles, 8 -> 7 splits)."""
     k_tiles = triton.cdiv(k, block_k)
     n_tiles = triton.cdiv(n, block_n)
-    sms = _sm_count(device)
+    sms = sm_count(device)
     split = 1
     while k_tiles // (split * 2) >= 1 and (
         n_tiles * split < 3.3 * sms or (n_tiles * split * 2 <= 8 * sms and k_tiles // (split * 2) >= 4)

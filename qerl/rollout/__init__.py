@@ -13,10 +13,16 @@ metrics consume) and the noise statistics that `perturb` yielded.
     auto          on a CUDA device: native (faster than vllm on NVFP4 at batch 8 and 64, no second copy of the
                   weights: docs/benchmarks.md), or vllm / transformers where native cannot run the model (which
                   includes a BF16 base whose weights FSDP2 or ZeRO-3 shard); on CPU: transformers
+
+The trainer builds its backend with `create_backend`; evaluation and the benchmarks build theirs the same way on a
+model they hold (`RolloutSetup.for_model`, `build_backend`), and `with_auto_fallback` is auto's fallback for all of
+them (evaluation's own vLLM engine on a checkpoint folder: `vllm.checkpoint_engine`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -24,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -35,6 +41,9 @@ from qerl.errors import UsageError
 logger = logging.getLogger(__name__)
 
 Perturb = Callable[[nn.Module], AbstractContextManager]
+# The native backend's kv_cache_dtype option, here so that the trainer's config offers the choices without importing
+# the engine. auto: the model's dtype; fp8: E4M3 with a scale per token and KV head (native/kv_cache.py).
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -50,6 +59,19 @@ class RolloutSetup:
     model_path: str | None = None  # checkpoint folder the base was loaded from, for engines with their own copy
     pad_to_multiple_of: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # backend-specific settings (see each backend)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, generation_config: GenerationConfig, eos_token_ids: list[int],
+                  pad_token_id: int, **fields) -> RolloutSetup:
+        """A setup on a model held outside a trainer (evaluation, benchmarks): opening the policy yields the model as
+        it is, on the device of its parameters."""
+        return cls(generation_config, eos_token_ids, pad_token_id, open_policy=lambda: contextlib.nullcontext(model),
+                   device=next(model.parameters()).device, **fields)
+
+
+def no_noise(module: nn.Module) -> AbstractContextManager:
+    """The `perturb` of a round without AQN."""
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -115,18 +137,38 @@ def resolve_backend(name: str, device: torch.device | None = None) -> str:
     return name
 
 
-def _build(name: str, setup: RolloutSetup) -> RolloutBackend:
+T = TypeVar("T")
+
+
+def with_auto_fallback(device: torch.device | str | None, use: Callable[[str], T],
+                       report: Callable[[Unsupported, str], None]) -> T:
+    """use(the backend auto stands for on `device`); where that raises Unsupported, report(the error, the serving
+    backend) and use(the serving backend) instead. `use` builds a rollout backend (create_backend) or generates with
+    one of evaluation's engines."""
+    try:
+        return use(resolve_backend("auto", device))
+    except Unsupported as error:
+        fallback = serving_backend(device)
+        report(error, fallback)
+        return use(fallback)
+
+
+def build_backend(name: str, setup: RolloutSetup) -> RolloutBackend:
+    """The backend registered as `name` (not auto), built on `setup`; Unsupported passes through as the engine
+    worded it."""
     module_name, class_name = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)(setup)
 
 
 def create_backend(name: str, setup: RolloutSetup) -> RolloutBackend:
+    """The backend `name` stands for, as the trainer builds it (auto: with its fallback, logged); one named but unable
+    to run the model raises Unsupported saying what auto would use."""
+    if name == "auto":
+        report = functools.partial(logger.warning, "rollout_backend auto: %s; using %s")
+        return with_auto_fallback(setup.device, lambda backend: build_backend(backend, setup), report)
     choice = resolve_backend(name, setup.device)
     try:
-        return _build(choice, setup)
+        return build_backend(choice, setup)
     except Unsupported as error:
         fallback = serving_backend(setup.device)
-        if name != "auto":
-            raise Unsupported(f"rollout_backend {name}: {error}; rollout_backend auto would use {fallback}") from None
-        logger.warning("rollout_backend auto: %s; using %s", error, fallback)
-        return _build(fallback, setup)
+        raise Unsupported(f"rollout_backend {name}: {error}; rollout_backend auto would use {fallback}") from None

@@ -27,6 +27,7 @@ are tested on CPU; the engine itself is `VLLMEngine`, which the GPU tests exerci
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -273,6 +274,23 @@ class VLLMEngine:
             )
             result.append((token_ids, logprobs))
         return result
+
+
+def checkpoint_engine(model_path: str, adapter: str | None, *, engine_factory=VLLMEngine, **options) -> VLLMEngine:
+    """A vLLM engine on a checkpoint folder with a saved adapter's LoRA (as in-memory tensors) and trained norms
+    pushed in, as the backend pushes the policy's every round: evaluation's engine. `options`: VLLMEngine's."""
+    from safetensors.torch import load_file
+
+    lora = norms = settings = None
+    if adapter:
+        with open(os.path.join(adapter, "adapter_config.json")) as f:
+            settings = vllm_lora_settings(json.load(f))
+        lora, norms = split_adapter_state(load_file(os.path.join(adapter, "adapter_model.safetensors")))
+    engine = engine_factory(model_path, lora_rank=settings["r"] if settings else None, **options)
+    if settings:
+        engine.load_lora(lora, settings)
+        engine.load_norms(norms)
+    return engine
 
 
 # ----------------------------------------------------------------------------------------------------------

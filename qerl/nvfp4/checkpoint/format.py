@@ -74,7 +74,7 @@ def check_quantization_config(config: dict, config_path: Path) -> dict:
     if qcfg is None:
         raise CheckpointError(
             f"{config_path}: no quantization_config, so this is not a quantized checkpoint. Load it as BF16, "
-            "or quantize it first: python llm-compressor/quantize_nvfp4.py --model DIR --output OUT"
+            "or quantize it first: python -m qerl.quantize --model DIR --output OUT"
         )
     method = qcfg.get("quant_method")
     if method != QUANT_METHOD:

@@ -1,7 +1,7 @@
 """Writing checkpoint folders: size-capped safetensors shards, in a folder that appears only once complete.
 
 Both writers use it: `save_nvfp4_checkpoint` (a model quantized in memory) and the streaming quantizer
-(qerl.nvfp4.checkpoint.stream). A run that fails or is killed leaves no half-written checkpoint behind, and
+(qerl.nvfp4.quantize_checkpoint). A run that fails or is killed leaves no half-written checkpoint behind, and
 `overwrite` never removes anything but an empty folder or a checkpoint written here.
 """
 

@@ -3,7 +3,7 @@ weight, the whole decode step in one CUDA graph.
 
     model.py      the policy's decoder as fused steps over its own tensors (q/k/v and gate/up as one GEMM each,
                   LoRA unmerged in fixed BF16 buffers, FP32 norm scales that AQN perturbs in place)
-    ops.py        fused elementwise kernels: residual + RMSNorm, rotary + KV-cache write, SiLU / GELU-tanh gate
+    kernels.py    fused elementwise kernels: residual + RMSNorm, rotary + KV-cache write, SiLU / GELU-tanh gate
     attention.py  decode attention over each sequence's valid keys only (Triton, split-K)
     sampling.py   temperature / top-k / top-p / min-p and the sampled token's log-prob, on the GPU
     engine.py     KV cache sized from the round's lengths (waves when it does not fit), prefill, graph, EOS

@@ -20,12 +20,12 @@ data-dependent allocation).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from qerl.pdl import INTERPRET, pdl_enabled, triton_runs_on
+from qerl.device_facts import INTERPRET, sm_count, triton_runs_on
+from qerl.pdl import pdl_enabled
 from qerl.rollout.native import kv_cache
 
 try:  # Triton is Linux-only; the torch reference keeps everything working without it.
@@ -193,20 +193,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: any small machine, so that the CPU tests see several splits
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _splits(batch: int, kv_heads: int, max_len: int, device: torch.device, num_splits: int | None,
             config: DecodeConfig = DEFAULT_CONFIG) -> tuple[int, int]:
     """(splits, keys per split) from static shapes only, so one CUDA graph serves every set of lengths.
     Default: DecodeConfig's rule. Either way each split covers whole tiles and none is empty at S_max."""
     tiles = _cdiv(max_len, config.block_s)
     if num_splits is None:
-        want = _cdiv(config.programs_per_sm * _sm_count(device), batch * kv_heads)
+        want = _cdiv(config.programs_per_sm * sm_count(device), batch * kv_heads)
         num_splits = min(want, _cdiv(tiles, MIN_TILES_PER_SPLIT))
     tiles_per_split = _cdiv(tiles, max(1, min(num_splits, tiles, MAX_SPLITS)))
     return _cdiv(tiles, tiles_per_split), tiles_per_split * config.block_s

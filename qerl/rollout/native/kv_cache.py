@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
+from qerl.rollout import KV_CACHE_DTYPES
+
 FP8 = torch.float8_e4m3fn
 SCALE_EXPONENT_OFFSET = 7  # value / scale < 2^8 = 256 <= E4M3's largest finite 448
 

@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.norms import find_norms
-from qerl.nvfp4 import kernels
 from qerl.nvfp4.linear import NVFP4Linear
+from qerl.nvfp4.ops import nvfp4_linear, nvfp4_linear_lora, splitk_counters
 from qerl.rollout import Unsupported
-from qerl.rollout.native import ops
+from qerl.rollout.native import kernels
 from qerl.rollout.native.kv_cache import KVCache
 from qerl.sharding import whole
 
@@ -53,7 +53,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 UNIT_OFFSET_NORMS = ("gemma3_text",)
 SUPPORTED = ("Llama/Qwen2/Qwen3/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, optional per-head "
              "self_attn.{q,k}_norm, mlp.{gate,up,down}_proj, RMSNorms) and Gemma-3 text")
-# The MLP's activation -> its gate op in ops (by name, looked up per call as the other ops are, so that
+# The MLP's activation -> its gate in kernels (by name, looked up per call as the other kernels are, so that
 # benchmarks.step_costs can swap one out)
 GATES = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 # Per-layer norm roles: (before attention, on the attention's output, before the MLP, on the MLP's output).
@@ -140,7 +140,7 @@ class Projection:
             self.lora_b = torch.zeros((self.out_features, rank), dtype=dtype, device=device)
         if self.nvfp4:
             lora_rank = 0 if self.lora_a is None else self.lora_a.shape[0]
-            self.counters = kernels.splitk_counters(self.out_features, device, lora_rank)
+            self.counters = splitk_counters(self.out_features, device, lora_rank)
         self._loras = loras
 
     @torch.no_grad()
@@ -171,8 +171,8 @@ class Projection:
         if self.nvfp4:
             args = (x, self.packed, self.scale, self.global_scale, self.bias, self.counters)
             if self.lora_a is None:
-                return kernels.nvfp4_linear(*args)
-            return kernels.nvfp4_linear_lora(*args, self.lora_a, self.lora_b)  # the adapter in the same launch
+                return nvfp4_linear(*args)
+            return nvfp4_linear_lora(*args, self.lora_a, self.lora_b)  # the adapter in the same launch
         y = F.linear(x, self.weight, self.bias)
         return y if self.lora_a is None else y.addmm_(x @ self.lora_a.t(), self.lora_b.t())
 
@@ -206,7 +206,7 @@ class NormScales(nn.Module):
 class HeadNorms:
     """A layer's per-head query and key RMSNorm scales (Qwen3, Gemma-3), laid out at every round from their FP32
     holders in NormScales (refreshed from the policy's, perturbed there when AQN includes them) into one fixed
-    buffer [Hq + Hkv, D]: a scale row per query head, then per key head, as ops.qk_rmsnorm applies them. Qwen3's
+    buffer [Hq + Hkv, D]: a scale row per query head, then per key head, as kernels.qk_rmsnorm applies them. Qwen3's
     in the policy's dtype (transformers multiplies in it); Gemma-3's as 1 + w in FP32 (transformers' order)."""
 
     def __init__(self, q_holder: nn.Module, k_holder: nn.Module, dtype: torch.dtype, num_heads: int,
@@ -433,23 +433,23 @@ class Decoder:
         if self.embed_scale is not None:
             residual = residual * self.embed_scale
         unit = self.unit_offset
-        h = ops.rmsnorm(residual, self.layers[0].input_norm, self.eps, unit_offset=unit)
+        h = kernels.rmsnorm(residual, self.layers[0].input_norm, self.eps, unit_offset=unit)
         for i, layer in enumerate(self.layers):
             k, v, k_scale, v_scale = cache.layer(i)
             qkv = layer.qkv(h)
             if layer.head_norms is not None:
-                qkv = ops.qk_rmsnorm(qkv, layer.head_norms.scale, self.eps)
-            q = ops.rope_cache(qkv, self.cos[layer.rope], self.sin[layer.rope], batch_idx, positions, k, v,
+                qkv = kernels.qk_rmsnorm(qkv, layer.head_norms.scale, self.eps)
+            q = kernels.rope_cache(qkv, self.cos[layer.rope], self.sin[layer.rope], batch_idx, positions, k, v,
                                self.num_heads, self.num_kv_heads, k_scale, v_scale)
             out = layer.o(attend(i, q))
             if layer.attn_out_norm is not None:
-                out = ops.rmsnorm(out, layer.attn_out_norm, self.eps, unit_offset=unit)
-            h = ops.rmsnorm(out, layer.pre_mlp_norm, self.eps, residual=residual, unit_offset=unit)
-            out = layer.down(getattr(ops, self.gate)(layer.gate_up(h)))
+                out = kernels.rmsnorm(out, layer.attn_out_norm, self.eps, unit_offset=unit)
+            h = kernels.rmsnorm(out, layer.pre_mlp_norm, self.eps, residual=residual, unit_offset=unit)
+            out = layer.down(getattr(kernels, self.gate)(layer.gate_up(h)))
             if layer.mlp_out_norm is not None:
-                out = ops.rmsnorm(out, layer.mlp_out_norm, self.eps, unit_offset=unit)
+                out = kernels.rmsnorm(out, layer.mlp_out_norm, self.eps, unit_offset=unit)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norms.norm.weight
-            h = ops.rmsnorm(out, after, self.eps, residual=residual, unit_offset=unit)
+            h = kernels.rmsnorm(out, after, self.eps, residual=residual, unit_offset=unit)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Sampling on the GPU, inside the decode step's CUDA graph: the trainer's sampling settings, and the log-prob of
 each sampled token under the distribution it was drawn from.
 
-The filters are transformers' own warpers (temperature, top-k, top-p, min-p: `sampling_warpers`, shared with
+The filters are transformers' own warpers (temperature, top-k, top-p, min-p: `rollout.warpers`, shared with
 the transformers backend), which run on fixed shapes and so capture in a graph. The draw is the exponential
 race, argmax(p / E) with E ~ Exp(1) i.i.d., which picks token i with probability p_i without the host syncs
 and data-dependent shapes of torch.multinomial; the RNG is the CUDA default generator, which graphs capture.
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, TemperatureLogitsWarper
 
-from qerl.pdl import triton_runs_on
-from qerl.rollout.transformers import sampling_warpers
+from qerl.device_facts import triton_runs_on
+from qerl.rollout.warpers import sampling_warpers
 
 try:  # Triton is Linux-only; the torch path serves everywhere else.
     import triton

@@ -2,7 +2,7 @@
 SiLU or GELU-tanh gate. Under a CUDA graph every launch costs ~2 us whatever it does, so these fuse what eager
 PyTorch runs as 5-15 kernels each.
 
-Every op computes in FP32 and rounds its output once to the activation dtype (the trainer's FP32-master norms
+Every kernel computes in FP32 and rounds its output once to the activation dtype (the trainer's FP32-master norms
 do the same through norms.FP32Compute). Each has a plain-torch twin used on CPU (without TRITON_INTERPRET) and
 by the tests as the reference.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from qerl.pdl import INTERPRET, pdl_enabled, triton_runs_on
+from qerl.device_facts import INTERPRET, triton_runs_on
+from qerl.pdl import pdl_enabled
 from qerl.rollout.native import kv_cache
 
 try:  # Triton is Linux-only; the torch twins keep the engine working without it.

@@ -1,5 +1,6 @@
 """The streaming quantizer: a BF16 (or FP16/FP32) checkpoint folder -> an NVFP4A16 folder, one decoder layer at
-a time (llm-compressor/quantize_nvfp4.py's native backend)."""
+a time, so that no more than a layer is ever in memory (`python -m qerl.quantize`). Which Linears it quantizes and
+which share a global scale: quantize.py, whose rules the in-memory quantizer there applies too."""
 
 from __future__ import annotations
 

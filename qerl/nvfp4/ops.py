@@ -1,4 +1,5 @@
-"""NVFP4 x BF16 compute: y = x @ W^T and its input gradient, with W stored packed.
+"""NVFP4 x BF16 compute: y = x @ W^T and its input gradient, with W stored packed, as torch custom ops that choose
+the kernel (the kernels themselves: triton_kernels.py, cuda_gemm.py).
 
 Public functions (NVFP4Linear and the rest of the package call these two):
   dequantize(packed, scale, global_scale, dtype)   -> W [N, K], bit-exact with codec.dequantize
@@ -24,6 +25,7 @@ import os
 
 import torch
 
+from qerl.device_facts import triton_runs_on
 from qerl.nvfp4 import codec, cuda_gemm
 
 try:  # Triton is Linux-only; the torch path keeps everything working without it.
@@ -36,7 +38,7 @@ FUSED_MAX_M = int(os.environ.get("QERL_NVFP4_FUSED_MAX_M", "64"))
 
 
 def _triton_ok(t: torch.Tensor) -> bool:
-    return _tk is not None and (t.is_cuda or (_tk.INTERPRET and t.device.type == "cpu"))
+    return _tk is not None and triton_runs_on(t)
 
 
 # ------------------------------------------------------------------------------------------- custom ops
