@@ -1,0 +1,114 @@
+"""The package's layering, read from the source: no module of qerl imports one of a higher layer, none imports in a
+cycle, and none imports the tools built on it (eval, benchmarks, experiments). Lazy imports inside functions count
+too: they are how a cycle hides. A new module must be given its layer here."""
+
+from __future__ import annotations
+
+import ast
+from fnmatch import fnmatch
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = ("eval", "benchmarks", "experiments")
+
+# Lowest first; a module may import its own layer and those below it (patterns: fnmatch on the dotted name).
+LAYERS = [
+    ["qerl", "qerl.errors", "qerl.device_facts", "qerl.plotting"],  # facts and one-line errors
+    ["qerl.cli", "qerl.model_files", "qerl.pdl"],  # the command-line convention, file sniffing, launch flags
+    ["qerl.nvfp4", "qerl.nvfp4.*"],  # the format, its kernels, checkpoints
+    ["qerl.input_checks", "qerl.models", "qerl.models.*", "qerl.tiny", "qerl.sharding", "qerl.norms",
+     "qerl.unpadded", "qerl.rewards", "qerl.nonfinite_dump"],  # fmt: skip
+    ["qerl.aqn", "qerl.policy", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
+    ["qerl.config", "qerl.callbacks", "qerl.recipes"],
+    ["qerl.trainer", "qerl.run_dir"],
+    ["qerl.train", "qerl.demo"],
+]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in (REPO / "qerl").rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules `name` imports anywhere in its file: repository modules by dotted name (`from pkg import sub` is
+    an import of pkg.sub, not of pkg's other names' module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            subs = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in known]
+            found.update(subs)
+            if len(subs) < len(node.names):
+                found.add(base)
+    result = set()
+    for target in found:
+        while target and target not in known and target.split(".")[0] not in TOOLS:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            result.add(target)
+    return result
+
+
+def layer_of(name: str) -> int:
+    for level, patterns in enumerate(LAYERS):
+        if any(fnmatch(name, pattern) for pattern in patterns):
+            return level
+    raise AssertionError(f"{name}: give it a layer in tests/test_layers.py's LAYERS")
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_no_module_imports_a_higher_layer_or_a_tool():
+    upward = []
+    for name, targets in graph().items():
+        for target in targets:
+            if target.split(".")[0] in TOOLS:
+                upward.append(f"{name} -> {target} (a tool built on qerl)")
+            elif target.startswith("qerl") and layer_of(target) > layer_of(name):
+                upward.append(f"{name} (layer {layer_of(name)}) -> {target} (layer {layer_of(target)})")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_no_import_cycle():
+    edges = {name: {t for t in targets if t.startswith("qerl")} for name, targets in graph().items()}
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges[node]):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := walk(target)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := walk(node)):
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+def test_the_walk_finds_what_it_must():
+    """The checks above see lazy, relative and package imports (so that a pass means something)."""
+    g = graph()
+    assert "qerl.rollout.native.engine" in g["qerl.rollout.native"]  # lazy, inside a method
+    assert "qerl.rollout.native.kv_cache" in g["qerl.rollout.native.engine"]  # `from pkg import submodule`
+    assert "qerl.errors" in g["qerl.cli"]
+    assert "qerl.trainer" in g["qerl.train"]
