@@ -7,7 +7,7 @@ $(error "$(PYTHON)" does not run; set PYTHON to a Python >= 3.11)
 endif
 STAMP := $(SITE)/.qerl-setup.stamp
 
-.PHONY: setup test demo bench bench-kernels bench-memory lint clean
+.PHONY: setup test demo bench bench-kernels bench-memory lint format clean
 
 # Re-run the install only when the dependency list changes.
 $(STAMP): pyproject.toml setup_env.sh
@@ -16,7 +16,11 @@ $(STAMP): pyproject.toml setup_env.sh
 
 setup: $(STAMP)
 
+LINTED := qerl tests benchmarks eval experiments llm-compressor
+
+# CI runs `make test`: the formatter's check runs there too (seconds), so unformatted code does not land.
 test: $(STAMP)
+	$(PYTHON) -m ruff format --check $(LINTED)
 	$(PYTHON) -m pytest -q
 
 demo: $(STAMP)
@@ -31,7 +35,12 @@ bench-memory: $(STAMP)
 bench: bench-kernels bench-memory
 
 lint: $(STAMP)
-	$(PYTHON) -m ruff check qerl tests benchmarks eval experiments llm-compressor
+	$(PYTHON) -m ruff check $(LINTED)
+	$(PYTHON) -m ruff format --check $(LINTED)
+
+format: $(STAMP)
+	$(PYTHON) -m ruff format $(LINTED)
+	$(PYTHON) -m ruff check --fix $(LINTED)
 
 clean:
 	rm -rf $(STAMP) runs .pytest_cache

@@ -34,15 +34,16 @@ SHAPES = {"7B": (28, 4), "32B": (40, 8)}  # (query heads, KV heads) of Qwen2.5; 
 HEAD_DIM = 128
 S_MAX = 2304
 SWEEP_LENGTH = 1280  # the rollout's average context: prompt 256 + 2048 / 2
-GRID = [attention.DecodeConfig(block_s=s, num_stages=st, num_warps=w, programs_per_sm=p)
-        for s, st, w, p in itertools.product((32, 64, 128), (2, 3, 4), (4, 8), (4, 8, 16))]
+GRID = [
+    attention.DecodeConfig(block_s=s, num_stages=st, num_warps=w, programs_per_sm=p)
+    for s, st, w, p in itertools.product((32, 64, 128), (2, 3, 4), (4, 8), (4, 8, 16))
+]
 
 
 def label(config: attention.DecodeConfig | None) -> str:
     if config is None:
         return "triton (the engine's choice)"
-    return (f"triton s{config.block_s} st{config.num_stages} w{config.num_warps} "
-            f"p{config.programs_per_sm}")
+    return f"triton s{config.block_s} st{config.num_stages} w{config.num_warps} p{config.programs_per_sm}"
 
 
 def parse_config(text: str) -> attention.DecodeConfig:
@@ -105,16 +106,28 @@ def triton_call(q, caches, scale, config):
 
     def call(i, out):
         k, v, k_scale, v_scale = caches.layer(i)
-        return attention.decode_attention(q, k, v, caches.lens, scale, out=out, workspace=ws, config=config,
-                                          k_scale=k_scale, v_scale=v_scale)
+        return attention.decode_attention(
+            q, k, v, caches.lens, scale, out=out, workspace=ws, config=config, k_scale=k_scale, v_scale=v_scale
+        )
 
     return call
 
 
 def fa3_call(fa3, q, caches, scale):
     cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device="cuda")
-    return lambda i, out: fa3(q, caches.k[i], caches.v[i], max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=S_MAX,
-                              seqused_k=caches.lens, softmax_scale=scale, causal=True, out=out, fa_version=3)
+    return lambda i, out: fa3(
+        q,
+        caches.k[i],
+        caches.v[i],
+        max_seqlen_q=1,
+        cu_seqlens_q=cu_q,
+        max_seqlen_k=S_MAX,
+        seqused_k=caches.lens,
+        softmax_scale=scale,
+        causal=True,
+        out=out,
+        fa_version=3,
+    )
 
 
 def run_case(model, batch, length, layouts, configs, fa3, copy_gbs, fp8=False):
@@ -140,15 +153,30 @@ def run_case(model, batch, length, layouts, configs, fa3, copy_gbs, fp8=False):
                     time_calls(q, caches, call)  # in 7 of 8 cases, whichever it was (cause not established)
                 us, once = time_calls(q, caches, call)
             except Exception as exc:  # a launch shape past the GPU's shared memory, FA3 refusing the layout
-                print(f"  {model} b{batch} L{length} {layout} {name}: skipped ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0][:120]})", flush=True)
+                print(
+                    f"  {model} b{batch} L{length} {layout} {name}: skipped ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:120]})",
+                    flush=True,
+                )
                 continue
             err = max_err(once(), ref)
             if not err < 2e-2:
                 raise SystemExit(f"{name} {layout}: max error {err} at {model} b{batch} L{length}")
             gbs = nbytes / us / 1e3
-            rows.append(dict(model=model, batch=batch, length=length, layout=layout, variant=name, us=us, gbs=gbs,
-                             pct=100 * gbs / copy_gbs, floor_us=nbytes / copy_gbs / 1e3, err=err))
+            rows.append(
+                dict(
+                    model=model,
+                    batch=batch,
+                    length=length,
+                    layout=layout,
+                    variant=name,
+                    us=us,
+                    gbs=gbs,
+                    pct=100 * gbs / copy_gbs,
+                    floor_us=nbytes / copy_gbs / 1e3,
+                    err=err,
+                )
+            )
         del caches
         torch.cuda.empty_cache()
     return rows
@@ -169,29 +197,37 @@ def main(argv=None):
         raise SystemExit("benchmarks.attention needs a CUDA GPU")
     copy_gbs, _ = measure_ceilings("cuda")
     fa3 = flash_attention_3()
-    print(f"{torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s, vLLM FA3: {'yes' if fa3 else 'not installed'}, "
-          f"KV cache {args.kv_dtype}")
+    print(
+        f"{torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s, vLLM FA3: {'yes' if fa3 else 'not installed'}, "
+        f"KV cache {args.kv_dtype}"
+    )
     chosen = [parse_config(c) for c in args.configs.split(",")] if args.configs else [None]  # None: the engine's
     rows = []
-    for model, batch, length in itertools.product(args.models.split(","), map(int, args.batches.split(",")),
-                                                  map(int, args.lengths.split(","))):
+    for model, batch, length in itertools.product(
+        args.models.split(","), map(int, args.batches.split(",")), map(int, args.lengths.split(","))
+    ):
         sweep = args.sweep and length == SWEEP_LENGTH
         configs = GRID if sweep else chosen
         layouts = ("bshd", "bhsd") if sweep and not fp8 else ("bshd",)
         rows += run_case(model, batch, length, layouts, configs, fa3, copy_gbs, fp8)
 
-    print(f"\n{'model':5s} {'batch':>5s} {'len':>5s} {'layout':6s} {'variant':28s} {'us':>8s} {'GB/s':>6s} "
-          f"{'% copy':>6s} {'floor us':>8s}")
+    print(
+        f"\n{'model':5s} {'batch':>5s} {'len':>5s} {'layout':6s} {'variant':28s} {'us':>8s} {'GB/s':>6s} "
+        f"{'% copy':>6s} {'floor us':>8s}"
+    )
     for (model, batch, length), group in itertools.groupby(rows, key=lambda r: (r["model"], r["batch"], r["length"])):
         group = sorted(group, key=lambda r: r["us"])
         references = (label(None), label(attention.DEFAULT_CONFIG), "vLLM FA3")  # shown even if not among the 5 fastest
         shown = group[:5] + [r for r in group[5:] if r["layout"] == "bshd" and r["variant"] in references]
         for r in shown:
-            print(f"{model:5s} {batch:5d} {length:5d} {r['layout']:6s} {r['variant']:28s} {r['us']:8.1f} "
-                  f"{r['gbs']:6.0f} {r['pct']:6.1f} {r['floor_us']:8.1f}")
+            print(
+                f"{model:5s} {batch:5d} {length:5d} {r['layout']:6s} {r['variant']:28s} {r['us']:8.1f} "
+                f"{r['gbs']:6.0f} {r['pct']:6.1f} {r['floor_us']:8.1f}"
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,
-                                          "rows": rows}, indent=2))
+    Path(args.out).write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, indent=2)
+    )
 
 
 if __name__ == "__main__":

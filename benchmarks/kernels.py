@@ -160,8 +160,10 @@ def check_shape(n, k, device, ms=(1, 7, 16, 64)):
 
 def bench_dequant(c: Copies, copy_gbs):
     outs = [torch.empty(c.n, c.k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    fns = [lambda q=q, o=outs[i % 2]: tk.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16, out=o)
-           for i, q in enumerate(c.fp4)]
+    fns = [
+        lambda q=q, o=outs[i % 2]: tk.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16, out=o)
+        for i, q in enumerate(c.fp4)
+    ]
     t = graph_time_us(fns)
     gbs = (nvfp4_bytes(c.n, c.k) + 2 * c.n * c.k) / t / 1e3
     return dict(us=t, gbs=gbs, pct=100 * gbs / copy_gbs)
@@ -171,16 +173,23 @@ def bench_small(c: Copies, m, copy_gbs, config=None, use_asm=None):
     x = torch.randn(m, c.k, device="cuda", dtype=torch.bfloat16)
     t_bf = graph_time_us([lambda w=w: x @ w.t() for w in c.bf16])
     if config is None:
-        fns = [lambda q=q, cnt=cnt: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, cnt)
-               for q, cnt in zip(c.fp4, c.counters, strict=True)]
+        fns = [
+            lambda q=q, cnt=cnt: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, cnt)
+            for q, cnt in zip(c.fp4, c.counters, strict=True)
+        ]
     else:
-        fns = [lambda q=q: tk.gemm(x, q.packed, q.scale, q.global_scale, config=config, use_asm=use_asm)
-               for q in c.fp4]
+        fns = [lambda q=q: tk.gemm(x, q.packed, q.scale, q.global_scale, config=config, use_asm=use_asm) for q in c.fp4]
     t_fp = graph_time_us(fns)
     nbytes = nvfp4_bytes(c.n, c.k) + 2 * m * (c.k + c.n)
     gbs = nbytes / t_fp / 1e3
-    return dict(bf16_us=t_bf, nvfp4_us=t_fp, speedup=t_bf / t_fp, gbs=gbs, pct=100 * gbs / copy_gbs,
-                bf16_gbs=(2 * c.n * c.k + 2 * m * (c.k + c.n)) / t_bf / 1e3)
+    return dict(
+        bf16_us=t_bf,
+        nvfp4_us=t_fp,
+        speedup=t_bf / t_fp,
+        gbs=gbs,
+        pct=100 * gbs / copy_gbs,
+        bf16_gbs=(2 * c.n * c.k + 2 * m * (c.k + c.n)) / t_bf / 1e3,
+    )
 
 
 def bench_large(c: Copies, m, tflops):
@@ -188,16 +197,22 @@ def bench_large(c: Copies, m, tflops):
     g = torch.randn(m, c.n, device="cuda", dtype=torch.bfloat16)
     ws, qs = c.bf16[:2], c.fp4[:2]  # compute bound: two copies are enough
     t_bf = graph_time_us([lambda w=w: x @ w.t() for w in ws], calls=4)
-    t_fp = graph_time_us([lambda q=q: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale) for q in qs],
-                         calls=4)
+    t_fp = graph_time_us([lambda q=q: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale) for q in qs], calls=4)
     t_bf_b = graph_time_us([lambda w=w: g @ w for w in ws], calls=4)
     t_fp_b = graph_time_us(
-        [lambda q=q: g @ ops.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16) for q in qs],
-        calls=4)
+        [lambda q=q: g @ ops.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16) for q in qs], calls=4
+    )
     flops = 2 * m * c.n * c.k
-    return dict(fwd_bf16_us=t_bf, fwd_nvfp4_us=t_fp, fwd_ratio=t_bf / t_fp,
-                bwd_bf16_us=t_bf_b, bwd_nvfp4_us=t_fp_b, bwd_ratio=t_bf_b / t_fp_b,
-                bf16_tflops=flops / t_bf / 1e6, pct_mma=100 * flops / t_fp / 1e6 / tflops)
+    return dict(
+        fwd_bf16_us=t_bf,
+        fwd_nvfp4_us=t_fp,
+        fwd_ratio=t_bf / t_fp,
+        bwd_bf16_us=t_bf_b,
+        bwd_nvfp4_us=t_fp_b,
+        bwd_ratio=t_bf_b / t_fp_b,
+        bf16_tflops=flops / t_bf / 1e6,
+        pct_mma=100 * flops / t_fp / 1e6 / tflops,
+    )
 
 
 def bench_layer(model, m, copy_gbs):
@@ -208,9 +223,16 @@ def bench_layer(model, m, copy_gbs):
     ws = {name: make_weights(n, k, 1, "cuda")[0] for name, (n, k) in sh.items()}
     xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for name, (n, k) in sh.items()}
     bf = [{name: w.clone() for name, (w, q) in ws.items()} for _ in range(layers)]
-    fp = [{name: (codec.NVFP4Weight(q.packed.clone(), q.scale.clone(), q.global_scale.clone()),
-                  ops.splitk_counters(q.packed.shape[0], "cuda"))
-           for name, (w, q) in ws.items()} for _ in range(copies_for(sum(nvfp4_bytes(n, k) for n, k in sh.values())))]
+    fp = [
+        {
+            name: (
+                codec.NVFP4Weight(q.packed.clone(), q.scale.clone(), q.global_scale.clone()),
+                ops.splitk_counters(q.packed.shape[0], "cuda"),
+            )
+            for name, (w, q) in ws.items()
+        }
+        for _ in range(copies_for(sum(nvfp4_bytes(n, k) for n, k in sh.values())))
+    ]
 
     def run_bf(layer):
         for name in sh:
@@ -248,9 +270,12 @@ def sweep_dequant(c: Copies, copy_gbs):
     rows = []
     for bn, bk2, warps in DEQUANT_CONFIGS:
         out = torch.empty(c.n, c.k, device="cuda", dtype=torch.bfloat16)
-        fns = [lambda q=q, out=out, bn=bn, bk2=bk2, warps=warps: tk.dequantize(
-            q.packed, q.scale, q.global_scale, torch.bfloat16, out=out, block_n=bn, block_k2=bk2, num_warps=warps)
-            for q in c.fp4]
+        fns = [
+            lambda q=q, out=out, bn=bn, bk2=bk2, warps=warps: tk.dequantize(
+                q.packed, q.scale, q.global_scale, torch.bfloat16, out=out, block_n=bn, block_k2=bk2, num_warps=warps
+            )
+            for q in c.fp4
+        ]
         t = graph_time_us(fns)
         rows.append(((bn, bk2, warps), t, (nvfp4_bytes(c.n, c.k) + 2 * c.n * c.k) / t / 1e3))
     return rows
@@ -282,8 +307,13 @@ def main(argv=None):
     models = ["7B"] if args.quick else args.models.split(",")
     small_m = (1, 8, 16, 64) if args.quick else SMALL_M
     dev = torch.device("cuda")
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=__import__("triton").__version__, command=" ".join(sys.argv), time=time.ctime())
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        command=" ".join(sys.argv),
+        time=time.ctime(),
+    )
     t_start = time.time()
     copy_gbs, tflops = measure_ceilings(dev)
     result["ceilings"] = dict(copy_gbs=copy_gbs, bf16_tflops=tflops)
@@ -295,8 +325,7 @@ def main(argv=None):
             result["checks"][f"{model}.{name}"] = check_shape(n, k, dev)
     odd = check_shape(1000 + 37, 3584 + 48, dev, ms=(1, 3, 17, 33, 50))
     result["checks"]["odd"] = odd
-    print(f"# checks passed (dequant bit-exact; worst gemm rel err {max(result['checks'].values()):.2e})",
-          flush=True)
+    print(f"# checks passed (dequant bit-exact; worst gemm rel err {max(result['checks'].values()):.2e})", flush=True)
 
     deq_rows, small_rows, large_rows, sweep_rows = [], [], [], []
     result["dequant"], result["small"], result["large"], result["layer"], result["sweep"] = [], [], [], [], []
@@ -310,8 +339,18 @@ def main(argv=None):
                 r = bench_small(c, m, copy_gbs)
                 cfg = tk.default_config(m, n, k, dev) if m <= ops.FUSED_MAX_M else None
                 result["small"].append(dict(model=model, shape=name, n=n, k=k, m=m, config=cfg, **r))
-                small_rows.append((f"{model}.{name}", f"{n}x{k}", m, f"{r['bf16_us']:.1f}", f"{r['nvfp4_us']:.1f}",
-                                   f"{r['speedup']:.2f}x", f"{r['gbs']:.0f}", f"{r['pct']:.0f}%"))
+                small_rows.append(
+                    (
+                        f"{model}.{name}",
+                        f"{n}x{k}",
+                        m,
+                        f"{r['bf16_us']:.1f}",
+                        f"{r['nvfp4_us']:.1f}",
+                        f"{r['speedup']:.2f}x",
+                        f"{r['gbs']:.0f}",
+                        f"{r['pct']:.0f}%",
+                    )
+                )
                 print("  ", small_rows[-1], flush=True)
             if args.sweep and model in ("7B", "32B"):
                 for cfg, t, gbs in sweep_dequant(c, copy_gbs):
@@ -326,20 +365,40 @@ def main(argv=None):
                             best = (cfg, r)
                     base = tk.default_config(m, n, k, dev)
                     r_noasm = bench_small(c, m, copy_gbs, config=best[0], use_asm=False)
-                    top = sorted((r["nvfp4_us"], tuple(r["config"])) for r in result["sweep"]
-                                 if r.get("shape") == name and r.get("model") == model and r.get("m") == m)[:5]
+                    top = sorted(
+                        (r["nvfp4_us"], tuple(r["config"]))
+                        for r in result["sweep"]
+                        if r.get("shape") == name and r.get("model") == model and r.get("m") == m
+                    )[:5]
                     print("  top5", name, m, [(f"{u:.1f}", cf) for u, cf in top], flush=True)
-                    sweep_rows.append((f"{model}.{name}", m, str(tuple(base)), str(tuple(best[0])),
-                                       f"{best[1]['nvfp4_us']:.1f}", f"{best[1]['speedup']:.2f}x",
-                                       f"{r_noasm['nvfp4_us']:.1f}"))
+                    sweep_rows.append(
+                        (
+                            f"{model}.{name}",
+                            m,
+                            str(tuple(base)),
+                            str(tuple(best[0])),
+                            f"{best[1]['nvfp4_us']:.1f}",
+                            f"{best[1]['speedup']:.2f}x",
+                            f"{r_noasm['nvfp4_us']:.1f}",
+                        )
+                    )
                     print("  sweep", sweep_rows[-1], flush=True)
             if not args.no_large:
                 for m in LARGE_M:
                     r = bench_large(c, m, tflops)
                     result["large"].append(dict(model=model, shape=name, n=n, k=k, m=m, **r))
-                    large_rows.append((f"{model}.{name}", m, f"{r['fwd_bf16_us']:.0f}", f"{r['fwd_nvfp4_us']:.0f}",
-                                       f"{r['fwd_ratio']:.2f}x", f"{r['bwd_bf16_us']:.0f}", f"{r['bwd_nvfp4_us']:.0f}",
-                                       f"{r['bwd_ratio']:.2f}x"))
+                    large_rows.append(
+                        (
+                            f"{model}.{name}",
+                            m,
+                            f"{r['fwd_bf16_us']:.0f}",
+                            f"{r['fwd_nvfp4_us']:.0f}",
+                            f"{r['fwd_ratio']:.2f}x",
+                            f"{r['bwd_bf16_us']:.0f}",
+                            f"{r['bwd_nvfp4_us']:.0f}",
+                            f"{r['bwd_ratio']:.2f}x",
+                        )
+                    )
                     print("  ", large_rows[-1], flush=True)
             del c
             torch.cuda.empty_cache()
@@ -348,12 +407,23 @@ def main(argv=None):
         for m in (1, 8, 16):
             r = bench_layer(model, m, copy_gbs)
             result["layer"].append(dict(model=model, m=m, **r))
-            layer_rows.append((f"{model} layer", m, f"{r['bf16_us']:.1f}", f"{r['nvfp4_us']:.1f}",
-                               f"{r['speedup']:.2f}x", f"{r['gbs']:.0f}", f"{r['pct']:.0f}%"))
+            layer_rows.append(
+                (
+                    f"{model} layer",
+                    m,
+                    f"{r['bf16_us']:.1f}",
+                    f"{r['nvfp4_us']:.1f}",
+                    f"{r['speedup']:.2f}x",
+                    f"{r['gbs']:.0f}",
+                    f"{r['pct']:.0f}%",
+                )
+            )
     result["seconds"] = time.time() - t_start
 
-    print(f"\n## {result['device']}, torch {result['torch']}, triton {result['triton']}; "
-          f"copy {copy_gbs:.0f} GB/s, bf16 {tflops:.0f} TFLOP/s")
+    print(
+        f"\n## {result['device']}, torch {result['torch']}, triton {result['triton']}; "
+        f"copy {copy_gbs:.0f} GB/s, bf16 {tflops:.0f} TFLOP/s"
+    )
     print("\n### Dequant (packed NVFP4 -> BF16), bytes read + written\n")
     print(fmt_table(("shape", "NxK", "us", "GB/s", "% copy BW"), deq_rows))
     print("\n### Small M: nvfp4_linear vs cuBLAS BF16 x @ w.t()\n")
@@ -362,8 +432,12 @@ def main(argv=None):
     print(fmt_table(("layer", "M", "BF16 us", "NVFP4 us", "speedup", "GB/s", "% BW roofline"), layer_rows))
     if large_rows:
         print("\n### Large M: forward (nvfp4_linear) and input grad (dequant + cuBLAS) vs BF16\n")
-        print(fmt_table(("shape", "M", "fwd BF16 us", "fwd NVFP4 us", "fwd ratio", "bwd BF16 us", "bwd NVFP4 us",
-                         "bwd ratio"), large_rows))
+        print(
+            fmt_table(
+                ("shape", "M", "fwd BF16 us", "fwd NVFP4 us", "fwd ratio", "bwd BF16 us", "bwd NVFP4 us", "bwd ratio"),
+                large_rows,
+            )
+        )
     if sweep_rows:
         print("\n### Config sweep (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)\n")
         print(fmt_table(("shape", "M", "default", "best", "best us", "speedup", "best w/o asm us"), sweep_rows))

@@ -79,14 +79,18 @@ def main(argv: list[str] | None = None) -> dict:
     with open(args.out / "mismatch.json", "w") as f:
         json.dump({"model": args.model, "device": device, "steps": args.steps, "results": results}, f, indent=2)
     print(f"\nrollout vs trainer log-probs, {args.model}, AQN off, {args.steps} steps ({device}):")
-    print(f"{'backend/precision':<22} {'|dlogp| mean':>13} {'|dlogp| max':>12} {'IS ratio min':>13} "
-          f"{'IS ratio max':>13} {'entropy':>8} {'length':>7}")  # fmt: skip
+    print(
+        f"{'backend/precision':<22} {'|dlogp| mean':>13} {'|dlogp| max':>12} {'IS ratio min':>13} "
+        f"{'IS ratio max':>13} {'entropy':>8} {'length':>7}"
+    )
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<22} {r['error']}")
             continue
-        print(f"{name:<22} {r['logp_diff_mean']:>13.4f} {r['logp_diff_max']:>12.3f} {r['is_ratio_min']:>13.3f} "
-              f"{r['is_ratio_max']:>13.3f} {r['entropy']:>8.3f} {r['completion_length']:>7.1f}")  # fmt: skip
+        print(
+            f"{name:<22} {r['logp_diff_mean']:>13.4f} {r['logp_diff_max']:>12.3f} {r['is_ratio_min']:>13.3f} "
+            f"{r['is_ratio_max']:>13.3f} {r['entropy']:>8.3f} {r['completion_length']:>7.1f}"
+        )
     return results
 
 

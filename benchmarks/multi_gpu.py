@@ -200,15 +200,22 @@ def summarize(config: str, gpus: int, batch: int, ranks: list[dict]) -> dict:
     split["other"] = mean - sum(v for k, v in split.items() if k != "refresh")  # refresh is part of the rollout
     rounds = list(zip(*(r["rounds"] for r in ranks), strict=True))
     return {
-        "config": config, "gpus": gpus, "device": ranks[0]["device"], "backend": ranks[0]["backend"],
-        "sharding": ranks[0]["sharding"], "samples_per_s": batch * gpus / mean, "step_s": mean, "split_s": split,
-        "comm_s": ranks[0]["comm_seconds"], "peak_gib": [r["peak_gib"] for r in ranks],
+        "config": config,
+        "gpus": gpus,
+        "device": ranks[0]["device"],
+        "backend": ranks[0]["backend"],
+        "sharding": ranks[0]["sharding"],
+        "samples_per_s": batch * gpus / mean,
+        "step_s": mean,
+        "split_s": split,
+        "comm_s": ranks[0]["comm_seconds"],
+        "peak_gib": [r["peak_gib"] for r in ranks],
         "peak_driver_gib": [r["peak_driver_gib"] for r in ranks],
         "adapters_equal": len({r["adapters"] for r in ranks}) == 1,
         # One process: nothing to compare (None).
         "prompts_differ": None if len(ranks) == 1 else bool(rounds) and all(len(set(r)) == len(ranks) for r in rounds),
         "step_seconds": ranks[0]["step_seconds"],
-    }  # fmt: skip
+    }
 
 
 def kill_session(proc: subprocess.Popen) -> None:
@@ -273,8 +280,9 @@ def launch(args, config: str, gpus: int, nodes: int = 1, gpu_ids: list[int] | No
         node_log = log if node == 0 else workdir / f"{name}.node{node}.log"
         logs.append(open(node_log, "w"))
         # A session of its own: on a timeout the launcher's workers go with it (they hold GPUs the next launch needs).
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT,
-                                      start_new_session=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True)
+        )
     start = time.perf_counter()
     try:
         codes = [p.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - start))) for p in procs]
@@ -292,8 +300,13 @@ def launch(args, config: str, gpus: int, nodes: int = 1, gpu_ids: list[int] | No
         return {"config": name, "gpus": gpus, "error": error.strip()[-300:], "log": str(log), "wall_s": elapsed}
     ranks = json.loads(result.read_text())
     if not ranks[0]["step_seconds"]:  # TRL found no full batch (too few prompts for the ranks): nothing measured
-        return {"config": name, "gpus": gpus, "error": "trained no step (see the log)", "log": str(log),
-                "wall_s": elapsed}  # fmt: skip
+        return {
+            "config": name,
+            "gpus": gpus,
+            "error": "trained no step (see the log)",
+            "log": str(log),
+            "wall_s": elapsed,
+        }
     row = summarize(config if nodes == 1 else name, gpus, args.batch, ranks)
     return {**row, "log": str(log), "wall_s": elapsed, "gpu_ids": gpu_ids}
 
@@ -326,8 +339,10 @@ def build_model(args, gpu: int | None = None) -> str:
         tiny = str(workdir / "tiny")
         code = f"from qerl.tiny import save_tiny_checkpoints; print(save_tiny_checkpoints({tiny!r})[1])"
     else:
-        code = f"from benchmarks.multi_gpu import random_nvfp4_checkpoint; from pathlib import Path; " \
-               f"print(random_nvfp4_checkpoint({args.size!r}, Path({str(workdir)!r})))"  # fmt: skip
+        code = (
+            f"from benchmarks.multi_gpu import random_nvfp4_checkpoint; from pathlib import Path; "
+            f"print(random_nvfp4_checkpoint({args.size!r}, Path({str(workdir)!r})))"
+        )
     env = child_env(args.dry_run)
     if gpu is not None and not args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -337,14 +352,18 @@ def build_model(args, gpu: int | None = None) -> str:
 
 def table(rows: list[dict]) -> str:
     one_gpu = {r["config"]: r["samples_per_s"] for r in rows if "samples_per_s" in r and r["gpus"] == 1}
-    head = (f"{'config':16s} {'GPUs':>4s} {'backend':12s} {'samples/s':>9s} {'x1 GPU':>6s} {'step s':>7s} "
-            f"{'rollout':>7s} {'refresh':>7s} {'fwd':>6s} {'bwd':>6s} {'other':>6s} {'comm':>6s} {'peak GiB':>8s} "
-            f"{'adapters':>8s} {'prompts':>7s}")  # fmt: skip
+    head = (
+        f"{'config':16s} {'GPUs':>4s} {'backend':12s} {'samples/s':>9s} {'x1 GPU':>6s} {'step s':>7s} "
+        f"{'rollout':>7s} {'refresh':>7s} {'fwd':>6s} {'bwd':>6s} {'other':>6s} {'comm':>6s} {'peak GiB':>8s} "
+        f"{'adapters':>8s} {'prompts':>7s}"
+    )
     lines = [head]
     for r in rows:
         if "error" in r or "skipped" in r:
-            lines.append(f"{r['config']:16s} {r['gpus']:4d} " + (f"skipped: {r['skipped']}" if "skipped" in r
-                                                                  else f"failed: {r['error']}"))  # fmt: skip
+            lines.append(
+                f"{r['config']:16s} {r['gpus']:4d} "
+                + (f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['error']}")
+            )
             continue
         s = r["split_s"]
         base = one_gpu.get(r["config"].split("-")[0])
@@ -357,29 +376,38 @@ def table(rows: list[dict]) -> str:
             f"{s['other']:6.2f} {comm:>6s} {'' if peak is None else f'{peak:8.1f}':>8s} "
             f"{'equal' if r['adapters_equal'] else 'DIFFER':>8s} "
             f"{ {None: '-', True: 'differ', False: 'SAME'}[r['prompts_differ']]:>7s}"
-        )  # fmt: skip
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint folder (NVFP4 or BF16); default: random-init --size")
-    parser.add_argument("--size", default="7b",
-                        help="Qwen2.5 shapes of the random-init NVFP4 model (3b, 7b, 14b, 32b), or tiny (the tests' "
-                        "model: a quick check that every config runs)")
+    parser.add_argument(
+        "--size",
+        default="7b",
+        help="Qwen2.5 shapes of the random-init NVFP4 model (3b, 7b, 14b, 32b), or tiny (the tests' "
+        "model: a quick check that every config runs)",
+    )
     parser.add_argument("--configs", default=",".join(CONFIGS), help="accelerate configs (configs/accelerate/*.yaml)")
     parser.add_argument("--gpus", default="1,2", help="process counts to run each config with")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (first and last not timed)")
     parser.add_argument("--batch", type=int, default=8, help="completions per GPU per step (one prompt's group)")
     parser.add_argument("--new-tokens", type=int, default=512, help="max completion length")
-    parser.add_argument("--backend", default=None,
-                        help="rollout backend (default: auto, native on a GPU; --dry-run: native, eager on the CPU)")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="rollout backend (default: auto, native on a GPU; --dry-run: native, eager on the CPU)",
+    )
     parser.add_argument("--simulate-nodes", action="store_true", help="also DDP as 2 machines of 1 GPU each")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled last step (no comm column)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds one launch may take")
-    parser.add_argument("--gpu-ids", default=None,
-                        help="GPUs to run on (comma-separated CUDA_VISIBLE_DEVICES numbers; default 0..N-1): a "
-                        "launch of N processes takes the first N")
+    parser.add_argument(
+        "--gpu-ids",
+        default=None,
+        help="GPUs to run on (comma-separated CUDA_VISIBLE_DEVICES numbers; default 0..N-1): a "
+        "launch of N processes takes the first N",
+    )
     parser.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny model, short steps: the wiring only")
     parser.add_argument("--workdir", default="/tmp/qerl-multi-gpu")
     parser.add_argument("--out", default="runs/multi_gpu.json")

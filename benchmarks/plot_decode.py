@@ -50,14 +50,31 @@ def plot(by_size: dict[str, list[dict]], png: str, device: str = "") -> None:
                 ms = kernels.get(family, 0.0) / 1e3
                 if ms <= 0:
                     continue
-                ax.bar(x, ms, bottom=bottom, color=colours.get(family, "grey"), width=0.6,
-                       label=None if family in seen else family)
+                ax.bar(
+                    x,
+                    ms,
+                    bottom=bottom,
+                    color=colours.get(family, "grey"),
+                    width=0.6,
+                    label=None if family in seen else family,
+                )
                 seen.add(family)
                 bottom += ms
-            ax.plot([x - 0.35, x + 0.35], [row["ms_per_step"]] * 2, color="black", lw=2,
-                    label="graph step (timed run)" if x == 0 else None)
-            ax.plot([x - 0.35, x + 0.35], [row["floor_ms"]] * 2, color="black", lw=1.5, ls="--",
-                    label="bytes floor" if x == 0 else None)
+            ax.plot(
+                [x - 0.35, x + 0.35],
+                [row["ms_per_step"]] * 2,
+                color="black",
+                lw=2,
+                label="graph step (timed run)" if x == 0 else None,
+            )
+            ax.plot(
+                [x - 0.35, x + 0.35],
+                [row["floor_ms"]] * 2,
+                color="black",
+                lw=1.5,
+                ls="--",
+                label="bytes floor" if x == 0 else None,
+            )
             waves = f"\n{row['waves']} waves" if row.get("waves", 1) > 1 else ""
             labels.append(f"{row['precision'].upper()}\nbatch {row['batch']}{waves}")
         ax.set_xticks(range(len(rows)), labels, fontsize=8)

@@ -38,8 +38,16 @@ from qerl.nvfp4 import triton_kernels as tk
 
 
 @triton.jit
-def _stream_kernel(p_desc, s_desc, out_ptr, tiles_per_split, BLOCK_N: tl.constexpr, KW: tl.constexpr,
-                   KG: tl.constexpr, STAGES: tl.constexpr):
+def _stream_kernel(
+    p_desc,
+    s_desc,
+    out_ptr,
+    tiles_per_split,
+    BLOCK_N: tl.constexpr,
+    KW: tl.constexpr,
+    KG: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     acc = tl.zeros((BLOCK_N, KW), dtype=tl.int32)
@@ -70,8 +78,9 @@ def stream_linear(packed, cfg, out):
     n_tiles = triton.cdiv(n, cfg.block_n)
     k_tiles = triton.cdiv(2 * k2, cfg.block_k)
     tiles = triton.cdiv(k_tiles, cfg.split_k)
-    _stream_linear_kernel[(n_tiles, cfg.split_k)](p_desc, out, tiles, k_tiles, ROWS=rows, STAGES=cfg.num_stages,
-                                                  num_warps=cfg.num_warps)
+    _stream_linear_kernel[(n_tiles, cfg.split_k)](
+        p_desc, out, tiles, k_tiles, ROWS=rows, STAGES=cfg.num_stages, num_warps=cfg.num_warps
+    )
 
 
 def stream(packed, scale, cfg, out):
@@ -83,8 +92,17 @@ def stream(packed, scale, cfg, out):
     s_desc = TensorDescriptor.from_tensor(s8, [cfg.block_n, cfg.block_k // 16])
     n_tiles = triton.cdiv(n, cfg.block_n)
     tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
-    _stream_kernel[(n_tiles, cfg.split_k)](p_desc, s_desc, out, tiles, BLOCK_N=cfg.block_n, KW=cfg.block_k // 8,
-                                           KG=cfg.block_k // 16, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    _stream_kernel[(n_tiles, cfg.split_k)](
+        p_desc,
+        s_desc,
+        out,
+        tiles,
+        BLOCK_N=cfg.block_n,
+        KW=cfg.block_k // 8,
+        KG=cfg.block_k // 16,
+        STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
 
 
 def stream_probe():
@@ -99,28 +117,44 @@ def stream_probe():
             out = torch.empty(4096 * 64, dtype=torch.int32, device=dev)
             t_stream = graph_time_us([lambda q=q, cfg=cfg, out=out: stream(q.packed, q.scale, cfg, out) for q in c.fp4])
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            t_gemm = graph_time_us([lambda q=q, x=x: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale)
-                                    for q in c.fp4])
+            t_gemm = graph_time_us(
+                [lambda q=q, x=x: ops.nvfp4_linear(x, q.packed, q.scale, q.global_scale) for q in c.fp4]
+            )
             t_bf = graph_time_us([lambda w=w, x=x: x @ w.t() for w in c.bf16])
             nb = nvfp4_bytes(n, k)
-            print(f"{name:8s} M={m:2d} cfg={tuple(cfg)} bf16 {t_bf:6.1f} us | stream {t_stream:6.1f} us "
-                  f"{nb / t_stream / 1e3:5.0f} GB/s | gemm {t_gemm:6.1f} us {nb / t_gemm / 1e3:5.0f} GB/s", flush=True)
+            print(
+                f"{name:8s} M={m:2d} cfg={tuple(cfg)} bf16 {t_bf:6.1f} us | stream {t_stream:6.1f} us "
+                f"{nb / t_stream / 1e3:5.0f} GB/s | gemm {t_gemm:6.1f} us {nb / t_gemm / 1e3:5.0f} GB/s",
+                flush=True,
+            )
             if m != 8:
                 continue
             for split_mul, stages in ((1, 2), (1, 4), (1, 6), (2, 3), (4, 3), (0.5, 3)):
-                v = tk.GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, max(1, int(cfg.split_k * split_mul)),
-                                  cfg.num_warps, stages)
+                v = tk.GemmConfig(
+                    cfg.block_m, cfg.block_n, cfg.block_k, max(1, int(cfg.split_k * split_mul)), cfg.num_warps, stages
+                )
                 t = graph_time_us([lambda q=q, v=v, out=out: stream(q.packed, q.scale, v, out) for q in c.fp4])
                 t_lin = graph_time_us([lambda q=q, v=v, out=out: stream_linear(q.packed, v, out) for q in c.fp4])
-                print(f"   stream split {v.split_k:2d} stages {stages}: {t:6.1f} us {nb / t / 1e3:5.0f} GB/s | "
-                      f"contiguous tiles {t_lin:6.1f} us {n * k // 2 / t_lin / 1e3:5.0f} GB/s", flush=True)
+                print(
+                    f"   stream split {v.split_k:2d} stages {stages}: {t:6.1f} us {nb / t / 1e3:5.0f} GB/s | "
+                    f"contiguous tiles {t_lin:6.1f} us {n * k // 2 / t_lin / 1e3:5.0f} GB/s",
+                    flush=True,
+                )
 
 
 def split_sweep():
     """Time every split-K (not only powers of two) at M = 1, 8, 16 on the shapes where the grid's wave count matters."""
     dev = torch.device("cuda")
-    for model, name in (("7B", "gate_up"), ("7B", "down"), ("14B", "gate_up"), ("14B", "down"), ("32B", "gate_up"),
-                        ("32B", "down"), ("7B", "qkv"), ("32B", "qkv")):
+    for model, name in (
+        ("7B", "gate_up"),
+        ("7B", "down"),
+        ("14B", "gate_up"),
+        ("14B", "down"),
+        ("32B", "gate_up"),
+        ("32B", "down"),
+        ("7B", "qkv"),
+        ("32B", "qkv"),
+    ):
         n, k = shapes(model)[name]
         c = Copies(n, k, dev)
         k_tiles = triton.cdiv(k, 256)
@@ -128,20 +162,34 @@ def split_sweep():
         for m in (1, 8, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             base = tk.default_config(m, n, k, dev)
-            splits = sorted({s for s in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32) if s <= k_tiles
-                             and (triton.cdiv(k_tiles, s) * (s - 1) < k_tiles)} | {base.split_k})  # no empty split
+            splits = sorted(
+                {
+                    s
+                    for s in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32)
+                    if s <= k_tiles and (triton.cdiv(k_tiles, s) * (s - 1) < k_tiles)
+                }
+                | {base.split_k}
+            )  # no empty split
             res = []
             for s_ in splits:
                 cfg = tk.GemmConfig(base.block_m, base.block_n, base.block_k, s_, base.num_warps, base.num_stages)
-                t = graph_time_us([lambda q=q, cnt=cnt, cfg=cfg, x=x: tk.gemm(x, q.packed, q.scale, q.global_scale,
-                                                                               config=cfg, counters=cnt)
-                                   for q, cnt in zip(c.fp4, c.counters, strict=True)])
+                t = graph_time_us(
+                    [
+                        lambda q=q, cnt=cnt, cfg=cfg, x=x: tk.gemm(
+                            x, q.packed, q.scale, q.global_scale, config=cfg, counters=cnt
+                        )
+                        for q, cnt in zip(c.fp4, c.counters, strict=True)
+                    ]
+                )
                 res.append((t, s_))
             best = min(res)
             base_t = dict((s_, t) for t, s_ in res)[base.split_k]
-            print(f"{model}.{name:8s} M={m:2d} n_tiles {n_tiles} k_tiles {k_tiles}: default split {base.split_k} "
-                  f"{base_t:6.1f} us, best split {best[1]} {best[0]:6.1f} us | "
-                  + " ".join(f"s{s_}:{t:.1f}" for t, s_ in res), flush=True)
+            print(
+                f"{model}.{name:8s} M={m:2d} n_tiles {n_tiles} k_tiles {k_tiles}: default split {base.split_k} "
+                f"{base_t:6.1f} us, best split {best[1]} {best[0]:6.1f} us | "
+                + " ".join(f"s{s_}:{t:.1f}" for t, s_ in res),
+                flush=True,
+            )
 
 
 def host_cost():
@@ -195,8 +243,10 @@ ENGINE_LORA_RANKS = {"qkv": 64, "o": 16, "gate_up": 32, "down": 16}  # as the en
 def _engine_lora(name, n, k, dev):
     """A random adapter (A, B) of the rank the rollout engine gives projection `name`."""
     rank = ENGINE_LORA_RANKS[name]
-    return (torch.randn(rank, k, device=dev, dtype=torch.bfloat16) * 0.05,
-            torch.randn(n, rank, device=dev, dtype=torch.bfloat16) * 0.05)
+    return (
+        torch.randn(rank, k, device=dev, dtype=torch.bfloat16) * 0.05,
+        torch.randn(n, rank, device=dev, dtype=torch.bfloat16) * 0.05,
+    )
 
 
 def cuda_vs_triton():
@@ -216,12 +266,22 @@ def cuda_vs_triton():
                 row = []
                 for kw in ({}, {"lora": lora}):
                     for gemm in (tk.gemm, cuda_gemm.gemm):
-                        row.append(graph_time_us([lambda q=q, cn=cn, gemm=gemm, kw=kw, x=x: gemm(
-                            x, q.packed, q.scale, q.global_scale, counters=cn, **kw)
-                            for q, cn in zip(c.fp4, c.counters, strict=True)]))
+                        row.append(
+                            graph_time_us(
+                                [
+                                    lambda q=q, cn=cn, gemm=gemm, kw=kw, x=x: gemm(
+                                        x, q.packed, q.scale, q.global_scale, counters=cn, **kw
+                                    )
+                                    for q, cn in zip(c.fp4, c.counters, strict=True)
+                                ]
+                            )
+                        )
                 pct = nvfp4_bytes(n, k) / row[1] / 1e3 / copy_gbs * 100
-                print(f"{model}.{name:8s} M={m}: triton {row[0]:6.1f} cuda {row[1]:6.1f} ({pct:3.0f}%) | with LoRA "
-                      f"r{ENGINE_LORA_RANKS[name]}: triton {row[2]:6.1f} cuda {row[3]:6.1f}", flush=True)
+                print(
+                    f"{model}.{name:8s} M={m}: triton {row[0]:6.1f} cuda {row[1]:6.1f} ({pct:3.0f}%) | with LoRA "
+                    f"r{ENGINE_LORA_RANKS[name]}: triton {row[2]:6.1f} cuda {row[3]:6.1f}",
+                    flush=True,
+                )
             del c
             torch.cuda.empty_cache()
 
@@ -244,8 +304,10 @@ def wgmma_vs_triton(lora: bool = False):
     idx = torch.cuda.current_device()
     copy_gbs, _ = measure_ceilings(dev)
     print(f"copy {copy_gbs:.0f} GB/s; us per call (CUDA graph, weights rotated past L2); % = bytes / time of copy")
-    print("| shape | M | LoRA rank | cuBLAS BF16 | Triton | wgmma | Triton / wgmma | wgmma % of copy | dispatch | "
-          "dispatch takes | wgmma config |")
+    print(
+        "| shape | M | LoRA rank | cuBLAS BF16 | Triton | wgmma | Triton / wgmma | wgmma % of copy | dispatch | "
+        "dispatch takes | wgmma config |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in ("7B", "14B", "32B"):
         for name, (n, k) in shapes(model).items():
@@ -257,29 +319,47 @@ def wgmma_vs_triton(lora: bool = False):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 times = [graph_time_us([lambda w=w, x=x: x @ w.t() for w in c.bf16])]
                 for gemm in (tk.gemm, cuda_gemm.gemm, None):
-                    times.append(graph_time_us([
-                        lambda q=q, cn=cn, gemm=gemm, x=x, a=adapter: gemm(x, q.packed, q.scale, q.global_scale,
-                                                                           counters=cn, **a)
-                        if gemm else _dispatch(x, q, cn, **a)
-                        for q, cn in zip(c.fp4, counters, strict=True)]))
+                    times.append(
+                        graph_time_us(
+                            [
+                                lambda q=q, cn=cn, gemm=gemm, x=x, a=adapter: (
+                                    gemm(x, q.packed, q.scale, q.global_scale, counters=cn, **a)
+                                    if gemm
+                                    else _dispatch(x, q, cn, **a)
+                                )
+                                for q, cn in zip(c.fp4, counters, strict=True)
+                            ]
+                        )
+                    )
                 bf16, triton_us, wgmma_us, dispatch_us = times
                 takes = "wgmma" if cuda_gemm.supported(x, k, rank, n) else "Triton"
                 pct = nvfp4_bytes(n, k) / wgmma_us / 1e3 / copy_gbs * 100
-                print(f"| {model}.{name} | {m} | {rank or '-'} | {bf16:.1f} | {triton_us:.1f} | {wgmma_us:.1f} | "
-                      f"{triton_us / wgmma_us:.2f}x | {pct:.0f}% | {dispatch_us:.1f} | {takes} | "
-                      f"{tuple(cuda_gemm.wgmma_config(n, k, idx))} |", flush=True)
+                print(
+                    f"| {model}.{name} | {m} | {rank or '-'} | {bf16:.1f} | {triton_us:.1f} | {wgmma_us:.1f} | "
+                    f"{triton_us / wgmma_us:.2f}x | {pct:.0f}% | {dispatch_us:.1f} | {takes} | "
+                    f"{tuple(cuda_gemm.wgmma_config(n, k, idx))} |",
+                    flush=True,
+                )
             del c
             torch.cuda.empty_cache()
 
 
 CEILING_SOURCE = Path(__file__).with_name("probe_gemm.cu")  # the ceiling kernels, appended to decode_gemm.cu
 CEILING_STAGES = (  # wgmma_ceiling's STAGE 0-4, labelled
-    "A in registers (bare wgmma)", "+ codes and scales from shared memory", "+ decode",
-    "+ ring handshake with a producer", "A in shared memory (bare wgmma)")
+    "A in registers (bare wgmma)",
+    "+ codes and scales from shared memory",
+    "+ decode",
+    "+ ring handshake with a producer",
+    "A in shared memory (bare wgmma)",
+)
 CEILING_LDG_SOURCES = (  # wgmma_ceiling_ldg's (SRC, RING), labelled
-    (0, 3, "codes and scales from L2, register ring of 3, + decode"), (1, 3, "the same from DRAM"),
-    (2, 3, "from DRAM, ring of 3 in shared memory by cp.async"), (2, 4, "the same, ring of 4"),
-    (2, 6, "the same, ring of 6"), (3, 3, "from DRAM, register ring of 3, decode only (no wgmma)"))
+    (0, 3, "codes and scales from L2, register ring of 3, + decode"),
+    (1, 3, "the same from DRAM"),
+    (2, 3, "from DRAM, ring of 3 in shared memory by cp.async"),
+    (2, 4, "the same, ring of 4"),
+    (2, 6, "the same, ring of 6"),
+    (3, 3, "from DRAM, register ring of 3, decode only (no wgmma)"),
+)
 LDG_SHARED_BYTES = 32768 + 6 * 512 * 48  # x buffers, then the deepest cp.async ring of 4 warpgroups
 
 
@@ -288,8 +368,14 @@ class _CeilingArgs(ctypes.Structure):  # probe_gemm.cu's CeilingArgs, field for 
 
 
 class _CeilingLdgArgs(ctypes.Structure):  # probe_gemm.cu's CeilingLdgArgs, field for field
-    _fields_ = [("out", ctypes.c_void_p), ("iters", ctypes.c_int), ("codes", ctypes.c_void_p),
-                ("scales", ctypes.c_void_p), ("k2", ctypes.c_int), ("chunks", ctypes.c_int)]
+    _fields_ = [
+        ("out", ctypes.c_void_p),
+        ("iters", ctypes.c_int),
+        ("codes", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("k2", ctypes.c_int),
+        ("chunks", ctypes.c_int),
+    ]
 
 
 def wgmma_ceiling(iters: int = 4000, shared_only_loops: bool = True):
@@ -305,8 +391,10 @@ def wgmma_ceiling(iters: int = 4000, shared_only_loops: bool = True):
         raise SystemExit("wgmma-ceiling: needs compute capability 9.0 (wgmma)")
     sms = sm_count(dev)
     copy_gbs, _ = measure_ceilings(dev)
-    print(f"{torch.cuda.get_device_name(idx)}, copy {copy_gbs:.0f} GB/s; {sms} CTAs, one per SM; per chunk: 128 K x "
-          "64 weight rows per warpgroup (8 m64n64k16)")
+    print(
+        f"{torch.cuda.get_device_name(idx)}, copy {copy_gbs:.0f} GB/s; {sms} CTAs, one per SM; per chunk: 128 K x "
+        "64 weight rows per warpgroup (8 m64n64k16)"
+    )
     print("| loop | consumer warpgroups | us per chunk | TFLOPS | weight bytes it keeps up with, GB/s | % of copy |")
     print("|---|---|---|---|---|---|")
 
@@ -325,8 +413,11 @@ def wgmma_ceiling(iters: int = 4000, shared_only_loops: bool = True):
         per_chunk = start.elapsed_time(end) / 3 / 1e3 / chunks_run
         flops = 2 * 64 * 64 * 128 * wg * sms / per_chunk
         weight_gbs = 64 * wg * 72 * sms / per_chunk / 1e9
-        print(f"| {label} | {wg} | {per_chunk * 1e6:.3f} | {flops / 1e12:.0f} | {weight_gbs:.0f} | "
-              f"{weight_gbs / copy_gbs * 100:.0f}% |", flush=True)
+        print(
+            f"| {label} | {wg} | {per_chunk * 1e6:.3f} | {flops / 1e12:.0f} | {weight_gbs:.0f} | "
+            f"{weight_gbs / copy_gbs * 100:.0f}% |",
+            flush=True,
+        )
 
     for stage, label in enumerate(CEILING_STAGES if shared_only_loops else ()):
         for wg in (1, 2, 3, 4):
@@ -339,9 +430,14 @@ def wgmma_ceiling(iters: int = 4000, shared_only_loops: bool = True):
             chunks = weights.numel() // (rows * 72)  # 64 code bytes + 8 scale bytes per row and chunk
             codes, scales = weights.data_ptr(), weights.data_ptr() + rows * chunks * 64
             out = torch.empty(sms * 128 * wg, device=dev)
-            row(label, wg, f"wgmma_ceiling_ldg<{src}, {wg}, {ring}>", 128 * wg,
+            row(
+                label,
+                wg,
+                f"wgmma_ceiling_ldg<{src}, {wg}, {ring}>",
+                128 * wg,
                 _CeilingLdgArgs(out.data_ptr(), iters - iters % ring, codes, scales, chunks * 64, chunks),
-                LDG_SHARED_BYTES)
+                LDG_SHARED_BYTES,
+            )
 
 
 def wgmma_by_k():
@@ -361,8 +457,12 @@ def wgmma_by_k():
             default = cuda_gemm.wgmma_config(n, k, idx)
             row = [f"| {n} | {k} | {k // 128} |"]
             for cfg in (default, default._replace(split=1)):
-                us = graph_time_us([lambda q=q, cfg=cfg, x=x: cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale,
-                                                                              config=cfg) for q in c.fp4])
+                us = graph_time_us(
+                    [
+                        lambda q=q, cfg=cfg, x=x: cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, config=cfg)
+                        for q in c.fp4
+                    ]
+                )
                 row.append(f" {tuple(cfg)} | {us:.1f} |")
             print("".join(row), flush=True)
             del c
@@ -388,12 +488,17 @@ MODES = {  # subcommand: the probe it runs, and what that measures (the module d
     "host": (host_cost, "host time per eager call (what bounds eager decode)"),
     "cuda": (cuda_vs_triton, "CUDA vs Triton decode GEMM, with the engine's LoRA ranks"),
     "wgmma": (wgmma_vs_triton, "CUDA wgmma vs Triton GEMM and cuBLAS BF16 at 40 and 64 rows"),
-    "wgmma-lora": (functools.partial(wgmma_vs_triton, lora=True),
-                   "the same with the rollout engine's LoRA in the same launch"),
+    "wgmma-lora": (
+        functools.partial(wgmma_vs_triton, lora=True),
+        "the same with the rollout engine's LoRA in the same launch",
+    ),
     "wgmma-ceiling": (wgmma_ceiling, "the 64-row wgmma loop, built up part by part"),
     "wgmma-by-k": (wgmma_by_k, "the 64-row wgmma GEMM's time against K: fixed cost and slope"),
-    "ncu": (ncu_targets, "the GEMM on a few 7B shapes, untimed, for Nsight Compute to sample: "
-                         "ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probe_gemm ncu"),
+    "ncu": (
+        ncu_targets,
+        "the GEMM on a few 7B shapes, untimed, for Nsight Compute to sample: "
+        "ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probe_gemm ncu",
+    ),
 }
 
 

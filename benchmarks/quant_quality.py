@@ -52,8 +52,10 @@ def _padded(batch: list[list[int]], pad: int, device, left: bool = False) -> tup
     width = max(map(len, batch))
     rows = [([pad] * (width - len(x)) + x) if left else (x + [pad] * (width - len(x))) for x in batch]
     ids = torch.tensor(rows, device=device)
-    mask = torch.tensor([([0] * (width - len(x)) + [1] * len(x)) if left else ([1] * len(x) + [0] * (width - len(x)))
-                         for x in batch], device=device)  # fmt: skip
+    mask = torch.tensor(
+        [([0] * (width - len(x)) + [1] * len(x)) if left else ([1] * len(x) + [0] * (width - len(x))) for x in batch],
+        device=device,
+    )
     return ids, mask
 
 
@@ -82,8 +84,12 @@ def teacher_forced(bf16, nvfp4, tokenizer, rows: list[dict], batch_size: int) ->
     pad = tokenizer.pad_token_id
     per_seq = {"kl": [], "top1": [], "nll_bf16": [], "nll_nvfp4": []}
     tokens = 0
-    for (seq, start), p, q in zip(sequences, token_logprobs(bf16, sequences, pad, batch_size),
-                                  token_logprobs(nvfp4, sequences, pad, batch_size), strict=True):  # fmt: skip
+    for (seq, start), p, q in zip(
+        sequences,
+        token_logprobs(bf16, sequences, pad, batch_size),
+        token_logprobs(nvfp4, sequences, pad, batch_size),
+        strict=True,
+    ):
         target = torch.tensor(seq[start:])
         per_seq["kl"].append((p.exp() * (p - q)).sum(-1).mean().item())
         per_seq["top1"].append((p.argmax(-1) == q.argmax(-1)).float().mean().item())
@@ -99,8 +105,16 @@ def teacher_forced(bf16, nvfp4, tokenizer, rows: list[dict], batch_size: int) ->
 
 
 @torch.no_grad()
-def sampled(model, tokenizer, prompts: list[list[int]], answers: list[str], max_new_tokens: int, batch_size: int,
-            seed: int, sigma: float = 0.0) -> dict:  # fmt: skip
+def sampled(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    answers: list[str],
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    sigma: float = 0.0,
+) -> dict:
     """Sample at temperature 1, then score each completion's per-token entropy under the policy that drew it."""
     device = next(model.parameters()).device
     pad, eos = tokenizer.pad_token_id, model.generation_config.eos_token_id
@@ -111,9 +125,17 @@ def sampled(model, tokenizer, prompts: list[list[int]], answers: list[str], max_
         batch = prompts[i : i + batch_size]
         with aqn.noisy_norms(model, sigma, generator=noise_generator):  # sigma 0: no noise, a no-op
             ids, mask = _padded(batch, pad, device, left=True)
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                 eos_token_id=eos)  # fmt: skip
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+                eos_token_id=eos,
+            )
             eos_ids = {eos} if isinstance(eos, int) else set(eos)
             sequences = []
             for prompt, row in zip(batch, out[:, ids.shape[1] :].tolist(), strict=True):
@@ -165,10 +187,13 @@ def main(argv: list[str] | None = None) -> dict:
     bf16_dir, nvfp4_dir = resolve_checkpoints(args)
     dtype = getattr(torch, args.dtype)
     tokenizer = policy.load_tokenizer(bf16_dir)
-    models = {"bf16": policy.load_base_model(bf16_dir, "bf16", dtype, args.device).eval(),
-              "nvfp4": policy.load_base_model(nvfp4_dir, "nvfp4", dtype, args.device).eval()}  # fmt: skip
-    forced = teacher_forced(models["bf16"], models["nvfp4"], tokenizer, read_gsm8k(args.data, args.solutions),
-                            args.batch_size)  # fmt: skip
+    models = {
+        "bf16": policy.load_base_model(bf16_dir, "bf16", dtype, args.device).eval(),
+        "nvfp4": policy.load_base_model(nvfp4_dir, "nvfp4", dtype, args.device).eval(),
+    }
+    forced = teacher_forced(
+        models["bf16"], models["nvfp4"], tokenizer, read_gsm8k(args.data, args.solutions), args.batch_size
+    )
 
     # Sampled prompts: rows after the teacher-forced ones, in the training prompt format.
     rows = read_gsm8k(args.data, args.prompts, offset=args.solutions)
@@ -179,8 +204,9 @@ def main(argv: list[str] | None = None) -> dict:
     policies = {}
     for name, sigma in runs:
         label = name if sigma == 0 else f"{name}+aqn"
-        policies[label] = sampled(models[name], tokenizer, prompt_ids, answers, args.max_new_tokens, args.batch_size,
-                                  args.seed, sigma)  # fmt: skip
+        policies[label] = sampled(
+            models[name], tokenizer, prompt_ids, answers, args.max_new_tokens, args.batch_size, args.seed, sigma
+        )
 
     result = {"bf16": bf16_dir, "nvfp4": nvfp4_dir, "data": args.data, "dtype": args.dtype, "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
@@ -191,14 +217,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     f_ = forced
     print(f"teacher-forced, {f_['sequences']} GSM8K solutions ({f_['tokens']} tokens):")
-    print(f"  KL(BF16 || NVFP4) {f_['kl']:.4f} ± {f_['kl_ci95']:.4f} nats/token; top-1 agreement "
-          f"{f_['top1']:.1%} ± {f_['top1_ci95']:.1%}; perplexity BF16 {f_['ppl_bf16']:.2f}, "
-          f"NVFP4 {f_['ppl_nvfp4']:.2f}")
+    print(
+        f"  KL(BF16 || NVFP4) {f_['kl']:.4f} ± {f_['kl_ci95']:.4f} nats/token; top-1 agreement "
+        f"{f_['top1']:.1%} ± {f_['top1_ci95']:.1%}; perplexity BF16 {f_['ppl_bf16']:.2f}, "
+        f"NVFP4 {f_['ppl_nvfp4']:.2f}"
+    )
     print(f"sampled at temperature 1, {len(prompt_ids)} GSM8K prompts (gsm8k_hash), {args.max_new_tokens} new tokens:")
     print(f"  {'policy':<12} {'entropy (nats/token)':>22} {'length':>8} {'rewarded':>9} {'truncated':>10}")
     for label, r in policies.items():
-        print(f"  {label:<12} {r['entropy']:>12.3f} ± {r['entropy_ci95']:.3f}  {r['length']:>8.1f} "
-              f"{r['rewarded']:>9.1%} {r['truncated']:>10.1%}")
+        print(
+            f"  {label:<12} {r['entropy']:>12.3f} ± {r['entropy_ci95']:.3f}  {r['length']:>8.1f} "
+            f"{r['rewarded']:>9.1%} {r['truncated']:>10.1%}"
+        )
     print(f"({time.time() - start:.0f} s on {result['device_name']}; JSON: {args.out})")
     return result
 

@@ -55,34 +55,72 @@ SIZES = [*QWEN25, "llama8b", "qwen3-8b", "gemma3-4b"]
 def model_config(size: str):
     if size == "qwen3-8b":  # Qwen/Qwen3-8B: per-head q/k norms, head_dim 128, no biases
         return Qwen3Config(
-            vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-            num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
             tie_word_embeddings=False,
-        )  # fmt: skip
+        )
     if size == "gemma3-4b":
         # google/gemma-3-4b-it's text model. Shapes, window, pattern (5 local : 1 global), query_pre_attn_scalar and
         # the global layers' linear rope scaling: AI-Hypercomputer/maxtext's ckpt_conversion hf_model_configs.py;
         # vocab 262208, rope bases 1e4 local / 1e6 global, 131072 positions: transformers' Gemma3TextConfig
         # defaults, which document that checkpoint.
         return Gemma3TextConfig(
-            vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
-            num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
-            sliding_window_pattern=6, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
-            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
-        )  # fmt: skip
+            vocab_size=262208,
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_hidden_layers=34,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=1024,
+            sliding_window_pattern=6,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        )
     if size == "llama8b":
         return LlamaConfig(
-            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 8192},
-        )  # fmt: skip
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        )
     hidden, inter, layers, heads, kv, vocab = QWEN25[size]
     return Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    )
 
 
 @torch.no_grad()
@@ -135,8 +173,11 @@ def padded_tokenizer(vocab_size: int):
 @contextlib.contextmanager
 def max_new_tokens(backend, n: int):
     """The backend samples up to `n` tokens inside the block (its settings: vLLM's params or a GenerationConfig)."""
-    settings, key = (backend.sampling, "max_tokens") if hasattr(backend, "sampling") else (
-        backend.generation_config.__dict__, "max_new_tokens")  # fmt: skip
+    settings, key = (
+        (backend.sampling, "max_tokens")
+        if hasattr(backend, "sampling")
+        else (backend.generation_config.__dict__, "max_new_tokens")
+    )
     saved = settings[key]
     settings[key] = n
     try:
@@ -179,22 +220,32 @@ def decode_bytes(decoder, batch: int, prompt_len: int, new_tokens: int, kv_fp8: 
         tensors += [p.packed, p.scale] if p.nvfp4 else [p.weight]
         tensors += [t for t in (p.lora_a, p.lora_b) if t is not None]
     weights = sum(t.numel() * t.element_size() for t in tensors)
-    kv_per_token = len(decoder.layers) * kv_cache.bytes_per_token(decoder.num_kv_heads, decoder.head_dim,
-                                                                   decoder.embed.dtype, kv_fp8)
+    kv_per_token = len(decoder.layers) * kv_cache.bytes_per_token(
+        decoder.num_kv_heads, decoder.head_dim, decoder.embed.dtype, kv_fp8
+    )
     return weights + batch * (prompt_len + new_tokens / 2) * kv_per_token
 
 
 # Substring of the kernel name -> family, first match wins. The NVFP4 GEMM includes the LoRA adapter it computes in
 # the same launch; the cuBLAS family is, on an NVFP4 base, the LM head alone.
 KERNEL_FAMILIES = (
-    ("_gemm_tc_kernel", "NVFP4 GEMM"), ("nvfp4_decode_gemm", "NVFP4 GEMM"),  # Triton's, the CUDA ones (before "gemm")
+    ("_gemm_tc_kernel", "NVFP4 GEMM"),
+    ("nvfp4_decode_gemm", "NVFP4 GEMM"),  # Triton's, the CUDA ones (before "gemm")
     ("nvfp4_wgmma_gemm", "NVFP4 GEMM"),
     ("_race_", "sampling"),  # the fused temperature sampler (before the attention's "_merge_kernel")
-    ("_split_kernel", "attention"), ("_merge_kernel", "attention"),
-    ("_rmsnorm", "add+RMSNorm"), ("_rope_cache", "rotary+KV write"), ("_gate_mul", "SiLU/GELU gate"),
-    ("gemm", "cuBLAS GEMM (BF16 base, LoRA, LM head)"), ("gemv", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
-    ("splitKreduce", "cuBLAS GEMM (BF16 base, LoRA, LM head)"), ("nvjet", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
-    ("softmax", "sampling"), ("exponential", "sampling"), ("argmax", "sampling"), ("reduce", "sampling"),
+    ("_split_kernel", "attention"),
+    ("_merge_kernel", "attention"),
+    ("_rmsnorm", "add+RMSNorm"),
+    ("_rope_cache", "rotary+KV write"),
+    ("_gate_mul", "SiLU/GELU gate"),
+    ("gemm", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
+    ("gemv", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
+    ("splitKreduce", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
+    ("nvjet", "cuBLAS GEMM (BF16 base, LoRA, LM head)"),
+    ("softmax", "sampling"),
+    ("exponential", "sampling"),
+    ("argmax", "sampling"),
+    ("reduce", "sampling"),
 )
 
 
@@ -235,8 +286,9 @@ def setup_for(model, new_tokens: int, model_path: str | None, options: dict) -> 
     return RolloutSetup.for_model(model, config, [], 0, model_path=model_path, options=options)
 
 
-def time_batch(args, backend, base, gb: float, precision: str, batch: int, gen: torch.Generator,
-               kv_dtype: str = "auto") -> dict:
+def time_batch(
+    args, backend, base, gb: float, precision: str, batch: int, gen: torch.Generator, kv_dtype: str = "auto"
+) -> dict:
     """One timed rollout of `batch` random prompts (after a short warm-up at the same batch) as a result row."""
     if args.engine == "native":
         backend.engine.kv_fp8 = kv_cache.resolve(kv_dtype)
@@ -260,8 +312,9 @@ def time_batch(args, backend, base, gb: float, precision: str, batch: int, gen: 
         row["waves"] = engine.last_waves
         capacity = args.prompt_len + args.new_tokens
         row["kv_gib"] = engine._kv_bytes_per_sequence(capacity) * -(-batch // engine.last_waves) / 2**30
-        row["floor_ms"] = 1e3 * decode_bytes(engine.decoder, batch, args.prompt_len, args.new_tokens,
-                                             engine.kv_fp8) / args.bw
+        row["floor_ms"] = (
+            1e3 * decode_bytes(engine.decoder, batch, args.prompt_len, args.new_tokens, engine.kv_fp8) / args.bw
+        )
         if args.profile:  # prompts as long as the timed run's average context
             context = args.prompt_len + args.new_tokens // 2
             mid_run = torch.randint(10, base.config.vocab_size, (batch, context), generator=gen).tolist()
@@ -287,8 +340,15 @@ def run(args, precision: str) -> list[dict]:
             tokenizer.save_pretrained(folder)
         model_path = str(folder)
     model = with_lora(base, args.lora_rank)
-    options = {"gpu_memory_utilization": args.gpu_memory_utilization, "sleep": False,
-               "max_model_len": args.prompt_len + args.new_tokens} if args.engine == "vllm" else {}  # fmt: skip
+    options = (
+        {
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "sleep": False,
+            "max_model_len": args.prompt_len + args.new_tokens,
+        }
+        if args.engine == "vllm"
+        else {}
+    )
     backend = create_backend(args.engine, setup_for(model, args.new_tokens, model_path, options))
     gen = torch.Generator().manual_seed(1)
     rows = []
@@ -302,7 +362,7 @@ def run(args, precision: str) -> list[dict]:
                        "error": str(exc).splitlines()[0]}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
-        if any("error" in row for row in rows[-len(kv_dtypes):]):
+        if any("error" in row for row in rows[-len(kv_dtypes) :]):
             break  # a larger batch would not fit either
     del backend, model, base
     return rows
@@ -318,8 +378,9 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=2048)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="native: GPU time per decode step by kernel family")
-    parser.add_argument("--kv-cache-dtypes", default="auto", help=f"native: KV-cache dtypes to time, of "
-                        f"{', '.join(KV_CACHE_DTYPES)}")
+    parser.add_argument(
+        "--kv-cache-dtypes", default="auto", help=f"native: KV-cache dtypes to time, of {', '.join(KV_CACHE_DTYPES)}"
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: its share of the GPU")
     parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/rollout.json")
@@ -333,11 +394,15 @@ def main(argv=None) -> None:
     args.bw = copy_bandwidth()
     rows = [row for precision in args.precisions.split(",") for row in run(args, precision)]
 
-    print(f"\n{args.size} shapes, random weights, LoRA r{args.lora_rank}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, {args.engine}, {torch.cuda.get_device_name()}, "
-          f"copy bandwidth {args.bw / 1e12:.2f} TB/s")  # fmt: skip
-    print(f"{'weights':8s} {'KV':5s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'floor ms':>8s} {'KV GiB':>7s} "
-          f"{'waves':>5s} {'peak GiB':>8s}")
+    print(
+        f"\n{args.size} shapes, random weights, LoRA r{args.lora_rank}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, {args.engine}, {torch.cuda.get_device_name()}, "
+        f"copy bandwidth {args.bw / 1e12:.2f} TB/s"
+    )
+    print(
+        f"{'weights':8s} {'KV':5s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'floor ms':>8s} {'KV GiB':>7s} "
+        f"{'waves':>5s} {'peak GiB':>8s}"
+    )
     for r in rows:
         kv = r.get("kv_cache", "auto")
         if "error" in r:
@@ -345,12 +410,17 @@ def main(argv=None) -> None:
             continue
         floor = f"{r['floor_ms']:8.2f}" if "floor_ms" in r else f"{'':8s}"
         kv_gib = f"{r['kv_gib']:7.2f} {r['waves']:5d}" if "kv_gib" in r else f"{'':13s}"
-        print(f"{r['precision']:8s} {kv:5s} {r['batch']:5d} {r['tokens_per_s']:8.0f} {r['ms_per_step']:8.2f} {floor} "
-              f"{kv_gib} {r['peak_gib']:8.1f}")
+        print(
+            f"{r['precision']:8s} {kv:5s} {r['batch']:5d} {r['tokens_per_s']:8.0f} {r['ms_per_step']:8.2f} {floor} "
+            f"{kv_gib} {r['peak_gib']:8.1f}"
+        )
         for family, us in r.get("kernels_us_per_step", {}).items():
             print(f"    {family:42s} {us:8.1f} us/step")
-    by = {(r["precision"], r["batch"]): r["tokens_per_s"] for r in rows
-          if "error" not in r and r.get("kv_cache", "auto") == "auto"}  # fmt: skip
+    by = {
+        (r["precision"], r["batch"]): r["tokens_per_s"]
+        for r in rows
+        if "error" not in r and r.get("kv_cache", "auto") == "auto"
+    }
     for batch in args.batches:
         if ("nvfp4", batch) in by and ("bf16", batch) in by:
             print(f"batch {batch}: NVFP4 / BF16 = {by['nvfp4', batch] / by['bf16', batch]:.2f}x")
@@ -359,8 +429,12 @@ def main(argv=None) -> None:
         if kv == "fp8" and (precision, batch, "auto") in ok:
             print(f"{precision} batch {batch}: FP8 KV / model-dtype KV = {tps / ok[precision, batch, 'auto']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
-                                          "device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            {"args": {k: v for k, v in vars(args).items()}, "device": torch.cuda.get_device_name(), "rows": rows},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

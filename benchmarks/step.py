@@ -66,13 +66,31 @@ def in_memory_model(size: str, precision: str, workdir: Path):
 def recipe_flags(config: str, model_path: str, out_dir: Path, new_tokens: int) -> list[str]:
     """qerl.train flags of a recipe run on random weights and the character tokenizer (no saving, no logging)."""
     return [
-        "--config", config, "--model-name", model_path, "--dataset", str(GSM8K), "--output-dir", str(out_dir),
-        "--max-completion-length", str(new_tokens), "--optim", "adamw_torch", "--save-strategy", "no",
-        "--report-to", "none", "--metrics-jsonl", "false",
+        "--config",
+        config,
+        "--model-name",
+        model_path,
+        "--dataset",
+        str(GSM8K),
+        "--output-dir",
+        str(out_dir),
+        "--max-completion-length",
+        str(new_tokens),
+        "--optim",
+        "adamw_torch",
+        "--save-strategy",
+        "no",
+        "--report-to",
+        "none",
+        "--metrics-jsonl",
+        "false",
         # The character tokenizer makes ~4x more tokens than Qwen's: the system-prompt format would not fit the
         # recipe's 256-token prompts, the reference's first format (question + "####" instruction) mostly does.
-        "--dataset-format", "gsm8k_hash", "--max-prompt-length", "320",
-    ]  # fmt: skip
+        "--dataset-format",
+        "gsm8k_hash",
+        "--max-prompt-length",
+        "320",
+    ]
 
 
 def synchronize() -> None:
@@ -136,16 +154,20 @@ def gpu_used_gib() -> float:
 def profile_steps(trainer, args, rollout_rows) -> None:
     """--profile: the steps split by phase, GPU time and kernels per phase, forwards per update, MFU."""
     if args.steps < args.warmup_steps + 2:
-        raise SystemExit(f"--profile needs --steps >= --warmup-steps + 2 = {args.warmup_steps + 2} (the warm-up steps "
-                         "and the profiled last step are not averaged)")
+        raise SystemExit(
+            f"--profile needs --steps >= --warmup-steps + 2 = {args.warmup_steps + 2} (the warm-up steps "
+            "and the profiled last step are not averaged)"
+        )
     profiler = StepProfile(trainer, profile_step=args.steps - 1)
     trainer.add_callback(profiler)
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     summary = profiler.summary(slice(args.warmup_steps, args.steps - 1))
     summary["torch_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    print(f"\nQwen2.5-{args.size} shapes, random weights, {args.precision}, rollout backend {trainer.rollout.name}, "
-          f"recipe {args.config or 'default'}, completions <= {args.new_tokens} tokens")
+    print(
+        f"\nQwen2.5-{args.size} shapes, random weights, {args.precision}, rollout backend {trainer.rollout.name}, "
+        f"recipe {args.config or 'default'}, completions <= {args.new_tokens} tokens"
+    )
     print_summary(summary)
     print(f"trainer's torch peak {summary['torch_peak_gib']:.1f} GiB")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -163,15 +185,25 @@ def main(argv=None) -> None:
     parser.add_argument("--rollout-batches", default="8,64")
     parser.add_argument("--rollout-tokens", type=int, default=1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
-    parser.add_argument("--in-memory", action="store_true",
-                        help="build the random model on the GPU instead of writing a checkpoint (not for vllm)")
-    parser.add_argument("--profile", action="store_true",
-                        help="split each step into every phase (benchmarks/step_profile.py); the last step also runs "
-                             "under torch.profiler; the first and the last are left out of the means")
-    parser.add_argument("--warmup-steps", type=int, default=1,
-                        help="--profile: steps left out of the means at the start (compilation, graph capture); with "
-                             "steps_per_generation > 1, a whole round, so that the means hold one round's share of "
-                             "generation and old log-probs")
+    parser.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="build the random model on the GPU instead of writing a checkpoint (not for vllm)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="split each step into every phase (benchmarks/step_profile.py); the last step also runs "
+        "under torch.profiler; the first and the last are left out of the means",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=1,
+        help="--profile: steps left out of the means at the start (compilation, graph capture); with "
+        "steps_per_generation > 1, a whole round, so that the means hold one round's share of "
+        "generation and old log-probs",
+    )
     parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/step.json")
     parser.add_argument("extra", nargs="*", help="more qerl.train flags")
@@ -197,8 +229,10 @@ def main(argv=None) -> None:
     timer = PhaseTimer()
     trainer = train.build_trainer(*train.parse_args(flags), model=model)
     backend = trainer.rollout
-    prompts = [trainer.processing_class.apply_chat_template(row["prompt"], add_generation_prompt=True)["input_ids"]
-               for row in trainer.train_dataset.select(range(min(64, len(trainer.train_dataset))))]  # fmt: skip
+    prompts = [
+        trainer.processing_class.apply_chat_template(row["prompt"], add_generation_prompt=True)["input_ids"]
+        for row in trainer.train_dataset.select(range(min(64, len(trainer.train_dataset))))
+    ]
 
     rollout_rows = []
     noop = lambda model: contextlib.nullcontext()  # noqa: E731
@@ -211,8 +245,15 @@ def main(argv=None) -> None:
                 out = backend.generate(batch_prompts, noop)
                 seconds = time.perf_counter() - start
         tokens = sum(len(c) for c in out.completion_ids)
-        rollout_rows.append({"batch": batch, "new_tokens": args.rollout_tokens, "tokens": tokens,
-                             "seconds": seconds, "tokens_per_s": tokens / seconds})  # fmt: skip
+        rollout_rows.append(
+            {
+                "batch": batch,
+                "new_tokens": args.rollout_tokens,
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+            }
+        )
 
     if args.profile:
         profile_steps(trainer, args, rollout_rows)
@@ -236,8 +277,11 @@ def main(argv=None) -> None:
     phases = {k: v / len(step_times) for k, v in timer.total.items()}
     nested = ("lora push", "sampling")  # parts of the rollout
     phases["other"] = sum(step_times) / len(step_times) - sum(v for k, v in phases.items() if k not in nested)
-    mismatch = [row["sampling/sampling_logp_difference/mean"] for row in trainer.state.log_history
-                if "sampling/sampling_logp_difference/mean" in row]  # fmt: skip
+    mismatch = [
+        row["sampling/sampling_logp_difference/mean"]
+        for row in trainer.state.log_history
+        if "sampling/sampling_logp_difference/mean" in row
+    ]
 
     device = torch.cuda.get_device_name()
     print(f"\nQwen2.5-{args.size} shapes, random weights, {args.precision}, rollout backend {backend.name}, {device}")
@@ -248,16 +292,30 @@ def main(argv=None) -> None:
     for name, seconds in phases.items():
         print(f"  {name:18s} {seconds:7.2f} s/step")
     peak = {"torch_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_peak_gib": timer.peak_gpu_gib}
-    print(f"peak GPU memory: {peak['gpu_peak_gib']:.1f} GiB in use (driver, all of it), trainer's torch peak "
-          f"{peak['torch_peak_gib']:.1f} GiB")
+    print(
+        f"peak GPU memory: {peak['gpu_peak_gib']:.1f} GiB in use (driver, all of it), trainer's torch peak "
+        f"{peak['torch_peak_gib']:.1f} GiB"
+    )
     # TRL logs None for a step whose metric list came back empty (all NaN): say so rather than crash after the run
-    print("rollout vs trainer log-prob |difference| per step: "
-          + ", ".join("n/a" if m is None else f"{m:.4f}" for m in mismatch))
+    print(
+        "rollout vs trainer log-prob |difference| per step: "
+        + ", ".join("n/a" if m is None else f"{m:.4f}" for m in mismatch)
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "args": vars(args), "device": device, "rollout": rollout_rows, "step_seconds": step_times,
-        "phases_per_step": phases, "memory": peak, "logp_difference": mismatch,
-    }, indent=2))  # fmt: skip
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "device": device,
+                "rollout": rollout_rows,
+                "step_seconds": step_times,
+                "phases_per_step": phases,
+                "memory": peak,
+                "logp_difference": mismatch,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -142,8 +142,10 @@ def main(argv=None) -> None:
         prompts = torch.randint(10, model.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
         results[batch] = step_costs(engine, prompts, args.new_tokens)
 
-    print(f"\n{args.size} shapes, NVFP4, LoRA r{args.lora_rank}, prompt {args.prompt_len}, {args.new_tokens} new "
-          f"tokens, {torch.cuda.get_device_name()}: ms per decode step, and what the replaced part cost")
+    print(
+        f"\n{args.size} shapes, NVFP4, LoRA r{args.lora_rank}, prompt {args.prompt_len}, {args.new_tokens} new "
+        f"tokens, {torch.cuda.get_device_name()}: ms per decode step, and what the replaced part cost"
+    )
     for batch, rows in results.items():
         whole = min(rows[0]["ms_per_step"], rows[-1]["ms_per_step"])
         print(f"batch {batch}: whole step {rows[0]['ms_per_step']:.3f} (first) / {rows[-1]['ms_per_step']:.3f} (last)")
@@ -153,8 +155,9 @@ def main(argv=None) -> None:
             share = 100 * cost / whole
             print(f"    without {name:32s} {row['ms_per_step']:7.3f} ms   cost {cost:6.3f} ms ({share:4.1f}%)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(),
-                                          "rows": results}, indent=2))
+    Path(args.out).write_text(
+        json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": results}, indent=2)
+    )
 
 
 if __name__ == "__main__":

@@ -167,10 +167,13 @@ class StepProfile(TrainerCallback):
         events = self.profiler.events()
         names = {name for step in self.exclusive for name in step}
         cpu = torch.autograd.DeviceType.CPU
-        ranges = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                        if e.device_type == cpu and e.name in names)  # fmt: skip
-        gpu = sorted((e for e in events if e.device_type != cpu and e.name not in names),  # names: GPU-side spans
-                     key=lambda e: e.time_range.start)  # fmt: skip
+        ranges = sorted(
+            (e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == cpu and e.name in names
+        )
+        gpu = sorted(
+            (e for e in events if e.device_type != cpu and e.name not in names),  # names: GPU-side spans
+            key=lambda e: e.time_range.start,
+        )
         open_ranges, upcoming = [], iter(ranges)
         following = next(upcoming, None)
         for event in gpu:  # one sweep: phases nest, so the innermost open range is the last one opened
@@ -216,15 +219,20 @@ class StepProfile(TrainerCallback):
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         peak = bf16_peak_tflops(device)
         return {
-            "device": device, "first_step_seconds": self.step_seconds()[0], "step_seconds": steps,
+            "device": device,
+            "first_step_seconds": self.step_seconds()[0],
+            "step_seconds": steps,
             "mean_step_seconds": sum(steps) / n,
-            "phases": dict(phases), "decoder_passes": dict(forwards),
+            "phases": dict(phases),
+            "decoder_passes": dict(forwards),
             "updates_per_step": self.trainer.args.gradient_accumulation_steps,
-            "training_tflop": flops / 1e12, "training_seconds": seconds,
+            "training_tflop": flops / 1e12,
+            "training_seconds": seconds,
             "training_tflops": flops / seconds / 1e12 if seconds else None,
             "mfu": flops / seconds / 1e12 / peak if seconds and peak else None,
-            "kernels": self.kernels, "unattributed_gpu_ms": self.unattributed_gpu_ms,
-        }  # fmt: skip
+            "kernels": self.kernels,
+            "unattributed_gpu_ms": self.unattributed_gpu_ms,
+        }
 
     def _training_flops(self, tokens: list[dict[str, list[float]]]) -> float:
         """Model FLOPs the algorithm needs: 2 x (the decoder's linear weights) per real token and the causal
@@ -233,8 +241,11 @@ class StepProfile(TrainerCallback):
         of gradient checkpointing and the LM head's vocabulary projection are left out."""
         model = self.trainer.accelerator.unwrap_model(self.trainer.model).get_base_model()
         config = model.config
-        linear = sum(m.in_features * m.out_features for name, m in model.model.layers.named_modules()
-                     if isinstance(m, torch.nn.Linear) and "lora_" not in name)  # fmt: skip
+        linear = sum(
+            m.in_features * m.out_features
+            for name, m in model.model.layers.named_modules()
+            if isinstance(m, torch.nn.Linear) and "lora_" not in name
+        )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         width = config.num_attention_heads * head_dim
         total = 0.0
@@ -248,8 +259,10 @@ class StepProfile(TrainerCallback):
 def print_summary(summary: dict) -> None:
     phases, kernels = summary["phases"], summary["kernels"]
     steps = ", ".join(f"{s:.2f}" for s in summary["step_seconds"])
-    print(f"mean step {summary['mean_step_seconds']:.2f} s over {len(summary['step_seconds'])} steady steps ({steps}), "
-          f"the first {summary['first_step_seconds']:.1f} s; {summary['device']}")
+    print(
+        f"mean step {summary['mean_step_seconds']:.2f} s over {len(summary['step_seconds'])} steady steps ({steps}), "
+        f"the first {summary['first_step_seconds']:.1f} s; {summary['device']}"
+    )
     print(f"{'phase':24s} {'wall s':>7s} {'GPU s':>7s} {'GPU idle':>8s} {'kernels':>8s}   (GPU columns: one step)")
     for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
         count, gpu_ms = kernels.get(name, (None, None))
@@ -260,5 +273,7 @@ def print_summary(summary: dict) -> None:
     print("decoder passes per update: " + ", ".join(f"{k} {v:.1f}" for k, v in per_update.items()))
     if summary["training_tflops"]:
         mfu = "" if summary["mfu"] is None else f", MFU {summary['mfu']:.0%} of the card's dense BF16 peak"
-        print(f"training passes: {summary['training_tflop']:.1f} TFLOP of model FLOPs per step in "
-              f"{summary['training_seconds']:.2f} s: {summary['training_tflops']:.0f} TFLOP/s{mfu}")
+        print(
+            f"training passes: {summary['training_tflop']:.1f} TFLOP of model FLOPs per step in "
+            f"{summary['training_seconds']:.2f} s: {summary['training_tflops']:.0f} TFLOP/s{mfu}"
+        )

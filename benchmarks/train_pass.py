@@ -51,7 +51,9 @@ def make_trainer(size: str, precision: str, completion: int, workdir: Path):
     trainer = train.build_trainer(*train.parse_args(flags), model=model)
     trainer.model.train()
     if trainer.args.gradient_checkpointing:  # what Trainer.train() turns on before its first step
-        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
+        trainer.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+        )
     return trainer
 
 
@@ -86,8 +88,12 @@ def run_passes(trainer, ids, mask, completion: int) -> dict[str, float]:
         backward_done = sync_time()
     model.zero_grad(set_to_none=True)
     added = (torch.cuda.max_memory_allocated() - before) / 2**30
-    return {"log-prob forward": forward_done - start, "loss forward": loss_done - forward_done,
-            "backward": backward_done - loss_done, "peak_gib": added}  # fmt: skip
+    return {
+        "log-prob forward": forward_done - start,
+        "loss forward": loss_done - forward_done,
+        "backward": backward_done - loss_done,
+        "peak_gib": added,
+    }
 
 
 def kernel_families(trainer, ids, mask, completion: int) -> dict[str, float]:
@@ -143,8 +149,10 @@ def main(argv=None) -> None:
             profiles = {p: kernel_families(trainers[p], ids, mask, args.completion) for p in PRECISIONS}
 
     device = torch.cuda.get_device_name()
-    print(f"\nQwen2.5-{args.size} shapes, random weights, {device}, torch {torch.__version__}; seconds per pass "
-          f"(median of {args.repeats}); NVFP4 speed = BF16 time / NVFP4 time")
+    print(
+        f"\nQwen2.5-{args.size} shapes, random weights, {device}, torch {torch.__version__}; seconds per pass "
+        f"(median of {args.repeats}); NVFP4 speed = BF16 time / NVFP4 time"
+    )
     header = f"{'rows':>6s} {'pass':18s} {'NVFP4 s':>8s} {'BF16 s':>8s} {'speed':>6s}"
     print(header)
     for row in rows:
@@ -153,14 +161,22 @@ def main(argv=None) -> None:
             print(f"{row['rows']:6d} {key:18s} {nv:8.3f} {bf:8.3f} {bf / nv:5.2f}x")
         nv = row["nvfp4 loss forward"] + row["nvfp4 backward"]
         bf = row["bf16 loss forward"] + row["bf16 backward"]
-        print(f"{row['rows']:6d} {'forward+backward':18s} {nv:8.3f} {bf:8.3f} {bf / nv:5.2f}x   GiB added at the "
-              f"peak: NVFP4 {row['nvfp4 peak_gib']:.2f}, BF16 {row['bf16 peak_gib']:.2f}")
+        print(
+            f"{row['rows']:6d} {'forward+backward':18s} {nv:8.3f} {bf:8.3f} {bf / nv:5.2f}x   GiB added at the "
+            f"peak: NVFP4 {row['nvfp4 peak_gib']:.2f}, BF16 {row['bf16 peak_gib']:.2f}"
+        )
     for p, families in profiles.items():
-        print(f"{p}, one loss forward + backward at {rows[0]['rows']} rows, CUDA ms: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in families.items()))
+        print(
+            f"{p}, one loss forward + backward at {rows[0]['rows']} rows, CUDA ms: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in families.items())
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "device": device,
-                                    "rows": rows, "kernel_ms": profiles}, indent=2))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {"args": {k: str(v) for k, v in vars(args).items()}, "device": device, "rows": rows, "kernel_ms": profiles},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -105,8 +105,15 @@ def transformers_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: 
 
     model, tokenizer = _load_policy(spec)
     config = model.generation_config.to_dict()  # the checkpoint's: stop tokens, pad token
-    config.update(do_sample=sampling.do_sample, max_new_tokens=sampling.max_new_tokens, top_k=None, min_p=None,
-                  repetition_penalty=None, temperature=sampling.temperature, top_p=sampling.top_p)  # fmt: skip
+    config.update(
+        do_sample=sampling.do_sample,
+        max_new_tokens=sampling.max_new_tokens,
+        top_k=None,
+        min_p=None,
+        repetition_penalty=None,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+    )
     if config.get("pad_token_id") is None:
         config["pad_token_id"] = tokenizer.pad_token_id
     generation_config = type(model.generation_config).from_dict(config)
@@ -135,10 +142,20 @@ def native_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampli
 
     model, tokenizer = _load_policy(spec)
     temperature = sampling.temperature if sampling.do_sample else None
-    config = GenerationConfig(do_sample=sampling.do_sample, temperature=temperature, top_p=sampling.top_p, top_k=0,
-                              max_new_tokens=sampling.max_new_tokens)
-    setup = RolloutSetup.for_model(model, config, _generation_eos(spec.model, tokenizer), tokenizer.pad_token_id,
-                                   options={"kv_cache_gib": spec.kv_cache_gib})
+    config = GenerationConfig(
+        do_sample=sampling.do_sample,
+        temperature=temperature,
+        top_p=sampling.top_p,
+        top_k=0,
+        max_new_tokens=sampling.max_new_tokens,
+    )
+    setup = RolloutSetup.for_model(
+        model,
+        config,
+        _generation_eos(spec.model, tokenizer),
+        tokenizer.pad_token_id,
+        options={"kv_cache_gib": spec.kv_cache_gib},
+    )
     backend = build_backend("native", setup)
     ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"] for p in prompts]
     torch.manual_seed(sampling.seed)
@@ -155,8 +172,14 @@ def vllm_generate(
     from qerl.rollout.vllm import VLLMEngine, checkpoint_engine
 
     tokenizer = load_tokenizer(spec.model)
-    engine = checkpoint_engine(spec.model, spec.adapter, engine_factory=engine_factory or VLLMEngine,
-                               gpu_memory_utilization=0.85, sleep=False, seed=sampling.seed)
+    engine = checkpoint_engine(
+        spec.model,
+        spec.adapter,
+        engine_factory=engine_factory or VLLMEngine,
+        gpu_memory_utilization=0.85,
+        sleep=False,
+        seed=sampling.seed,
+    )
     stop = _generation_eos(spec.model, tokenizer)
     params = {
         "n": 1, "temperature": sampling.temperature if sampling.do_sample else 0.0,
@@ -183,8 +206,11 @@ def _auto_generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Samplin
     run the model; on CPU transformers."""
     from qerl.rollout import with_auto_fallback
 
-    return with_auto_fallback(spec.device, lambda backend: GENERATORS[backend](spec, prompts, sampling, batch_size),
-                              lambda error, fallback: print(f"eval: {error}; using {fallback}"))
+    return with_auto_fallback(
+        spec.device,
+        lambda backend: GENERATORS[backend](spec, prompts, sampling, batch_size),
+        lambda error, fallback: print(f"eval: {error}; using {fallback}"),
+    )
 
 
 GENERATORS: dict[str, Callable[[ModelSpec, list[list[dict]], Sampling, int], list[str]]] = {
@@ -215,19 +241,30 @@ def build_parser(benchmark: Benchmark, description: str) -> cli.ArgumentParser:
     parser.add_argument("--data", default=benchmark.default_data, help=f"{names}, or a local .jsonl/.json/.parquet")
     parser.add_argument("--split", default=benchmark.default_split, help="dataset split (default: the dataset's own)")
     parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default="reference", help="see above")
-    parser.add_argument("--format", choices=list(benchmark.formats), default=next(iter(benchmark.formats)),
-                        help="how questions are asked and completions scored: the training dataset format")
+    parser.add_argument(
+        "--format",
+        choices=list(benchmark.formats),
+        default=next(iter(benchmark.formats)),
+        help="how questions are asked and completions scored: the training dataset format",
+    )
     parser.add_argument("--max-new-tokens", type=cli.COUNT, help="override the protocol's 1024")
     parser.add_argument("--seed", type=cli.SEED, default=0, help="sampling seed (with the batch size and device)")
     parser.add_argument("--limit", type=cli.COUNT, help="evaluate the first N examples only")
     parser.add_argument("--batch-size", type=cli.COUNT, default=32, help="prompts per generate call")
     parser.add_argument("--device", help="cuda if there is one, else cpu")
-    parser.add_argument("--backend", choices=sorted(GENERATORS), default="auto",
-                        help="generation engine; auto: native on a CUDA device (vllm or transformers where it "
-                        "cannot run the model), transformers on CPU")  # fmt: skip
-    parser.add_argument("--kv-cache-gib", type=cli.POSITIVE,
-                        help="native backend: GPU memory for the KV cache (default: 80%% of what is free); more "
-                        "prompts than fit run in waves")  # fmt: skip
+    parser.add_argument(
+        "--backend",
+        choices=sorted(GENERATORS),
+        default="auto",
+        help="generation engine; auto: native on a CUDA device (vllm or transformers where it "
+        "cannot run the model), transformers on CPU",
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=cli.POSITIVE,
+        help="native backend: GPU memory for the KV cache (default: 80%% of what is free); more "
+        "prompts than fit run in waves",
+    )
     parser.add_argument("--out", help="per-sample JSONL (first line: the summary); default runs/eval/NAME-TIME.jsonl")
     return parser
 
@@ -308,18 +345,29 @@ def run(benchmark: Benchmark, argv: list[str], description: str) -> dict:
         rows = []
         for raw in _read_rows(benchmark, args.data, args.split, args.limit):
             question = next(raw[c] for c in questions if c in raw)
-            rows.append({"prompt": prompt_format.messages(question), "question": question,
-                         "gold": benchmark.gold(str(raw[gold_column]))})  # fmt: skip
-    sampling = Sampling(protocol.do_sample, protocol.temperature, protocol.top_p,
-                        args.max_new_tokens or protocol.max_new_tokens, args.seed)  # fmt: skip
+            rows.append(
+                {
+                    "prompt": prompt_format.messages(question),
+                    "question": question,
+                    "gold": benchmark.gold(str(raw[gold_column])),
+                }
+            )
+    sampling = Sampling(
+        protocol.do_sample,
+        protocol.temperature,
+        protocol.top_p,
+        args.max_new_tokens or protocol.max_new_tokens,
+        args.seed,
+    )
     spec = ModelSpec(args.model, args.load, args.adapter, args.device, args.kv_cache_gib)
     completions = GENERATORS[args.backend](spec, [r["prompt"] for r in rows], sampling, args.batch_size)
 
     samples = []
     for index, (row, completion) in enumerate(zip(rows, completions, strict=True)):
         scores = score(completion, row["gold"]) if row["gold"] is not None else {"correct": False}
-        samples.append({"index": index, "question": row["question"], "gold": row["gold"], "completion": completion,
-                        **scores})  # fmt: skip
+        samples.append(
+            {"index": index, "question": row["question"], "gold": row["gold"], "completion": completion, **scores}
+        )
     n = len(samples)
     summary = {"benchmark": benchmark.name, "data": args.data, "protocol": args.protocol, "format": args.format,
                **asdict(sampling), **asdict(spec), "examples": n}  # fmt: skip
@@ -336,8 +384,10 @@ def run(benchmark: Benchmark, argv: list[str], description: str) -> dict:
     _write_jsonl(out, [summary, *samples])
     if n:
         low, high = summary["accuracy_ci95"]
-        print(f"eval.{benchmark.name}: accuracy {summary['accuracy']:.1%} (95% CI {low:.1%}-{high:.1%}, n={n}); "
-              f"per sample: {out}")  # fmt: skip
+        print(
+            f"eval.{benchmark.name}: accuracy {summary['accuracy']:.1%} (95% CI {low:.1%}-{high:.1%}, n={n}); "
+            f"per sample: {out}"
+        )
     return summary
 
 

@@ -171,8 +171,9 @@ def train_task(args, name: str, base: str, aqn: bool, lr: float, seed: int, step
     if save_every:
         command += ["--save-strategy", "steps", "--save-steps", str(save_every)]
     done = (folder / "adapter_config.json").exists()
-    return Task(f"{name} train ({steps} steps, lr {lr:g})", None if done else command + args.train_flags,
-                folder / "log.txt")  # fmt: skip
+    return Task(
+        f"{name} train ({steps} steps, lr {lr:g})", None if done else command + args.train_flags, folder / "log.txt"
+    )
 
 
 def eval_task(args, base: str, adapter: Path | None, protocol: str, out: Path, after: Task | None) -> Task:
@@ -183,16 +184,19 @@ def eval_task(args, base: str, adapter: Path | None, protocol: str, out: Path, a
         command += ["--limit", str(args.eval_limit)]
     if adapter:
         command += ["--adapter", str(adapter)]
-    return Task(f"{out.parent.name} {out.stem}", None if out.exists() else command, out.parent / "log.txt", after,
-                optional=True)  # fmt: skip
+    return Task(
+        f"{out.parent.name} {out.stem}", None if out.exists() else command, out.parent / "log.txt", after, optional=True
+    )
 
 
 def base_tasks(args, bases: dict[str, str], protocol: str) -> list[Task]:
     """The bases without an adapter under `protocol` (none if the experiment does not evaluate it)."""
     if protocol not in args.protocols:
         return []
-    return [eval_task(args, folder, None, protocol, args.out / f"base-{precision}" / f"eval-{protocol}.jsonl", None)
-            for precision, folder in bases.items()]  # fmt: skip
+    return [
+        eval_task(args, folder, None, protocol, args.out / f"base-{precision}" / f"eval-{protocol}.jsonl", None)
+        for precision, folder in bases.items()
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -272,38 +276,72 @@ def probe(args) -> None:
             }  # fmt: skip
     most = max(results, key=lambda k: results[k]["groups_with_signal"])
     with open(args.out / "probe.json", "w") as f:
-        json.dump({"prompts": len(rows), "per_prompt": group, "max_new_tokens": args.probe_tokens, "results": results,
-                   "most_signal": most}, f, indent=2)  # fmt: skip
+        json.dump(
+            {
+                "prompts": len(rows),
+                "per_prompt": group,
+                "max_new_tokens": args.probe_tokens,
+                "results": results,
+                "most_signal": most,
+            },
+            f,
+            indent=2,
+        )
     print(f"\nprobe: {len(rows)} train prompts x {group} samples of the BF16 base, {args.probe_tokens} new tokens")
     for name, r in results.items():
         extras = " ".join(f"{k} {v:.3f}" for k, v in r.items() if k.endswith("reward") and k != "mean_reward")
-        print(f"  {name:<22} groups with signal {r['groups_with_signal']:.1%}, mean reward {r['mean_reward']:.3f} "
-              f"({extras}), {r['mean_words']:.0f} words{'   <- most signal' if name == most else ''}")  # fmt: skip
+        print(
+            f"  {name:<22} groups with signal {r['groups_with_signal']:.1%}, mean reward {r['mean_reward']:.3f} "
+            f"({extras}), {r['mean_words']:.0f} words{'   <- most signal' if name == most else ''}"
+        )
 
 
 def sweep(args) -> None:
     """Each swept arm at each learning rate with the sweep seeds (no train run uses them), `--steps` steps; the rate
     with the highest mean training reward over the last half of the steps (mean over the seeds) is that arm's."""
     bases = checkpoints(args)
-    runs = {(arm, lr, seed): f"sweep-{arm}-lr{lr:g}-seed{seed}"
-            for arm in args.sweep_arms for lr in args.lrs for seed in args.sweep_seeds}  # fmt: skip
-    tasks = [train_task(args, name, bases[ARMS[arm][0]], ARMS[arm][1], lr, seed, args.steps)
-             for (arm, lr, seed), name in runs.items()]  # fmt: skip
+    runs = {
+        (arm, lr, seed): f"sweep-{arm}-lr{lr:g}-seed{seed}"
+        for arm in args.sweep_arms
+        for lr in args.lrs
+        for seed in args.sweep_seeds
+    }
+    tasks = [
+        train_task(args, name, bases[ARMS[arm][0]], ARMS[arm][1], lr, seed, args.steps)
+        for (arm, lr, seed), name in runs.items()
+    ]
     run_tasks(tasks, args.gpus, args.per_gpu)
-    late = {arm: {str(lr): statistics.fmean(late_reward(metrics(args.out / runs[arm, lr, seed]))
-                                            for seed in args.sweep_seeds) for lr in args.lrs}
-            for arm in args.sweep_arms}  # fmt: skip
+    late = {
+        arm: {
+            str(lr): statistics.fmean(late_reward(metrics(args.out / runs[arm, lr, seed])) for seed in args.sweep_seeds)
+            for lr in args.lrs
+        }
+        for arm in args.sweep_arms
+    }
     chosen = {arm: float(max(late[arm], key=late[arm].get)) for arm in args.sweep_arms}
     # The other arms take the rate of the swept arm of their precision (the paper's rule: a rate per precision).
     for arm, (precision, _) in ARMS.items():
         chosen.setdefault(arm, next((chosen[a] for a in args.sweep_arms if ARMS[a][0] == precision), None))
     timing = {name: seconds_per_step(args.out / name) for name in runs.values()}
     with open(args.out / "sweep.json", "w") as f:
-        json.dump({"arms": args.sweep_arms, "lrs": args.lrs, "seeds": args.sweep_seeds, "steps": args.steps,
-                   "runs_at_once": max(1, args.gpus) * args.per_gpu, "late_reward": late, "chosen_lr": chosen,
-                   "seconds_per_step": timing}, f, indent=2)  # fmt: skip
-    print(f"\nsweep (seeds {args.sweep_seeds}, {args.steps} steps): mean training reward over the last half of the "
-          "steps, mean over the seeds")  # fmt: skip
+        json.dump(
+            {
+                "arms": args.sweep_arms,
+                "lrs": args.lrs,
+                "seeds": args.sweep_seeds,
+                "steps": args.steps,
+                "runs_at_once": max(1, args.gpus) * args.per_gpu,
+                "late_reward": late,
+                "chosen_lr": chosen,
+                "seconds_per_step": timing,
+            },
+            f,
+            indent=2,
+        )
+    print(
+        f"\nsweep (seeds {args.sweep_seeds}, {args.steps} steps): mean training reward over the last half of the "
+        "steps, mean over the seeds"
+    )
     print(f"  {'lr':<8}" + "".join(f"{arm:>16}" for arm in args.sweep_arms))
     for lr in args.lrs:
         cells = "".join(f"{late[arm][str(lr)]:>15.3f}{'*' if chosen[arm] == lr else ' '}" for arm in args.sweep_arms)
@@ -320,8 +358,9 @@ def planned_steps(args, sweep_record: dict) -> int:
     left = args.finish_by - time.time() - 60 * args.eval_minutes - args.warmup_seconds
     steps = max(0, int(left // per_step))
     if steps < args.min_steps:
-        raise SystemExit(f"only {steps} steps of {per_step:.1f} s fit before the deadline "
-                         f"(--min-steps {args.min_steps})")
+        raise SystemExit(
+            f"only {steps} steps of {per_step:.1f} s fit before the deadline (--min-steps {args.min_steps})"
+        )
     say(f"train: {steps} steps ({per_step:.1f} s each, {left / 60:.1f} min before the evaluations)")
     return steps
 
@@ -349,12 +388,19 @@ def train(args) -> None:
                 (finals if protocol == "greedy" else reference).append(task)
             for step in range(save_every, steps, save_every) if first and save_every else ():
                 out = folder / f"eval-greedy-step{step}.jsonl"
-                intermediate.append(eval_task(args, bases[precision], folder / f"checkpoint-{step}", "greedy", out,
-                                              trained))  # fmt: skip
+                intermediate.append(
+                    eval_task(args, bases[precision], folder / f"checkpoint-{step}", "greedy", out, trained)
+                )
     # Evaluations in order of what the report needs most: final greedy and the bases', the curve, the reference
     # protocol (what the deadline leaves out comes last).
-    tasks = (trainings + finals + base_tasks(args, bases, "greedy") + intermediate + reference
-             + base_tasks(args, bases, "reference"))  # fmt: skip
+    tasks = (
+        trainings
+        + finals
+        + base_tasks(args, bases, "greedy")
+        + intermediate
+        + reference
+        + base_tasks(args, bases, "reference")
+    )
     run_tasks(tasks, args.gpus, args.per_gpu, args.finish_by)
     report(args)
 
@@ -426,8 +472,9 @@ def plot(args, runs: dict[str, list[list[dict]]], table: dict, png: Path) -> Non
             x = [r["step"] for r in seeds[0][:steps]]
             (line,) = ax.plot(x, [statistics.fmean(c) for c in columns], label=f"{arm} ({len(seeds)} seeds)")
             colors[arm] = line.get_color()
-            ax.fill_between(x, [min(c) for c in columns], [max(c) for c in columns], color=line.get_color(),
-                            alpha=0.2, linewidth=0)  # fmt: skip
+            ax.fill_between(
+                x, [min(c) for c in columns], [max(c) for c in columns], color=line.get_color(), alpha=0.2, linewidth=0
+            )
             for rows in seeds:
                 bad = first_nonfinite_step(rows)
                 if bad is not None and key == "reward":
@@ -449,9 +496,12 @@ def plot(args, runs: dict[str, list[list[dict]]], table: dict, png: Path) -> Non
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{Path(args.model).name}, GSM8K ({args.format}), DAPO: mean over seeds (line), min-max (band), "
-                 f"moving average of {window} steps; accuracy: first seed's checkpoints, bar = mean over seeds "
-                 "with 95% t interval", fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"{Path(args.model).name}, GSM8K ({args.format}), DAPO: mean over seeds (line), min-max (band), "
+        f"moving average of {window} steps; accuracy: first seed's checkpoints, bar = mean over seeds "
+        "with 95% t interval",
+        fontsize=9,
+    )
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
@@ -482,8 +532,9 @@ def report(args) -> dict:
             summaries = [s for s in (eval_summary(f / f"eval-{protocol}.jsonl") for f in folders) if s]
             if summaries:
                 row[protocol] = {key: mean_interval([s[key] for s in summaries]) for key in ACCURACIES}
-                row[protocol]["per_seed"] = [{key: (s[key], *s[f"{key}_ci95"]) for key in ACCURACIES}
-                                             for s in summaries]  # fmt: skip
+                row[protocol]["per_seed"] = [
+                    {key: (s[key], *s[f"{key}_ci95"]) for key in ACCURACIES} for s in summaries
+                ]
     trained = {arm: seeds for arm, seeds in curves.items() if seeds}
     if trained:
         # The reward level every arm's seeds end above on average (90% of the lowest arm's last tenth).
@@ -507,19 +558,25 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 
 def _print_report(args, table: dict, trained: dict) -> None:
-    print(f"\n{'arm':<16} {'reward first -> last tenth':<28} {'entropy 1st':<12} {'steps to level':<16} "
-          + " ".join(f"{p + ' strict (mean ± t95)':<26}" for p in PROTOCOLS))  # fmt: skip
+    print(
+        f"\n{'arm':<16} {'reward first -> last tenth':<28} {'entropy 1st':<12} {'steps to level':<16} "
+        + " ".join(f"{p + ' strict (mean ± t95)':<26}" for p in PROTOCOLS)
+    )
     for arm in trained:
         row = table[arm]
         (f_mean, f_sd), (l_mean, l_sd) = row["reward_first_tenth"], row["reward_last_tenth"]
         reach = ",".join("-" if s is None else str(s) for s in row["steps_to_reward"]["per_seed"])
         cells = [f"{row[p]['accuracy'][0]:.2%} ± {row[p]['accuracy'][1]:.2%}" if p in row else "-" for p in PROTOCOLS]
-        print(f"{arm:<16} {f'{f_mean:.3f}±{f_sd:.3f} -> {l_mean:.3f}±{l_sd:.3f}':<28} "
-              f"{row['entropy_first_tenth'][0]:<12.3f} {reach:<16} " + " ".join(f"{c:<26}" for c in cells))  # fmt: skip
+        print(
+            f"{arm:<16} {f'{f_mean:.3f}±{f_sd:.3f} -> {l_mean:.3f}±{l_sd:.3f}':<28} "
+            f"{row['entropy_first_tenth'][0]:<12.3f} {reach:<16} " + " ".join(f"{c:<26}" for c in cells)
+        )
     for precision in ("bf16", "nvfp4"):
         summaries = table[f"base-{precision}"]
-        cells = [f"{s['accuracy']:.2%} [{s['accuracy_ci95'][0]:.1%}, {s['accuracy_ci95'][1]:.1%}]" if s else "-"
-                 for s in summaries.values()]  # fmt: skip
+        cells = [
+            f"{s['accuracy']:.2%} [{s['accuracy_ci95'][0]:.1%}, {s['accuracy_ci95'][1]:.1%}]" if s else "-"
+            for s in summaries.values()
+        ]
         print(f"{'base ' + precision:<16} {'(no training)':<58} " + " ".join(f"{c:<26}" for c in cells))
     print(f"report: {args.out / 'report.json'}; plot: {args.png}")
 
@@ -549,8 +606,11 @@ def _steps(text: str) -> str | int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("prepare", "probe", "sweep", "train", "report"))
-    parser.add_argument("--model", default="smollm2-135m-instruct",
-                        help="a fetchable model (python -m qerl.models list) or a BF16 checkpoint folder")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="a fetchable model (python -m qerl.models list) or a BF16 checkpoint folder",
+    )
     parser.add_argument("--recipe", type=Path, help="training recipe (default: the model's, RECIPES)")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("ckpt"), help="where its BF16 and NVFP4 folders go")
     parser.add_argument("--out", type=Path, default=Path("runs/arms"))
@@ -558,8 +618,12 @@ def main(argv: list[str] | None = None) -> None:
     shared = REPO.parent / "shared" / "data" / "gsm8k"
     parser.add_argument("--train-data", type=Path, default=shared / "train.jsonl")
     parser.add_argument("--test-data", type=Path, default=shared / "test.jsonl")
-    parser.add_argument("--format", default="gsm8k_hash", choices=list(EVAL_FORMATS),
-                        help="training dataset format (its prompt and rewards; the probe's choice)")
+    parser.add_argument(
+        "--format",
+        default="gsm8k_hash",
+        choices=list(EVAL_FORMATS),
+        help="training dataset format (its prompt and rewards; the probe's choice)",
+    )
     parser.add_argument("--formats", type=_names(EVAL_FORMATS), default=list(EVAL_FORMATS), help="probe: candidates")
     parser.add_argument("--temperature", type=float, default=1.0, help="rollout temperature")
     parser.add_argument("--temperatures", type=_floats, default=[1.0], help="probe: candidates")
@@ -571,27 +635,48 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--finish-by", type=float, help="unix time by which training and evaluations must end")
     parser.add_argument("--eval-minutes", type=float, default=4.0, help="--steps auto: time kept for evaluations")
     parser.add_argument("--step-margin", type=float, default=1.1, help="--steps auto: on the sweep's seconds per step")
-    parser.add_argument("--warmup-seconds", type=float, default=60,
-                        help="--steps auto: a run's start (loading, compiling, the first step) before its steps")
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=60,
+        help="--steps auto: a run's start (loading, compiling, the first step) before its steps",
+    )
     parser.add_argument("--min-steps", type=int, default=30, help="--steps auto: refuse to train fewer")
     parser.add_argument("--lr", type=float, help="train: one learning rate for all arms (default: the sweep's per arm)")
     parser.add_argument("--lrs", type=_floats, default=[3e-5, 1e-4, 3e-4], help="sweep: learning rates")
-    parser.add_argument("--sweep-arms", type=_names(ARMS), default=["bf16_lora", "nvfp4_lora"],
-                        help="sweep: the arms swept (the others take the rate of their precision's)")
-    parser.add_argument("--sweep-seeds", type=lambda t: [int(x) for x in t.split(",")], default=[100, 101],
-                        help="sweep: seeds no train run uses")
+    parser.add_argument(
+        "--sweep-arms",
+        type=_names(ARMS),
+        default=["bf16_lora", "nvfp4_lora"],
+        help="sweep: the arms swept (the others take the rate of their precision's)",
+    )
+    parser.add_argument(
+        "--sweep-seeds",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[100, 101],
+        help="sweep: seeds no train run uses",
+    )
     parser.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2])
-    parser.add_argument("--checkpoints", type=int, default=2,
-                        help="train: intermediate checkpoints of the first seed's runs evaluated (evenly spaced)")
+    parser.add_argument(
+        "--checkpoints",
+        type=int,
+        default=2,
+        help="train: intermediate checkpoints of the first seed's runs evaluated (evenly spaced)",
+    )
     parser.add_argument("--gpus", type=int, help="GPUs to spread runs over (default: all visible; 0 on CPU)")
     parser.add_argument("--per-gpu", type=int, default=3, help="runs at a time on each GPU")
-    parser.add_argument("--protocols", type=_names(PROTOCOLS), default=list(PROTOCOLS),
-                        help="eval protocols of every run")
+    parser.add_argument(
+        "--protocols", type=_names(PROTOCOLS), default=list(PROTOCOLS), help="eval protocols of every run"
+    )
     parser.add_argument("--eval-tokens", type=int, default=512, help="new tokens per eval answer")
     parser.add_argument("--eval-kv-gib", type=float, default=4.0, help="KV cache budget of each eval (GiB)")
     parser.add_argument("--eval-limit", type=int, help="evaluate the first N test problems only (smoke runs)")
-    parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[],
-                        help="the rest of the command line goes to every qerl.train run")  # fmt: skip
+    parser.add_argument(
+        "--train-flags",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="the rest of the command line goes to every qerl.train run",
+    )
     args = parser.parse_args(argv)
     if args.command == "train" and args.steps == "auto" and args.finish_by is None:
         parser.error("--steps auto needs --finish-by")

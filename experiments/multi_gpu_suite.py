@@ -100,8 +100,10 @@ def run_phase(args, phase: str, jobs: list[Job], total_gpus: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))
         job.result = result
-        say(f"{job.name}: {'FAILED: ' + result['error'] if 'error' in result else 'done'} "
-            f"({result['job_wall_s']:.0f} s)")  # fmt: skip
+        say(
+            f"{job.name}: {'FAILED: ' + result['error'] if 'error' in result else 'done'} "
+            f"({result['job_wall_s']:.0f} s)"
+        )
         with cond:
             if job.gpus:
                 free.extend(gpu_ids)
@@ -158,25 +160,39 @@ def estimate(phases: list[tuple[str, list[Job]]], total_gpus: int) -> float:
 
 
 def bench_args(args, size: str, model: str | None) -> argparse.Namespace:
-    steps, batch, tokens = (args.a_steps, args.a_batch, args.a_tokens) if size == "7b" else (
-        args.c_steps, args.c_batch, args.c_tokens)  # fmt: skip
+    steps, batch, tokens = (
+        (args.a_steps, args.a_batch, args.a_tokens) if size == "7b" else (args.c_steps, args.c_batch, args.c_tokens)
+    )
     if args.dry_run:  # as benchmarks.multi_gpu --dry-run: a few tokens of the tiny model
         steps, batch, tokens = min(steps, 3), min(batch, 4), min(tokens, 8)
     workdir = Path(args.out) / f"bench-{size}"
     workdir.mkdir(parents=True, exist_ok=True)
     return argparse.Namespace(
-        model=model, size="tiny" if args.dry_run else size, steps=steps, batch=batch, new_tokens=tokens,
-        backend="native" if args.dry_run else "auto", no_profile=False, dry_run=args.dry_run,
-        timeout=args.timeout_7b if size == "7b" else args.timeout_32b, workdir=str(workdir),
-    )  # fmt: skip
+        model=model,
+        size="tiny" if args.dry_run else size,
+        steps=steps,
+        batch=batch,
+        new_tokens=tokens,
+        backend="native" if args.dry_run else "auto",
+        no_profile=False,
+        dry_run=args.dry_run,
+        timeout=args.timeout_7b if size == "7b" else args.timeout_32b,
+        workdir=str(workdir),
+    )
 
 
 def build_job(args, size: str, gpus: int, share: int = 0) -> Job:
     def work(gpu_ids):
         return {"model": multi_gpu.build_model(bench_args(args, size, None), gpu_ids[0])}
 
-    return Job(f"build-{size}", gpus, work, GUESS[f"build-{size}"], share,
-               holds=lambda result: (Path(result["model"]) / "config.json").is_file())  # fmt: skip
+    return Job(
+        f"build-{size}",
+        gpus,
+        work,
+        GUESS[f"build-{size}"],
+        share,
+        holds=lambda result: (Path(result["model"]) / "config.json").is_file(),
+    )
 
 
 def model_of(args, size: str) -> str:
@@ -199,11 +215,19 @@ def bench_job(args, size: str, config: str, gpus: int, nodes: int = 1) -> Job:
 def resume_job(args, config: str) -> Job:
     def work(gpu_ids):
         r = argparse.Namespace(
-            config=config, model=model_of(args, "7b"), gpu_ids=",".join(map(str, gpu_ids)), steps=args.b_steps,
-            batch=args.b_batch, new_tokens=args.b_tokens, seed=2025, backend="native" if args.dry_run else None,
-            eval_problems=args.b_eval_problems, timeout=args.timeout_resume, dry_run=args.dry_run,
+            config=config,
+            model=model_of(args, "7b"),
+            gpu_ids=",".join(map(str, gpu_ids)),
+            steps=args.b_steps,
+            batch=args.b_batch,
+            new_tokens=args.b_tokens,
+            seed=2025,
+            backend="native" if args.dry_run else None,
+            eval_problems=args.b_eval_problems,
+            timeout=args.timeout_resume,
+            dry_run=args.dry_run,
             out=str(Path(args.out) / f"resume-{config}"),
-        )  # fmt: skip
+        )
         result = resume_check.run_check(r)
         say("\n" + resume_check.report(result))
         return result
@@ -235,8 +259,14 @@ def real_prep_job(args, share: int) -> Job:
         logged(args, [sys.executable, "-c", code], logs / "real-quantize.log", gpu_ids, 900)
         return {"bf16": str(bf16), "nvfp4": str(ckpt / f"{REAL_MODEL}-nvfp4")}
 
-    return Job("real-prep", 0, work, GUESS["real-prep"], share,
-               holds=lambda result: (Path(result["nvfp4"]) / "config.json").is_file())  # fmt: skip
+    return Job(
+        "real-prep",
+        0,
+        work,
+        GUESS["real-prep"],
+        share,
+        holds=lambda result: (Path(result["nvfp4"]) / "config.json").is_file(),
+    )
 
 
 def real_run_job(args, gpus: int) -> Job:
@@ -263,8 +293,11 @@ def real_run_job(args, gpus: int) -> Job:
                    "--per-device-train-batch-size", str(per_gpu), "--gradient-accumulation-steps", "1"]  # fmt: skip
         logged(args, cmd, Path(args.out) / "logs" / f"real-{gpus}gpu.log", gpu_ids, args.timeout_real)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        return {"gpus": gpus, "steps": [r for r in rows if "loss" in r],
-                "first_step_prompts": resume_check.prompts(run_dir, 1)}  # fmt: skip
+        return {
+            "gpus": gpus,
+            "steps": [r for r in rows if "loss" in r],
+            "first_step_prompts": resume_check.prompts(run_dir, 1),
+        }
 
     return Job(f"real-{gpus}gpu", gpus, work, GUESS["real-run"])
 
@@ -314,8 +347,10 @@ def check_deepspeed() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if result.returncode != 0:
         error = (result.stderr.strip().splitlines() or ["no error text"])[-1]
-        raise SystemExit(f"deepspeed is installed but does not import ({error}); install what it names (pydantic: "
-                         "pydantic, pydantic-core, annotated-types, typing-inspection) or uninstall deepspeed")
+        raise SystemExit(
+            f"deepspeed is installed but does not import ({error}); install what it names (pydantic: "
+            "pydantic, pydantic-core, annotated-types, typing-inspection) or uninstall deepspeed"
+        )
 
 
 def run(args) -> None:
@@ -325,8 +360,10 @@ def run(args) -> None:
     if importlib.util.find_spec("deepspeed") is not None:
         check_deepspeed()
     phases = plan(args)
-    say(f"{args.gpus} GPU(s); estimated wall time {estimate(phases, args.gpus) / 60:.1f} min on 4 H100s (guesses: "
-        f"{GUESS}), less what earlier starts finished")  # fmt: skip
+    say(
+        f"{args.gpus} GPU(s); estimated wall time {estimate(phases, args.gpus) / 60:.1f} min on 4 H100s (guesses: "
+        f"{GUESS}), less what earlier starts finished"
+    )
     for name, jobs in phases:
         if args.only and name not in args.only:
             continue
@@ -370,11 +407,14 @@ def bench_rows(results: dict[str, dict], size: str) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {"ddp": 0, "fsdp": 1, "zero2": 2, "zero3": 3}
-    for r in sorted(rows, key=lambda r: (order.get(r.get("config", "").split("-")[0], 9), r.get("gpus", 0),
-                                         r.get("config", ""))):  # fmt: skip
+    for r in sorted(
+        rows, key=lambda r: (order.get(r.get("config", "").split("-")[0], 9), r.get("gpus", 0), r.get("config", ""))
+    ):
         if "error" in r or "samples_per_s" not in r:
-            lines.append(f"| {r.get('config', r['job'])} | {r.get('gpus', '?')} | failed: "
-                         f"{str(r.get('error', '?'))[:150]} |||||||||||")  # fmt: skip
+            lines.append(
+                f"| {r.get('config', r['job'])} | {r.get('gpus', '?')} | failed: "
+                f"{str(r.get('error', '?'))[:150]} |||||||||||"
+            )
             continue
         # 32B: DDP's one-GPU row is every config's baseline (one process is one process, whatever the config).
         base = one.get(r["config"].split("-")[0]) or (one.get("ddp") if size == "32b" else None)
@@ -390,8 +430,8 @@ def bench_rows(results: dict[str, dict], size: str) -> list[str]:
             f"{s['rollout']:.2f} ({s['refresh']:.2f}) | {s['log-prob forwards']:.2f} | {s['backward']:.2f} | "
             f"{s['other']:.2f} | {comm} | {peak} | "
             f"{'yes' if r['adapters_equal'] else 'NO'} | "
-            f"{ {None: '-', True: 'yes', False: 'NO'}[r['prompts_differ']]} |"
-        )  # fmt: skip
+            f"{ {None: '-', True: 'yes', False: 'NO'}[r['prompts_differ']] } |"
+        )
     return lines
 
 
@@ -418,9 +458,11 @@ def real_lines(results: dict[str, dict]) -> list[str]:
             lines.append(f"| {name} | failed: {r['error'][:150]} ||||")
             continue
         for row in r["steps"]:
-            lines.append(f"| {name} | {row['step']} | {row.get('reward', float('nan')):.3f} "
-                         f"({row.get('reward_std', float('nan')):.3f}) | {row.get('loss', float('nan')):.4f} | "
-                         f"{row.get('step_time', float('nan')):.2f} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {row['step']} | {row.get('reward', float('nan')):.3f} "
+                f"({row.get('reward_std', float('nan')):.3f}) | {row.get('loss', float('nan')):.4f} | "
+                f"{row.get('step_time', float('nan')):.2f} |"
+            )
     done = [r for r in runs.values() if "error" not in r and r["steps"]]
     if len(done) == 2:
         a, b = (r["steps"][0] for r in done)
@@ -429,9 +471,11 @@ def real_lines(results: dict[str, dict]) -> list[str]:
         diff = abs(a["reward"] - b["reward"])
         se = (a.get("reward_std", 0) ** 2 / 64 + b.get("reward_std", 0) ** 2 / 64) ** 0.5
         sigmas = "0" if diff == 0 else f"{diff / se:.1f}" if se else "inf"
-        lines.append(f"\nFirst step: {'the same' if same else 'DIFFERENT'} {len(done[0]['first_step_prompts'])} "
-                     f"prompts; mean rewards differ by {diff:.3f}, {sigmas} standard errors of the difference (the "
-                     f"samples differ: each rank draws its own); losses {a['loss']:.4f} vs {b['loss']:.4f}.")
+        lines.append(
+            f"\nFirst step: {'the same' if same else 'DIFFERENT'} {len(done[0]['first_step_prompts'])} "
+            f"prompts; mean rewards differ by {diff:.3f}, {sigmas} standard errors of the difference (the "
+            f"samples differ: each rank draws its own); losses {a['loss']:.4f} vs {b['loss']:.4f}."
+        )
     return lines
 
 

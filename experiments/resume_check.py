@@ -78,10 +78,16 @@ def worker(argv: list[str]) -> None:
         def recording(prompt_ids, perturb):
             output = generate(prompt_ids, perturb)
             ids = json.dumps([list(map(int, c)) for c in output.completion_ids]).encode()
-            prompts = sorted({hashlib.sha256(json.dumps(list(map(int, p))).encode()).hexdigest()[:16]
-                              for p in prompt_ids})  # fmt: skip
-            rounds.append({"step": trainer.state.global_step + 1, "completions": hashlib.sha256(ids).hexdigest(),
-                           "prompts": prompts})  # fmt: skip
+            prompts = sorted(
+                {hashlib.sha256(json.dumps(list(map(int, p))).encode()).hexdigest()[:16] for p in prompt_ids}
+            )
+            rounds.append(
+                {
+                    "step": trainer.state.global_step + 1,
+                    "completions": hashlib.sha256(ids).hexdigest(),
+                    "prompts": prompts,
+                }
+            )
             path = Path(trainer.args.output_dir) / f"samples-rank{trainer.accelerator.process_index}.json"
             path.write_text(json.dumps(rounds))  # after every round: a run that dies keeps what it sampled
             return output
@@ -206,13 +212,16 @@ def compare(a: Path, b: Path, checkpoint: Path, step: int) -> dict:
     update = math.sqrt(sum(float((wa[k] - w0[k]).pow(2).sum()) for k in wa))
     sa, sb = samples(a, step), samples(b, step)
     return {
-        "metrics_a": ma, "metrics_b": mb,
+        "metrics_a": ma,
+        "metrics_b": mb,
         "metric_diff": {k: None if ma[k] is None or mb[k] is None else abs(ma[k] - mb[k]) for k in METRICS},
         "samples_equal": [x == y for x, y in zip(sa, sb, strict=True)] if len(sa) == len(sb) else False,
         "adapter_max_abs_diff": max(float((wa[k] - wb[k]).abs().max()) for k in wa),
-        "adapter_tensors_equal": sum(torch.equal(wa[k], wb[k]) for k in wa), "adapter_tensors": len(wa),
-        "adapter_diff_over_update": diff / update if update else None, "update_norm": update,
-    }  # fmt: skip
+        "adapter_tensors_equal": sum(torch.equal(wa[k], wb[k]) for k in wa),
+        "adapter_tensors": len(wa),
+        "adapter_diff_over_update": diff / update if update else None,
+        "update_norm": update,
+    }
 
 
 def exact(c: dict) -> bool:
@@ -315,13 +324,19 @@ def report(result: dict) -> str:
     ]
     if result["b_vs_c"]:
         bc = result["b_vs_c"]
-        lines.append(f"  spread (B vs C): metrics {bc['metric_diff']}, samples equal {bc['samples_equal']}, "
-                     f"|B-C|/|update| {bc['adapter_diff_over_update']}")  # fmt: skip
+        lines.append(
+            f"  spread (B vs C): metrics {bc['metric_diff']}, samples equal {bc['samples_equal']}, "
+            f"|B-C|/|update| {bc['adapter_diff_over_update']}"
+        )
     if "eval" in result:
         e = result["eval"]
         summary = e.get("summary", {})
-        ran = (f"loaded and ran: {summary.get('examples')} problems, accuracy {summary.get('accuracy')} "
-               f"({summary.get('device')})" if "summary" in e else f"FAILED: {e['error']}")  # fmt: skip
+        ran = (
+            f"loaded and ran: {summary.get('examples')} problems, accuracy {summary.get('accuracy')} "
+            f"({summary.get('device')})"
+            if "summary" in e
+            else f"FAILED: {e['error']}"
+        )
         lines.append(f"  eval.gsm8k --adapter: {ran}")
     return "\n".join(lines)
 

@@ -34,9 +34,7 @@ def quantize_with_llmcompressor(model: str, output: str, device: str, dtype, ign
         from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import QuantizationModifier
     except ImportError as err:
-        raise UsageError(
-            f"--backend llmcompressor needs llmcompressor (pip install -e .[quantize]): {err}"
-        ) from err
+        raise UsageError(f"--backend llmcompressor needs llmcompressor (pip install -e .[quantize]): {err}") from err
     from transformers import AutoModelForCausalLM
 
     src = resolve_model_dir(model)

@@ -33,9 +33,10 @@ class JsonlMetrics(TrainerCallback):
         kept = [
             line
             for line in lines
-            if state.global_step and json.loads(line).get("step", 0) <= state.global_step
+            if state.global_step
+            and json.loads(line).get("step", 0) <= state.global_step
             and "train_runtime" not in line  # the interrupted session's closing summary
-        ]  # fmt: skip
+        ]
         if kept == lines:
             return
         root, ext = os.path.splitext(self.path)
@@ -43,9 +44,12 @@ class JsonlMetrics(TrainerCallback):
         os.rename(self.path, aside)
         with open(self.path, "w") as f:
             f.writelines(kept)
-        logger.warning("%s: %s; the earlier file is kept as %s", self.path,
-                       f"continues at step {state.global_step}" if state.global_step else "starts anew",
-                       os.path.basename(aside))  # fmt: skip
+        logger.warning(
+            "%s: %s; the earlier file is kept as %s",
+            self.path,
+            f"continues at step {state.global_step}" if state.global_step else "starts anew",
+            os.path.basename(aside),
+        )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

@@ -33,9 +33,11 @@ class QeRLConfig(GRPOConfig):
 
     aqn: bool | None = field(
         default=None,
-        metadata={"help": "Adaptive Quantization Noise on the rollout policy's RMSNorm scales. Default: on for "
-                  "an NVFP4 base, off for a BF16 base."},
-    )  # fmt: skip
+        metadata={
+            "help": "Adaptive Quantization Noise on the rollout policy's RMSNorm scales. Default: on for "
+            "an NVFP4 base, off for a BF16 base."
+        },
+    )
     sigma_start: float = field(default=1e-2, metadata={"help": "AQN noise std of the first noisy stage."})
     sigma_end: float = field(default=1e-4, metadata={"help": "AQN noise std of the last stage."})
     num_stages: int = field(default=10, metadata={"help": "AQN stages (the first is noise-free)."})
@@ -44,39 +46,47 @@ class QeRLConfig(GRPOConfig):
     )
     aqn_head_norms: bool = field(
         default=False,
-        metadata={"help": "Also perturb the per-head q/k RMSNorms (Qwen3, Gemma-3). Off by default, as the paper's "
-                  "rule implies: it perturbs the scales of norms that precede quantized linears, where w + Z on the "
-                  "norm is Z-shaped noise on the input channels of q/k/v (or gate/up), i.e. stands in for noise on "
-                  "their 4-bit weights. The q/k norms act after the projections, per head, on queries and keys "
-                  "that go into rotary and q.k, not into a quantized linear: their noise emulates no weight "
-                  "quantization, it rescales attention logits (one vector shared by every head, dimension d of q "
-                  "and k scaled by (w_q + Z_q)_d (w_k + Z_k)_d, then mixed with d + D/2 by the rotary). An "
-                  "exploration knob whose effect the paper does not measure. Their noise is drawn after the other "
-                  "norms', which keep theirs."},
-    )  # fmt: skip
+        metadata={
+            "help": "Also perturb the per-head q/k RMSNorms (Qwen3, Gemma-3). Off by default, as the paper's "
+            "rule implies: it perturbs the scales of norms that precede quantized linears, where w + Z on the "
+            "norm is Z-shaped noise on the input channels of q/k/v (or gate/up), i.e. stands in for noise on "
+            "their 4-bit weights. The q/k norms act after the projections, per head, on queries and keys "
+            "that go into rotary and q.k, not into a quantized linear: their noise emulates no weight "
+            "quantization, it rescales attention logits (one vector shared by every head, dimension d of q "
+            "and k scaled by (w_q + Z_q)_d (w_k + Z_k)_d, then mixed with d + D/2 by the rotary). An "
+            "exploration knob whose effect the paper does not measure. Their noise is drawn after the other "
+            "norms', which keep theirs."
+        },
+    )
     aqn_dtype: str = field(
         default="fp32",
-        metadata={"help": "Where AQN noise meets the scales. fp32: added in FP32 to an FP32 copy of each scale, the "
-                  "perturbed norms run in FP32 and round once, so every level of the schedule reaches the sampler. "
-                  "bf16: the arithmetic of the reference's code, noise cast to the BF16 scale and added there (noise "
-                  "below half a BF16 ulp rounds away: on scales near 1, sigma 1e-4 changes nothing); as its scripts "
-                  "run, that code never fires (docs/reference.md).",
-                  "choices": AQN_DTYPES},
-    )  # fmt: skip
+        metadata={
+            "help": "Where AQN noise meets the scales. fp32: added in FP32 to an FP32 copy of each scale, the "
+            "perturbed norms run in FP32 and round once, so every level of the schedule reaches the sampler. "
+            "bf16: the arithmetic of the reference's code, noise cast to the BF16 scale and added there (noise "
+            "below half a BF16 ulp rounds away: on scales near 1, sigma 1e-4 changes nothing); as its scripts "
+            "run, that code never fires (docs/reference.md).",
+            "choices": AQN_DTYPES,
+        },
+    )
     aqn_log_shift: bool = field(
         default=False,
-        metadata={"help": "Log aqn/logprob_shift, the mean |logprob(noisy) - logprob(clean)| of the sampled tokens in "
-                  "the training forward: how far the noise moved the policy, apart from the rollout engine's own "
-                  "numerics. Costs one no-grad forward of the batch per noisy round (the clean side is the loss's); "
-                  "without it, sampling/sampling_logp_difference/mean measures the noise and the engine together."},
-    )  # fmt: skip
+        metadata={
+            "help": "Log aqn/logprob_shift, the mean |logprob(noisy) - logprob(clean)| of the sampled tokens in "
+            "the training forward: how far the noise moved the policy, apart from the rollout engine's own "
+            "numerics. Costs one no-grad forward of the batch per noisy round (the clean side is the loss's); "
+            "without it, sampling/sampling_logp_difference/mean measures the noise and the engine together."
+        },
+    )
     unpadded_forward: bool = field(
         default=True,
-        metadata={"help": "Run the training forwards on each row's real tokens from column 0 (left padding removed, "
-                  "the micro-batch cut at its longest row, rows with nothing to score left out) under a causal mask "
-                  "alone, so that no compute goes to padding and attention runs FlashAttention (qerl/unpadded.py). "
-                  "false: TRL's padded layout with a padding mask. Text-only models."},
-    )  # fmt: skip
+        metadata={
+            "help": "Run the training forwards on each row's real tokens from column 0 (left padding removed, "
+            "the micro-batch cut at its longest row, rows with nothing to score left out) under a causal mask "
+            "alone, so that no compute goes to padding and attention runs FlashAttention (qerl/unpadded.py). "
+            "false: TRL's padded layout with a padding mask. Text-only models."
+        },
+    )
     # The QeRL reference's names of two TrainingArguments fields (transformers 5 reads a warmup_steps below 1 as a
     # ratio, so the reference's --warmup-ratio is that).
     seed: int = _also_as("seed", "--random-state", "--random_state")
@@ -94,54 +104,71 @@ class QeRLConfig(GRPOConfig):
     )
     rollout_backend: str = field(
         default="auto",
-        metadata={"help": f"Rollout engine: {', '.join(rollout.CHOICES)}. auto: native on a CUDA device (vllm or "
-                  "transformers where native cannot run the model, or under DeepSpeed/FSDP), transformers on CPU. "
-                  "native reads rollout_kv_cache_gib; vllm reads TRL's vllm_gpu_memory_utilization, "
-                  "vllm_max_model_length and vllm_enable_sleep_mode."},
-    )  # fmt: skip
+        metadata={
+            "help": f"Rollout engine: {', '.join(rollout.CHOICES)}. auto: native on a CUDA device (vllm or "
+            "transformers where native cannot run the model, or under DeepSpeed/FSDP), transformers on CPU. "
+            "native reads rollout_kv_cache_gib; vllm reads TRL's vllm_gpu_memory_utilization, "
+            "vllm_max_model_length and vllm_enable_sleep_mode."
+        },
+    )
     rollout_kv_cache_gib: float | None = field(
         default=None,
-        metadata={"help": "rollout_backend native: GPU memory (GiB) the KV cache of a round may take (default: 80%% of "
-                  "what is free); a round that needs more runs in waves of as many sequences as fit."},
-    )  # fmt: skip
+        metadata={
+            "help": "rollout_backend native: GPU memory (GiB) the KV cache of a round may take (default: 80%% of "
+            "what is free); a round that needs more runs in waves of as many sequences as fit."
+        },
+    )
     rollout_kv_cache_dtype: str = field(
         default="auto",
-        metadata={"help": "rollout_backend native: the KV cache's dtype. auto: the model's; fp8: E4M3 with one scale "
-                  "per token and KV head (half the memory and attention reads; adds rounding to the sampled "
-                  "log-probs, see docs/benchmarks.md).", "choices": list(KV_CACHE_DTYPES)},
-    )  # fmt: skip
+        metadata={
+            "help": "rollout_backend native: the KV cache's dtype. auto: the model's; fp8: E4M3 with one scale "
+            "per token and KV head (half the memory and attention reads; adds rounding to the sampled "
+            "log-probs, see docs/benchmarks.md).",
+            "choices": list(KV_CACHE_DTYPES),
+        },
+    )
     vllm_enable_sleep_mode: bool = field(
         default=True,
-        metadata={"help": "rollout_backend vllm: put the engine to sleep between rounds (level 1: KV cache freed, "
-                  "weights parked in CPU memory) so that the trainer's forward and backward passes get the GPU "
-                  "memory. TRL's default is off; QeRL colocates, so on."},
-    )  # fmt: skip
+        metadata={
+            "help": "rollout_backend vllm: put the engine to sleep between rounds (level 1: KV cache freed, "
+            "weights parked in CPU memory) so that the trainer's forward and backward passes get the GPU "
+            "memory. TRL's default is off; QeRL colocates, so on."
+        },
+    )
     vllm_importance_sampling_correction: bool = field(
         default=False,
-        metadata={"help": "Correct the rollout/training mismatch (AQN makes one) with TRL's truncated importance "
-                  "sampling against the rollout log-probs, whatever the rollout backend. Off by default: the "
-                  "QeRL reference has no correction."},
-    )  # fmt: skip
+        metadata={
+            "help": "Correct the rollout/training mismatch (AQN makes one) with TRL's truncated importance "
+            "sampling against the rollout log-probs, whatever the rollout backend. Off by default: the "
+            "QeRL reference has no correction."
+        },
+    )
     compile_layers: bool = field(
         default=False,
-        metadata={"help": "torch.compile each decoder layer of the policy for the training forwards and backward "
-                  "(dynamic shapes: one compilation serves every layer and length), which fuses the norms, rotary, "
-                  "gate, LoRA's scaling and the residual adds into few kernels. Costs the compilation at the first "
-                  "step (~1 min at 32B). The rollout engines do not run these modules. Measured on one GPU only (not "
-                  "under DDP, FSDP2 or ZeRO)."},
-    )  # fmt: skip
+        metadata={
+            "help": "torch.compile each decoder layer of the policy for the training forwards and backward "
+            "(dynamic shapes: one compilation serves every layer and length), which fuses the norms, rotary, "
+            "gate, LoRA's scaling and the residual adds into few kernels. Costs the compilation at the first "
+            "step (~1 min at 32B). The rollout engines do not run these modules. Measured on one GPU only (not "
+            "under DDP, FSDP2 or ZeRO)."
+        },
+    )
     metrics_jsonl: bool = field(
         default=True,
-        metadata={"help": "Write every log line to <output_dir>/metrics.jsonl (a resume continues the file; a new run "
-                  "keeps an earlier one aside as metrics.N.jsonl)."},
-    )  # fmt: skip
+        metadata={
+            "help": "Write every log line to <output_dir>/metrics.jsonl (a resume continues the file; a new run "
+            "keeps an earlier one aside as metrics.N.jsonl)."
+        },
+    )
 
     dump_nonfinite_grads: bool = field(
         default=False,
-        metadata={"help": "After each micro-batch's backward, check the trainable gradients (one device sync); the "
-                  "first micro-batch that makes one non-finite is saved with the trainable parameters it ran with "
-                  "to <output_dir>/nonfinite-step<N>-micro<M>.pt, for `python -m experiments.nonfinite`."},
-    )  # fmt: skip
+        metadata={
+            "help": "After each micro-batch's backward, check the trainable gradients (one device sync); the "
+            "first micro-batch that makes one non-finite is saved with the trainable parameters it ran with "
+            "to <output_dir>/nonfinite-step<N>-micro<M>.pt, for `python -m experiments.nonfinite`."
+        },
+    )
 
     def __post_init__(self):
         rollout.resolve_backend(self.rollout_backend)  # validates the name
@@ -170,9 +197,10 @@ class QeRLConfig(GRPOConfig):
         """Refuse, before any model loads, the multi-GPU set-ups QeRL cannot run. `accelerate launch` hands its
         config to the processes as environment variables; TrainingArguments reads the DeepSpeed ones into
         deepspeed_plugin, not the FSDP ones."""
-        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true") and os.environ.get(
-            "FSDP_VERSION", "1"
-        ) != "2":
+        if (
+            os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+            and os.environ.get("FSDP_VERSION", "1") != "2"
+        ):
             raise ValueError(
                 "FSDP version 1 is not supported: AQN and the rollout engines read and perturb parameters outside "
                 "the forward, which FSDP1 keeps flattened; use fsdp_version: 2 (configs/accelerate/fsdp.yaml)"

@@ -37,7 +37,7 @@ THINK_ANSWER_SYSTEM_PROMPT = (
 )  # verbatim from the reference, indentation included: it is what its models were trained on
 
 GSM8K_HASH_INSTRUCTION = (
-    "\n        Let's think step by step first within <think> </think> tags, and output the final answer after \"####\" "
+    '\n        Let\'s think step by step first within <think> </think> tags, and output the final answer after "####" '
     "tag, i.e.,: \n        #     <think>\n        #     ...\n        #     </think>\n        #     #### number\n    "
 )  # verbatim from the reference's first commit, appended to the question after a space
 

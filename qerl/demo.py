@@ -50,9 +50,12 @@ class CompactProgress(TrainerCallback):
         self.window.append(logs)
         if state.global_step % self.every == 0 or state.global_step == state.max_steps:
             mean = lambda key: statistics.fmean(row.get(key, 0.0) for row in self.window)  # noqa: E731
-            print(f"[demo] step {state.global_step:4d}/{state.max_steps}  reward {mean('reward'):.3f}  "
-                  f"entropy {mean('entropy'):.3f}  sigma {logs.get('aqn/sigma', 0.0):.1e}  "
-                  f"({time.time() - self.start:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"[demo] step {state.global_step:4d}/{state.max_steps}  reward {mean('reward'):.3f}  "
+                f"entropy {mean('entropy'):.3f}  sigma {logs.get('aqn/sigma', 0.0):.1e}  "
+                f"({time.time() - self.start:.0f} s)",
+                flush=True,
+            )
             self.window = []
 
 
@@ -97,9 +100,16 @@ def sample_accuracy(model, tokenizer, n: int = 256, seed: int = 7) -> float:
     device = next(model.parameters()).device
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
     out = model.generate(
-        input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), max_new_tokens=5, do_sample=True,
-        temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        input_ids=ids,
+        attention_mask=(ids != tokenizer.pad_token_id).long(),
+        max_new_tokens=5,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return sum(t.strip() == a for t, a in zip(texts, rows["answer"], strict=True)) / n
 
@@ -112,12 +122,30 @@ def tenth_means(rewards: list[float]) -> tuple[float, float]:
 def rl_config(args, cuda: bool, **overrides) -> QeRLConfig:
     """The demo's DAPO + AQN + LoRA settings (the recipes' shape), with what differs per model in `overrides`."""
     settings = dict(
-        output_dir=os.path.join(args.output_dir, "rl"), max_steps=args.rl_steps, learning_rate=args.learning_rate,
-        lr_scheduler_type="constant_with_warmup", warmup_steps=0.05, loss_type="dapo", beta=0.0, epsilon_high=0.28,
-        mask_truncated_completions=True, lora_rank=16, trainable_norms=True, sigma_start=1e-2, sigma_end=1e-4,
-        num_stages=10, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not cuda, bf16=cuda,
-        gradient_checkpointing=False, seed=args.seed, disable_tqdm=True, rollout_backend=args.rollout_backend,
-    )  # fmt: skip
+        output_dir=os.path.join(args.output_dir, "rl"),
+        max_steps=args.rl_steps,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=0.05,
+        loss_type="dapo",
+        beta=0.0,
+        epsilon_high=0.28,
+        mask_truncated_completions=True,
+        lora_rank=16,
+        trainable_norms=True,
+        sigma_start=1e-2,
+        sigma_end=1e-4,
+        num_stages=10,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not cuda,
+        bf16=cuda,
+        gradient_checkpointing=False,
+        seed=args.seed,
+        disable_tqdm=True,
+        rollout_backend=args.rollout_backend,
+    )
     return QeRLConfig(**{**settings, **overrides})
 
 
@@ -135,25 +163,37 @@ class DemoSetup:
 
 def toy_setup(args, device, cuda: bool) -> DemoSetup:
     """The built-in toy: a tiny Qwen2 warmed up on arithmetic, quantized; 64 fixed problems."""
-    width = {} if args.hidden_size == 64 else {  # 64-wide attention heads, as in real models
-        "hidden_size": args.hidden_size, "intermediate_size": 2 * args.hidden_size,
-        "num_heads": max(args.hidden_size // 64, 2), "num_kv_heads": 2,
-    }  # fmt: skip
+    width = (
+        {}
+        if args.hidden_size == 64
+        else {  # 64-wide attention heads, as in real models
+            "hidden_size": args.hidden_size,
+            "intermediate_size": 2 * args.hidden_size,
+            "num_heads": max(args.hidden_size // 64, 2),
+            "num_kv_heads": 2,
+        }
+    )
     model, tokenizer = build_tiny(seed=args.seed, **width)
     loss = warm_up(model, tokenizer, args.warmup_steps, device, seed=args.seed)
-    print(f"[demo] warm-up: {args.warmup_steps} supervised steps, loss {loss:.3f}, "
-          f"sampled accuracy {sample_accuracy(model, tokenizer):.1%}")  # fmt: skip
+    print(
+        f"[demo] warm-up: {args.warmup_steps} supervised steps, loss {loss:.3f}, "
+        f"sampled accuracy {sample_accuracy(model, tokenizer):.1%}"
+    )
     _, nvfp4_dir = save_tiny_checkpoints(os.path.join(args.output_dir, "checkpoints"), model.cpu(), tokenizer)
     # fp32 compute on the CPU (bf16 matmuls are slow there); the weights stay packed NVFP4 either way.
     base = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
-    print(f"[demo] NVFP4 checkpoint: {nvfp4_dir}; sampled accuracy of the NVFP4 base "
-          f"{sample_accuracy(base, tokenizer):.1%}")  # fmt: skip
-    config = rl_config(args, cuda, per_device_train_batch_size=64, num_generations=8, max_completion_length=6,
-                       lora_alpha=32)  # 8 prompts x 8 samples per step  # fmt: skip
+    print(
+        f"[demo] NVFP4 checkpoint: {nvfp4_dir}; sampled accuracy of the NVFP4 base "
+        f"{sample_accuracy(base, tokenizer):.1%}"
+    )
+    config = rl_config(
+        args, cuda, per_device_train_batch_size=64, num_generations=8, max_completion_length=6, lora_alpha=32
+    )  # 8 prompts x 8 samples per step
     problems = data.arithmetic_dataset(args.problems, seed=args.seed + 1, max_operand=MAX_OPERAND)
     eval_hint = f"python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 --model {nvfp4_dir}"
-    return DemoSetup(base, tokenizer, problems, data.reward_funcs_for("arithmetic"), config, nvfp4_dir, eval_hint,
-                     "tiny NVFP4 Qwen2")
+    return DemoSetup(
+        base, tokenizer, problems, data.reward_funcs_for("arithmetic"), config, nvfp4_dir, eval_hint, "tiny NVFP4 Qwen2"
+    )
 
 
 def real_model_setup(args, device, cuda: bool) -> DemoSetup:
@@ -167,36 +207,61 @@ def real_model_setup(args, device, cuda: bool) -> DemoSetup:
     tokenizer = policy.load_tokenizer(nvfp4_dir)
     base = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
     task = data.load_task(str(GSM8K_SAMPLE), "train", "gsm8k_lenient", seed=args.seed)
-    config = rl_config(args, cuda, per_device_train_batch_size=16, gradient_accumulation_steps=4, num_generations=8,
-                       max_completion_length=256, temperature=0.7, lora_alpha=16, rollout_kv_cache_gib=4)  # fmt: skip
-    eval_hint = (f"python -m eval.gsm8k --format gsm8k_hash --protocol greedy --max-new-tokens 512 "
-                 f"--data ../shared/data/gsm8k/test.jsonl --model {nvfp4_dir}")  # fmt: skip
-    return DemoSetup(base, tokenizer, task.train, task.reward_funcs, config, nvfp4_dir, eval_hint,
-                     f"{args.model} NVFP4")
+    config = rl_config(
+        args,
+        cuda,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=4,
+        num_generations=8,
+        max_completion_length=256,
+        temperature=0.7,
+        lora_alpha=16,
+        rollout_kv_cache_gib=4,
+    )
+    eval_hint = (
+        f"python -m eval.gsm8k --format gsm8k_hash --protocol greedy --max-new-tokens 512 "
+        f"--data ../shared/data/gsm8k/test.jsonl --model {nvfp4_dir}"
+    )
+    return DemoSetup(
+        base, tokenizer, task.train, task.reward_funcs, config, nvfp4_dir, eval_hint, f"{args.model} NVFP4"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a real model to run RL on instead of the toy (python -m qerl.models list, "
-                        "e.g. smollm2-135m-instruct: downloaded once, ~93 MB); GPU recommended")
+    parser.add_argument(
+        "--model",
+        help="a real model to run RL on instead of the toy (python -m qerl.models list, "
+        "e.g. smollm2-135m-instruct: downloaded once, ~93 MB); GPU recommended",
+    )
     parser.add_argument("--checkpoint-dir", default="ckpt", help="--model: where its BF16 and NVFP4 folders go")
     parser.add_argument("--output-dir", default="runs/demo")
     parser.add_argument("--warmup-steps", type=int, default=600, help="toy: supervised steps before RL")
     parser.add_argument("--rl-steps", type=int, help="RL steps (default: 600 for the toy, 30 for --model)")
     parser.add_argument("--problems", type=int, default=64, help="toy: size of the RL problem set")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learning-rate", type=float,
-                        help="LoRA learning rate of the RL phase (default: 1.5e-3 for the toy, 1e-4 for --model)")
-    parser.add_argument("--hidden-size", type=int, default=64,
-                        help="toy: model width; vLLM's NVFP4 (Marlin) kernel needs 128 or more")  # fmt: skip
-    parser.add_argument("--rollout-backend", default=None,
-                        help="transformers (the toy's default), native (our CUDA-graph engine; --model's default on "
-                        "a GPU), or vllm (on a GPU; the toy with --hidden-size 128 or more)")  # fmt: skip
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        help="LoRA learning rate of the RL phase (default: 1.5e-3 for the toy, 1e-4 for --model)",
+    )
+    parser.add_argument(
+        "--hidden-size", type=int, default=64, help="toy: model width; vLLM's NVFP4 (Marlin) kernel needs 128 or more"
+    )
+    parser.add_argument(
+        "--rollout-backend",
+        default=None,
+        help="transformers (the toy's default), native (our CUDA-graph engine; --model's default on "
+        "a GPU), or vllm (on a GPU; the toy with --hidden-size 128 or more)",
+    )
     args = parser.parse_args(argv)
     real = args.model is not None
     # Defaults that depend on the model: only where the flag was not given.
-    for name, real_default, toy_default in (("rl_steps", 30, 600), ("learning_rate", 1e-4, 1.5e-3),
-                                            ("rollout_backend", "auto", "transformers")):  # fmt: skip
+    for name, real_default, toy_default in (
+        ("rl_steps", 30, 600),
+        ("learning_rate", 1e-4, 1.5e-3),
+        ("rollout_backend", "auto", "transformers"),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, real_default if real else toy_default)
 
@@ -207,8 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[demo] device: {device}; output: {os.path.abspath(args.output_dir)}")
     setup = (real_model_setup if real else toy_setup)(args, device, cuda)
     config = setup.config
-    trainer = QeRLTrainer(setup.base, setup.reward_funcs, args=config, train_dataset=setup.problems,
-                          processing_class=setup.tokenizer)  # fmt: skip
+    trainer = QeRLTrainer(
+        setup.base, setup.reward_funcs, args=config, train_dataset=setup.problems, processing_class=setup.tokenizer
+    )
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(CompactProgress(every=max(args.rl_steps // 20, 1)))
     trainer.train()
@@ -219,14 +285,17 @@ def main(argv: list[str] | None = None) -> dict:
     rows = plotting.read_metrics(metrics_path)
     first, last = tenth_means([r["reward"] for r in rows])
     png = plotting.plot_metrics(
-        metrics_path, os.path.join(args.output_dir, "demo.png"),
+        metrics_path,
+        os.path.join(args.output_dir, "demo.png"),
         title=f"QeRL demo: {setup.title}, DAPO + AQN + LoRA ({device.type})",
-    )  # fmt: skip
+    )
     summary = {"first_tenth_reward": first, "last_tenth_reward": last, "seconds": time.time() - start,
                "metrics": os.path.abspath(metrics_path), "plot": os.path.abspath(png),
                "adapter": os.path.abspath(adapter_dir), "base": os.path.abspath(setup.nvfp4_dir)}  # fmt: skip
-    print(f"[demo] mean reward, first tenth of steps {first:.3f} -> last tenth {last:.3f} "
-          f"({last - first:+.3f}) in {summary['seconds']:.0f} s")  # fmt: skip
+    print(
+        f"[demo] mean reward, first tenth of steps {first:.3f} -> last tenth {last:.3f} "
+        f"({last - first:+.3f}) in {summary['seconds']:.0f} s"
+    )
     print(f"[demo] metrics: {summary['metrics']}")
     print(f"[demo] plot:    {summary['plot']}")
     print(f"[demo] adapter: {summary['adapter']} (on the NVFP4 base {summary['base']}); evaluate it with")

@@ -47,4 +47,3 @@ def check_safetensors(path: str | os.PathLike) -> dict:
     if 8 + header_len + end != size:
         raise UsageError(f"{bad} (its header describes {8 + header_len + end} bytes, the file has {size})")
     return header
-

@@ -15,8 +15,9 @@ logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def dump_if_nonfinite(policy: nn.Module, output_dir: str, step: int, micro: int, batch: dict | None,
-                      loss_settings: dict) -> str | None:  # fmt: skip
+def dump_if_nonfinite(
+    policy: nn.Module, output_dir: str, step: int, micro: int, batch: dict | None, loss_settings: dict
+) -> str | None:
     """The dump's path if a trainable gradient of `policy` is non-finite (None otherwise): `batch`, the micro-batch
     as the loss saw it, and `loss_settings`, what the replay needs to rebuild that loss (temperature, loss_type,
     lora). Gradients accumulate over the micro-batches of a step, so the first check that fails names the
@@ -39,6 +40,12 @@ def dump_if_nonfinite(policy: nn.Module, output_dir: str, step: int, micro: int,
         },
         path,
     )
-    logger.error("step %d, micro-batch %d made %d trainable gradients non-finite (first: %s); saved to %s",
-                 step, micro, len(bad), bad[0], path)  # fmt: skip
+    logger.error(
+        "step %d, micro-batch %d made %d trainable gradients non-finite (first: %s); saved to %s",
+        step,
+        micro,
+        len(bad),
+        bad[0],
+        path,
+    )
     return path

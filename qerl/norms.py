@@ -93,8 +93,11 @@ class NormSites:
     def select(self, include_final: bool, include_heads: bool = False) -> dict[str, nn.Module]:
         """The norms to perturb, in this order (each group in module order, so that adding a group leaves the
         draws of the others as they were)."""
-        return {**self.layer_norms, **(self.final_norms if include_final else {}),
-                **(self.head_norms if include_heads else {})}
+        return {
+            **self.layer_norms,
+            **(self.final_norms if include_final else {}),
+            **(self.head_norms if include_heads else {}),
+        }
 
 
 def _hidden_size(model: nn.Module) -> int | None:

@@ -34,6 +34,7 @@ try:  # Triton is Linux-only; without it nothing here is launched.
 except ImportError:  # pragma: no cover - depends on the platform
     triton = None
 
+
 def pdl_enabled(device: torch.device) -> bool:
     """Launch with PDL: a CUDA device of compute capability 9.0+, not the interpreter, QERL_PDL not "0"."""
     if triton is None or INTERPRET or device.type != "cuda" or os.environ.get("QERL_PDL", "1") == "0":

@@ -47,8 +47,12 @@ def plot_metrics(metrics_path: str, png_path: str, title: str | None = None) -> 
             ax.step(xs, ys, where="post", color="tab:purple")
         else:
             ax.plot(xs, ys, alpha=0.3, color="tab:blue" if key == "reward" else "tab:green")
-            ax.plot(xs, smooth(list(ys), window), color="tab:blue" if key == "reward" else "tab:green",
-                    label=f"moving mean ({window} steps)")  # fmt: skip
+            ax.plot(
+                xs,
+                smooth(list(ys), window),
+                color="tab:blue" if key == "reward" else "tab:green",
+                label=f"moving mean ({window} steps)",
+            )
             ax.legend(loc="best", fontsize=8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

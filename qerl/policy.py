@@ -82,8 +82,10 @@ def eos_mismatch(tokenizer, generation_config) -> str | None:
     if not ids or tokenizer.eos_token_id in ids:
         return None
     named = ", ".join(f"{tokenizer.convert_ids_to_tokens(i)!r} (id {i})" for i in ids)
-    return (f"the tokenizer's EOS {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) is not among the generation "
-            f"config's EOS ids: {named}")  # fmt: skip
+    return (
+        f"the tokenizer's EOS {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) is not among the generation "
+        f"config's EOS ids: {named}"
+    )
 
 
 def lora_config(
@@ -136,4 +138,3 @@ def keep_fp32_masters(model: nn.Module) -> list[str]:
         if changed and "lora_" not in module_name and not norms.computes_in_fp32(module):
             norms.FP32Compute(module)
     return cast
-

@@ -31,12 +31,14 @@ def build_parser(prog: str = "python -m qerl.quantize", description: str = __doc
     parser.add_argument("--device", default="cpu", help="where the quantization math runs (cpu, cuda, cuda:1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype the weights are read in")
     parser.add_argument("--ignore", nargs="*", default=list(DEFAULT_IGNORE), help="Linears kept in BF16")
-    parser.add_argument("--max-shard-gb", type=cli.POSITIVE, default=DEFAULT_SHARD_BYTES / 1024**3,
-                        help="largest output shard, in GiB")  # fmt: skip
     parser.add_argument(
-        "--overwrite", action="store_true",
+        "--max-shard-gb", type=cli.POSITIVE, default=DEFAULT_SHARD_BYTES / 1024**3, help="largest output shard, in GiB"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
         help="replace --output if it is an empty folder or a checkpoint this tool wrote (nothing else is replaced)",
-    )  # fmt: skip
+    )
     return parser
 
 

@@ -164,4 +164,3 @@ def load_recipe(path: str, parser: RecipeParser, named_by: str = "--config", _ex
         inherited = load_recipe(base_path, parser, f"{path}: base", extending)
         settings = {**settings, **inherited, "env": {**settings["env"], **inherited["env"]}}
     return {**settings, **recipe, "env": {**settings["env"], **recipe.get("env", {})}}
-

@@ -62,8 +62,11 @@ class RunLock:
             os.close(fd)
         earlier = os.read(fd, 200).decode(errors="replace").split()
         if earlier and earlier[0] != str(os.getpid()):
-            logger.warning("%s: took over the lock of process %s, which ended without releasing it",
-                           self.path.parent, " on ".join(earlier[:2]))  # fmt: skip
+            logger.warning(
+                "%s: took over the lock of process %s, which ended without releasing it",
+                self.path.parent,
+                " on ".join(earlier[:2]),
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
@@ -119,8 +122,9 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
         for checkpoint in _checkpoints(Path(output_dir)):
             if _is_complete(checkpoint):
                 return str(checkpoint)
-            logger.warning("skipping %s: incomplete (no trainer_state.json; the run stopped while saving it)",
-                           checkpoint)  # fmt: skip
+            logger.warning(
+                "skipping %s: incomplete (no trainer_state.json; the run stopped while saving it)", checkpoint
+            )
         logger.warning("no complete checkpoint in %s yet: starting from scratch", output_dir)
         return None
     if not os.path.isdir(value):
@@ -165,6 +169,9 @@ def prepare_output_dir(config: QeRLConfig, model_name: str, overwrite: bool, loc
     if earlier and config.process_index == 0:
         for path in earlier:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-        logger.info("--overwrite-output-dir: deleted %s of the earlier run in %s",
-                    ", ".join(p.name for p in earlier), output_dir)  # fmt: skip
+        logger.info(
+            "--overwrite-output-dir: deleted %s of the earlier run in %s",
+            ", ".join(p.name for p in earlier),
+            output_dir,
+        )
     return resume

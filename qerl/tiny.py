@@ -79,19 +79,26 @@ def build_tiny_model(
     scaling 8, as Gemma-3-4B's) and the others local (base 1e4, a sliding window of 8 tokens), and a
     query_pre_attn_scalar that is not head_dim. `sliding_window` sets Gemma-3's local window, and gives Qwen2/Qwen3
     one (use_sliding_window) on every layer after the first."""
-    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-                                 "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[architecture]  # fmt: skip
+    config_class, model_class = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    }[architecture]
     extra = {"head_dim": head_dim} if head_dim is not None else {}
     if sliding_window is not None and architecture != "gemma3":
         extra.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=1)
     if architecture == "gemma3":
         head_dim = head_dim or hidden_size // num_heads
         extra = dict(
-            head_dim=head_dim, query_pre_attn_scalar=head_dim // 2, sliding_window=sliding_window or 8,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim // 2,
+            sliding_window=sliding_window or 8,
             layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(num_layers)],
-            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
-        )  # fmt: skip
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        )
     config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -67,18 +67,22 @@ class QeRLScriptArguments:
     )
     long_prompts: str = field(
         default="drop",
-        metadata={"help": f"A prompt over --max-prompt-length: {' or '.join(data.LONG_PROMPTS)}. drop: left out (TRL "
-                  "1.16 does not truncate); keep_last: its last tokens kept, as the QeRL reference's TRL 0.21 did (the "
-                  "system prompt and the question's start are cut)."},
-    )  # fmt: skip
+        metadata={
+            "help": f"A prompt over --max-prompt-length: {' or '.join(data.LONG_PROMPTS)}. drop: left out (TRL "
+            "1.16 does not truncate); keep_last: its last tokens kept, as the QeRL reference's TRL 0.21 did (the "
+            "system prompt and the question's start are cut)."
+        },
+    )
     soft_overlong_cache: int = field(
         default=0, metadata={"help": "DAPO soft overlong punishment over the last N completion tokens (0: off)."}
     )
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Start over in an --output-dir that holds an earlier run: its checkpoint-* folders and "
-                  "adapter are deleted (its metrics.jsonl is kept as metrics.N.jsonl)."},
-    )  # fmt: skip
+        metadata={
+            "help": "Start over in an --output-dir that holds an earlier run: its checkpoint-* folders and "
+            "adapter are deleted (its metrics.jsonl is kept as metrics.N.jsonl)."
+        },
+    )
     fast_inference: bool | None = field(default=None, metadata={"help": f"Ignored: {IGNORED_FLAGS['fast_inference']}."})
     max_seq_length: int | None = field(default=None, metadata={"help": f"Ignored: {IGNORED_FLAGS['max_seq_length']}."})
 
@@ -173,14 +177,15 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=No
     if model is None:
         model = policy.load_base_model(script_args.model_name, script_args.precision, dtype, device=config.device)
     task = data.load_task(
-        script_args.dataset, script_args.dataset_split, script_args.dataset_format, script_args.num_examples,
+        script_args.dataset,
+        script_args.dataset_split,
+        script_args.dataset_format,
+        script_args.num_examples,
         seed=config.seed,
-    )  # fmt: skip
+    )
     train_dataset = data.fit_prompts(task.train, tokenizer, script_args.max_prompt_length, script_args.long_prompts)
     if len(train_dataset) == 0:
-        raise UsageError(
-            f"no prompt of {script_args.dataset} fits --max-prompt-length {script_args.max_prompt_length}"
-        )
+        raise UsageError(f"no prompt of {script_args.dataset} fits --max-prompt-length {script_args.max_prompt_length}")
     if config.vllm_max_model_length is None and script_args.max_prompt_length:
         # The rollout engine's context: the longest prompt kept plus a full completion (the reference's
         # max_seq_length), rather than the model's whole context window.
@@ -190,8 +195,13 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=No
         reward_funcs.append(
             rewards.soft_overlong_punishment(config.max_completion_length, script_args.soft_overlong_cache)
         )
-    logger.info("task %s (%s format): %d prompts, rewards %s", task.name, task.format, len(train_dataset),
-                [getattr(f, "__name__", type(f).__name__) for f in reward_funcs])  # fmt: skip
+    logger.info(
+        "task %s (%s format): %d prompts, rewards %s",
+        task.name,
+        task.format,
+        len(train_dataset),
+        [getattr(f, "__name__", type(f).__name__) for f in reward_funcs],
+    )
     return QeRLTrainer(model, reward_funcs, args=config, train_dataset=train_dataset, processing_class=tokenizer)
 
 
@@ -228,4 +238,3 @@ def run(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(run())
-

@@ -85,9 +85,12 @@ class QeRLTrainer(GRPOTrainer):
                 layer.compile(dynamic=True)
         mismatch = policy.eos_mismatch(self._tokenizer, self.model.generation_config)
         if mismatch:
-            warnings.warn(f"{mismatch}. Rollouts end at any of them (TRL adds the tokenizer's EOS); the model's own "
-                          "EOS ids are kept (transformers' \"Updated tokens\" notice as training starts is undone "
-                          "before the first step).", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{mismatch}. Rollouts end at any of them (TRL adds the tokenizer's EOS); the model's own "
+                'EOS ids are kept (transformers\' "Updated tokens" notice as training starts is undone '
+                "before the first step).",
+                stacklevel=2,
+            )
         self.add_callback(KeepModelEos(self.model))
         self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup())
         self._norm_sites: dict[int, norms.NormSites] = {}
@@ -133,8 +136,16 @@ class QeRLTrainer(GRPOTrainer):
         # The policy's transformers norms need FP32Compute to use an FP32 scale; an engine's own model (vLLM:
         # FP32 norm weights, CUDA graphs where hooks never run) applies its FP32 scales itself.
         own = model is self.model
-        with aqn.noisy_norms(model, sigma, generator, a.aqn_final_norm, sites, a.aqn_dtype, fp32_compute=own,
-                             include_head_norms=a.aqn_head_norms) as stats:  # fmt: skip
+        with aqn.noisy_norms(
+            model,
+            sigma,
+            generator,
+            a.aqn_final_norm,
+            sites,
+            a.aqn_dtype,
+            fp32_compute=own,
+            include_head_norms=a.aqn_head_norms,
+        ) as stats:
             yield stats
 
     # ======================================================================================================
@@ -288,36 +299,62 @@ class QeRLTrainer(GRPOTrainer):
         generator = torch.Generator().manual_seed(self._noise_seed)
         with (
             self._open_policy() as model,
-            aqn.noisy_norms(model, self.last_noise.sigma, generator, a.aqn_final_norm, self._sites(model), a.aqn_dtype,
-                            include_head_norms=a.aqn_head_norms),
+            aqn.noisy_norms(
+                model,
+                self.last_noise.sigma,
+                generator,
+                a.aqn_final_norm,
+                self._sites(model),
+                a.aqn_dtype,
+                include_head_norms=a.aqn_head_norms,
+            ),
         ):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, output["completion_ids"].size(1), a.per_device_train_batch_size
             )
         return logps
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         if self.args.unpadded_forward and not compute_aux_loss and all(v is None for v in multimodal.values()):
-            result = self._unpadded_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                                        compute_entropy)  # fmt: skip
+            result = self._unpadded_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
+            )
         else:
-            result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                                batch_size, compute_entropy, compute_aux_loss,
-                                                                **multimodal)  # fmt: skip
+            result = super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal,
+            )
         if self._loss_logps is not None:
             self._loss_logps.append(result[0].detach())
         return result
 
-    def _unpadded_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                      compute_entropy):
+    def _unpadded_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
+    ):
         """TRL's per-token log-probs (and entropies) of the completion tokens, in TRL's layout, from forwards over
         the rows' real tokens only (qerl/unpadded.py), through the fused LM head TRL puts on the model."""
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
-            chunk = unpadded.unpad(input_ids[start : start + batch_size], attention_mask[start : start + batch_size],
-                                   logits_to_keep)  # fmt: skip
+            chunk = unpadded.unpad(
+                input_ids[start : start + batch_size], attention_mask[start : start + batch_size], logits_to_keep
+            )
             with self.accelerator.autocast():
                 out = model(input_ids=chunk.input_ids, labels=chunk.labels, fused_lm_head=True)
             logps.append(unpadded.to_completion_layout(out.log_probs, chunk))
@@ -355,12 +392,22 @@ class QeRLTrainer(GRPOTrainer):
         a = self.args
         if a.dump_nonfinite_grads and self.nonfinite_dump is None:
             self.nonfinite_dump = dump_if_nonfinite(
-                self.accelerator.unwrap_model(self.model), a.output_dir, step=self.state.global_step + 1,
-                micro=(self._step - 1) % self.current_gradient_accumulation_steps, batch=self._micro_batch,
-                loss_settings={"temperature": self.temperature, "loss_type": self.loss_type,
-                               "lora": {"rank": a.lora_rank, "alpha": a.lora_alpha,
-                                        "targets": list(a.lora_target_modules), "trainable_norms": a.trainable_norms}},
-            )  # fmt: skip
+                self.accelerator.unwrap_model(self.model),
+                a.output_dir,
+                step=self.state.global_step + 1,
+                micro=(self._step - 1) % self.current_gradient_accumulation_steps,
+                batch=self._micro_batch,
+                loss_settings={
+                    "temperature": self.temperature,
+                    "loss_type": self.loss_type,
+                    "lora": {
+                        "rank": a.lora_rank,
+                        "alpha": a.lora_alpha,
+                        "targets": list(a.lora_target_modules),
+                        "trainable_norms": a.trainable_norms,
+                    },
+                },
+            )
         return loss
 
     @torch.no_grad()

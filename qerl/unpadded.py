@@ -49,8 +49,9 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_widt
     ids = input_ids[rows].gather(1, order)[:, :width]
     columns = torch.arange(width, device=ids.device)
     scored = (columns >= prompt_lengths[rows, None]) & (columns < lengths[:, None])
-    return UnpaddedBatch(ids, ids.masked_fill(~scored, IGNORE), rows, prompt_lengths[rows], completion_lengths,
-                         completion_width)  # fmt: skip
+    return UnpaddedBatch(
+        ids, ids.masked_fill(~scored, IGNORE), rows, prompt_lengths[rows], completion_lengths, completion_width
+    )
 
 
 def to_completion_layout(per_token: torch.Tensor, batch: UnpaddedBatch) -> torch.Tensor:

@@ -96,8 +96,16 @@ def test_noise_is_drawn_the_same_under_both_rules():
 def nvfp4_bf16_policy(checkpoints, tmp_path_factory):
     """The tiny NVFP4 model in BF16 with LoRA and trainable norms: the policy QeRLTrainer trains."""
     _, nvfp4_dir = checkpoints
-    args = QeRLConfig(str(tmp_path_factory.mktemp("run")), use_cpu=True, report_to=[], per_device_train_batch_size=4,
-                      num_generations=4, lora_rank=4, lora_alpha=8, trainable_norms=True)  # fmt: skip
+    args = QeRLConfig(
+        str(tmp_path_factory.mktemp("run")),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=4,
+        lora_rank=4,
+        lora_alpha=8,
+        trainable_norms=True,
+    )
     model = make_trainer(nvfp4_dir, args, dtype=torch.bfloat16).model
     norm_copies = [p for n, p in model.named_parameters() if "modules_to_save" in n and p.requires_grad]
     assert len(norm_copies) == 4 and all(p.dtype == torch.float32 for p in norm_copies)  # FP32 masters

@@ -94,8 +94,10 @@ def world(tmp_path_factory):
     (root / "model.gguf").write_bytes(b"GGUF" + bytes(60))
     (root / "gguf_folder").mkdir()
     (root / "gguf_folder" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF" + bytes(60))
-    for name, config in (("t5", {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}),
-                         ("alien", {"model_type": "alien_lm", "architectures": ["AlienForCausalLM"]})):  # fmt: skip
+    for name, config in (
+        ("t5", {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}),
+        ("alien", {"model_type": "alien_lm", "architectures": ["AlienForCausalLM"]}),
+    ):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
     save_lora(build_tiny(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1)[0], root / "other_base")
@@ -168,8 +170,11 @@ TRIALS = [
     ("qerl.train", [*T, "--num-stages", "2"], "--num-stages must be an integer >= 3 (AQN"),
     ("qerl.train", [*T, "--model-name", "model.gguf"], "model.gguf is a GGUF file", FETCH_COMMAND),
     ("qerl.train", [*T, "--model-name", "alien"], "AlienForCausalLM of model_type 'alien_lm', unknown to transformers"),
-    ("qerl.train", [*T, "--output-dir", "run_r4", "--resume-from-checkpoint", "true", "--lora-rank", "8"],
-     "checkpoint-1: its LoRA rank is 4, --lora-rank is 8; pass --lora-rank 4"),
+    (
+        "qerl.train",
+        [*T, "--output-dir", "run_r4", "--resume-from-checkpoint", "true", "--lora-rank", "8"],
+        "checkpoint-1: its LoRA rank is 4, --lora-rank is 8; pass --lora-rank 4",
+    ),
     ("qerl.train", [*T, "--num-generations", "3"], "num_generations to a divisor of 8"),
     ("qerl.train", [*T, "--precision", "bf16"], "is an NVFP4 checkpoint"),
     ("qerl.train", [*T, "--model-name", "truncated"], "truncated or corrupt"),
@@ -179,8 +184,12 @@ TRIALS = [
     ("eval.gsm8k", [*E, "--limit", "-3"], "--limit: must be an integer >= 1, got -3"),
     ("eval.gsm8k", [*E, "--adapter", "no_adapter"], "no_adapter: no adapter_config.json"),
     ("eval.gsm8k", [*E, "--adapter", "nope"], "--adapter nope: no such folder"),
-    ("eval.gsm8k", [*E, "--adapter", "other_base"], "--adapter other_base does not fit --model ck/nvfp4: "
-     "model.layers.0.mlp.down_proj is [64, 128] (out, in) in the model, [32, 64] in the adapter"),
+    (
+        "eval.gsm8k",
+        [*E, "--adapter", "other_base"],
+        "--adapter other_base does not fit --model ck/nvfp4: "
+        "model.layers.0.mlp.down_proj is [64, 128] (out, in) in the model, [32, 64] in the adapter",
+    ),
     ("eval.gsm8k", [*E, "--model", "gguf_folder"], "SmolLM2-135M-Instruct.Q4_1.gguf is a GGUF file"),
     ("eval.gsm8k", [*E, "--seed", "-1"], "--seed: must be an integer in [0, 4294967295], got -1"),
     ("eval.gsm8k", [*E, "--batch-size", "0"], "--batch-size: must be an integer >= 1, got 0"),
@@ -212,11 +221,18 @@ def test_bad_input_is_one_line_and_changes_nothing(world, monkeypatch, capsys, t
     assert snapshot(world) == before
 
 
-@pytest.mark.parametrize("env, argv, culprit", [
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, [], "FSDP version 1 is not supported"),
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
-     ["--ds3-gather-for-generation", "false"], "ds3_gather_for_generation false is not supported"),
-], ids=["fsdp1", "zero3-without-gather"])  # fmt: skip
+@pytest.mark.parametrize(
+    "env, argv, culprit",
+    [
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, [], "FSDP version 1 is not supported"),
+        (
+            {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+            ["--ds3-gather-for-generation", "false"],
+            "ds3_gather_for_generation false is not supported",
+        ),
+    ],
+    ids=["fsdp1", "zero3-without-gather"],
+)
 def test_unsupported_launch_configs_are_one_line(world, monkeypatch, capsys, env, argv, culprit):
     """What `accelerate launch` hands the processes (its config as environment variables), refused before loading."""
     if "ACCELERATE_USE_DEEPSPEED" in env:
@@ -267,8 +283,10 @@ def test_each_cli_as_a_process(world, tmp_path):
     finally:
         lock.release()
     assert eos.returncode == 0, eos.stderr
-    assert "the tokenizer's EOS '<|end|>' (id 2) is not among the generation config's EOS ids: '<|system|>' (id 3)" \
+    assert (
+        "the tokenizer's EOS '<|end|>' (id 2) is not among the generation config's EOS ids: '<|system|>' (id 3)"
         in eos.stderr
+    )
 
 
 def test_a_backend_that_cannot_run_the_model_is_named_with_the_one_auto_would_use(tmp_path, monkeypatch, capsys):
@@ -285,10 +303,15 @@ def test_a_backend_that_cannot_run_the_model_is_named_with_the_one_auto_would_us
     argv = ["--model-name", nvfp4_dir, "--output-dir", str(tmp_path / "out"), "--use-cpu", "True", "--dataset",
             "arithmetic", "--num-examples", "8", "--rollout-backend", "native"]  # fmt: skip
     code = cli.run_cli(MAINS["qerl.train"], "qerl.train", argv)
-    assert_one_line_error(code, capsys.readouterr().err, "qerl.train", "rollout_backend native: the native engine "
-                          "cannot run Qwen2ForCausalLM: hidden_act 'gelu'; the engine's MLP gates are silu, "
-                          "gelu_pytorch_tanh",
-                          "rollout_backend auto would use transformers")  # fmt: skip
+    assert_one_line_error(
+        code,
+        capsys.readouterr().err,
+        "qerl.train",
+        "rollout_backend native: the native engine "
+        "cannot run Qwen2ForCausalLM: hidden_act 'gelu'; the engine's MLP gates are silu, "
+        "gelu_pytorch_tanh",
+        "rollout_backend auto would use transformers",
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -298,9 +321,9 @@ def numeric_fields(cls) -> list[str]:
     return [
         f.name
         for f in dataclasses.fields(cls)
-        if {int, float} & set(typing.get_args(hints[f.name]) if isinstance(hints[f.name], types.UnionType)
-                              else (hints[f.name],))
-    ]  # fmt: skip
+        if {int, float}
+        & set(typing.get_args(hints[f.name]) if isinstance(hints[f.name], types.UnionType) else (hints[f.name],))
+    ]
 
 
 NUMERIC_FLAGS = {  # the numeric flags of eval and the quantizer: parser -> argv that is valid but for the flag
@@ -336,8 +359,15 @@ def test_zero_and_minus_one_in_every_training_setting(tmp_path, name):
                 train.parse_args(argv)
 
 
-@pytest.mark.parametrize("prog, flag", [(prog, a.option_strings[0]) for prog, (parser, _) in NUMERIC_FLAGS.items()
-                                        for a in parser._actions if isinstance(a.type, cli.Range)])  # fmt: skip
+@pytest.mark.parametrize(
+    "prog, flag",
+    [
+        (prog, a.option_strings[0])
+        for prog, (parser, _) in NUMERIC_FLAGS.items()
+        for a in parser._actions
+        if isinstance(a.type, cli.Range)
+    ],
+)
 def test_zero_and_minus_one_in_every_numeric_flag(prog, flag):
     parser, argv = NUMERIC_FLAGS[prog]
     rule = next(a.type for a in parser._actions if flag in a.option_strings)
@@ -377,9 +407,7 @@ def test_overwrite_replaces_only_its_own_checkpoint_and_cleans_stale_work_folder
     live.mkdir()
     source_before = snapshot(src)
     for overwrite in ([], ["--overwrite"]):
-        code = cli.run_cli(
-            quantize.main, "qerl.quantize", ["--model", str(src), "--output", str(out), *overwrite]
-        )
+        code = cli.run_cli(quantize.main, "qerl.quantize", ["--model", str(src), "--output", str(out), *overwrite])
         assert code == 0
     assert any(f"removed {stale}" in r.getMessage() and "did not finish" in r.getMessage() for r in caplog.records)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])
@@ -392,8 +420,18 @@ def test_help_is_short_shows_defaults_and_says_what_flags_do(capsys):
         train.parse_args(["--help"])
     text = capsys.readouterr().out
     assert len(text.splitlines()) < 80
-    for flag in ("--config", "--model-name", "--dataset", "--max-completion-length", "--lora-rank", "--sigma-start",
-                 "--rollout-backend", "--output-dir", "--resume-from-checkpoint", "--help-all"):  # fmt: skip
+    for flag in (
+        "--config",
+        "--model-name",
+        "--dataset",
+        "--max-completion-length",
+        "--lora-rank",
+        "--sigma-start",
+        "--rollout-backend",
+        "--output-dir",
+        "--resume-from-checkpoint",
+        "--help-all",
+    ):
         assert flag in text
     assert "(default: 16)" in text  # LoRA rank
     parser = train._parser()

@@ -44,8 +44,9 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(**SIZES, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=False),
     # Gemma-3 text: q/k norms, four (1 + w) norms per layer, a scaled embedding tied to the LM head (stays BF16)
-    "gemma3": lambda: Gemma3TextConfig(**SIZES, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-                                       tie_word_embeddings=True),
+    "gemma3": lambda: Gemma3TextConfig(
+        **SIZES, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=True
+    ),
 }
 
 

@@ -53,11 +53,18 @@ def _nvcc_build(out_dir, arch, instances, extra_source="", params="Args"):
     """The instances built with nvcc (NVRTC builds them the same way on the GPU): ptxas's report and the cubin.
     `extra_source` follows decode_gemm.cu, as cuda_gemm._kernel appends it."""
     src = out_dir / "instances.cu"
-    src.write_text(f'#include "{cuda_gemm.SOURCE}"\n' + extra_source
-                   + "".join(f"template __global__ void {i}({params});\n" for i in instances))
+    src.write_text(
+        f'#include "{cuda_gemm.SOURCE}"\n'
+        + extra_source
+        + "".join(f"template __global__ void {i}({params});\n" for i in instances)
+    )
     cubin = out_dir / "k.cubin"
-    report = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-Xptxas", "-v", "-o", str(cubin), str(src)],
-                            capture_output=True, text=True, check=True).stderr
+    report = subprocess.run(
+        ["nvcc", "-cubin", f"-arch={arch}", "-Xptxas", "-v", "-o", str(cubin), str(src)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
     return report, cubin
 
 
@@ -65,16 +72,22 @@ def _nvcc_build(out_dir, arch, instances, extra_source="", params="Args"):
 def sm90_build(tmp_path_factory):
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
-    return _nvcc_build(tmp_path_factory.mktemp("sm90"), "sm_90",
-                       [f"nvfp4_decode_gemm<{a}, {b}, {c}, {d}, {e}>" for a, b, c, d, e in INSTANCES])
+    return _nvcc_build(
+        tmp_path_factory.mktemp("sm90"),
+        "sm_90",
+        [f"nvfp4_decode_gemm<{a}, {b}, {c}, {d}, {e}>" for a, b, c, d, e in INSTANCES],
+    )
 
 
 @pytest.fixture(scope="module")
 def sm90a_build(tmp_path_factory):
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
-    return _nvcc_build(tmp_path_factory.mktemp("sm90a"), "sm_90a",
-                       [f"nvfp4_wgmma_gemm<{a}, {b}, {c}, {d}>" for a, b, c, d in WGMMA_INSTANCES])
+    return _nvcc_build(
+        tmp_path_factory.mktemp("sm90a"),
+        "sm_90a",
+        [f"nvfp4_wgmma_gemm<{a}, {b}, {c}, {d}>" for a, b, c, d in WGMMA_INSTANCES],
+    )
 
 
 def test_builds_for_sm90_without_spills(sm90_build):
@@ -98,10 +111,10 @@ def test_wgmma_ceiling_probe_builds_unserialized(tmp_path):
         pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
     from benchmarks.probe_gemm import CEILING_LDG_SOURCES, CEILING_SOURCE, CEILING_STAGES
 
-    for instances, params in (([f"wgmma_ceiling<{s}, {w}>" for s in range(len(CEILING_STAGES)) for w in (1, 2, 3, 4)],
-                               "CeilingArgs"),
-                              ([f"wgmma_ceiling_ldg<{s}, {w}, {r}>" for s, r, _ in CEILING_LDG_SOURCES for w in (1, 4)],
-                               "CeilingLdgArgs")):
+    for instances, params in (
+        ([f"wgmma_ceiling<{s}, {w}>" for s in range(len(CEILING_STAGES)) for w in (1, 2, 3, 4)], "CeilingArgs"),
+        ([f"wgmma_ceiling_ldg<{s}, {w}, {r}>" for s, r, _ in CEILING_LDG_SOURCES for w in (1, 4)], "CeilingLdgArgs"),
+    ):
         report, _ = _nvcc_build(tmp_path, "sm_90a", instances, CEILING_SOURCE.read_text(), params)
         assert "Potential Performance Loss" not in report, report
         spills = re.findall(r"(\d+) bytes spill stores", report)
@@ -192,12 +205,23 @@ def test_dispatch_refuses_what_the_kernel_cannot_take():
 gpu = pytest.mark.gpu
 
 
-DECODE_CONFIGS = [None, cuda_gemm.CudaGemmConfig(32, 4, 2, 1, 0), cuda_gemm.CudaGemmConfig(16, 8, 3, 3, 1),
-                  cuda_gemm.CudaGemmConfig(64, 2, 2, 7, 1), cuda_gemm.CudaGemmConfig(32, 8, 2, 2, 1)]
-WGMMA_CONFIGS = [None, cuda_gemm.WgmmaConfig(1, 2, 1, 4), cuda_gemm.WgmmaConfig(2, 3, 3, 2),
-                 cuda_gemm.WgmmaConfig(2, 2, 5, 1), cuda_gemm.WgmmaConfig(1, 3, 2, 2)]
-sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="the wgmma kernel needs sm_90")
+DECODE_CONFIGS = [
+    None,
+    cuda_gemm.CudaGemmConfig(32, 4, 2, 1, 0),
+    cuda_gemm.CudaGemmConfig(16, 8, 3, 3, 1),
+    cuda_gemm.CudaGemmConfig(64, 2, 2, 7, 1),
+    cuda_gemm.CudaGemmConfig(32, 8, 2, 2, 1),
+]
+WGMMA_CONFIGS = [
+    None,
+    cuda_gemm.WgmmaConfig(1, 2, 1, 4),
+    cuda_gemm.WgmmaConfig(2, 3, 3, 2),
+    cuda_gemm.WgmmaConfig(2, 2, 5, 1),
+    cuda_gemm.WgmmaConfig(1, 3, 2, 2),
+]
+sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="the wgmma kernel needs sm_90"
+)
 KERNELS = {  # rows and configs per kernel (None: the dispatch's default config)
     "decode": ((1, 5, 8, 13, 16), DECODE_CONFIGS),
     "wgmma": pytest.param(((17, 33, 61, 64), WGMMA_CONFIGS), marks=sm90),
@@ -219,8 +243,16 @@ def test_gpu_matches_float64_every_variant(seed, n, k, rows_configs):
             for cfg in configs:
                 for _ in range(2):  # the second call runs on the counters the first left behind
                     y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                    cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias if with_bias else None, out=y,
-                                   counters=counters, config=cfg)
+                    cuda_gemm.gemm(
+                        x,
+                        q.packed,
+                        q.scale,
+                        q.global_scale,
+                        bias if with_bias else None,
+                        out=y,
+                        counters=counters,
+                        config=cfg,
+                    )
                     torch.cuda.synchronize()
                     assert not y.isnan().any() and not counters.any(), (m, cfg)
                     assert _rel_err(y, ref) < 4e-3, (m, cfg)
@@ -241,8 +273,10 @@ def test_gpu_lora_in_the_same_launch(seed, rank, rows_config):
         for n, k in ((1037, 3584), (4608, 640)):
             q = _weight(n, k, "cuda")
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            lora = (torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
-                    torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05)
+            lora = (
+                torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
+                torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05,
+            )
             bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
             ref = _reference(x, q, bias, lora)
             counters = ops.splitk_counters(n, "cuda", lora_rank=rank)
@@ -250,8 +284,9 @@ def test_gpu_lora_in_the_same_launch(seed, rank, rows_config):
             for cfg in (None, split_config):
                 for _ in range(2):
                     y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                    cuda_gemm.gemm(x, q.packed, q.scale, q.global_scale, bias, out=y, counters=counters, lora=lora,
-                                   config=cfg)
+                    cuda_gemm.gemm(
+                        x, q.packed, q.scale, q.global_scale, bias, out=y, counters=counters, lora=lora, config=cfg
+                    )
                     torch.cuda.synchronize()
                     assert not y.isnan().any() and torch.equal(counters, at_rest), (m, cfg)
                     assert _rel_err(y, ref) < 4e-3, (m, cfg)
@@ -270,8 +305,10 @@ def test_gpu_lora_dispatch_and_graph_replay_equal_eager(seed, case):
     q = _weight(n, k, "cuda")
     counters = ops.splitk_counters(n, "cuda", lora_rank=rank)
     at_rest = counters.clone()
-    lora = (torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
-            torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05)
+    lora = (
+        torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) * 0.05,
+        torch.randn(n, rank, device="cuda", dtype=torch.bfloat16) * 0.05,
+    )
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     assert cuda_gemm.supported(x, k, rank, n)
 

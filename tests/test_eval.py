@@ -71,8 +71,9 @@ def test_runs_on_nvfp4_base_applies_the_adapter_and_is_seeded(checkpoints, tmp_p
     assert greedy["do_sample"] is False and not list(tmp_path.glob("*.partial-*"))
 
 
-def test_native_backend_runs_on_the_policy_and_auto_falls_back_as_training_does(checkpoints, tmp_path, monkeypatch,
-                                                                               capsys):
+def test_native_backend_runs_on_the_policy_and_auto_falls_back_as_training_does(
+    checkpoints, tmp_path, monkeypatch, capsys
+):
     """--backend native samples with the rollout backend training uses (here on the CPU, seeded); auto falls back
     where the engine refuses a model through the rule training uses (rollout.with_auto_fallback)."""
     from qerl import rollout

@@ -21,8 +21,14 @@ def _run(folder, rewards, nan_from=None, accuracy=0.01, step_time=2.0):
     with open(folder / "metrics.jsonl", "w") as f:
         for step, reward in enumerate(rewards, 1):
             broken = nan_from is not None and step >= nan_from
-            row = {"step": step, "loss": 0.0, "reward": 0.0 if broken else reward, "step_time": step_time,
-                   "grad_norm": math.nan if broken else 0.3, "entropy": None if broken and step > nan_from else 0.7}
+            row = {
+                "step": step,
+                "loss": 0.0,
+                "reward": 0.0 if broken else reward,
+                "step_time": step_time,
+                "grad_norm": math.nan if broken else 0.3,
+                "entropy": None if broken and step > nan_from else 0.7,
+            }
             f.write(json.dumps(row) + "\n")  # NaN as JSON's NaN, as json.dumps writes TRL's log lines
     for protocol in arms.PROTOCOLS:
         summary = {"accuracy": accuracy, "accuracy_ci95": [0.0, 0.02], "accuracy_flexible": 2 * accuracy,
@@ -61,11 +67,23 @@ def test_report_tables_nonfinite_steps_accuracies_and_draws(tmp_path, capsys):
 
 def _args(tmp_path, **overrides):
     args = argparse.Namespace(
-        model="qwen2.5-coder-1.5b-instruct", recipe=None, out=tmp_path, train_data="train.jsonl",
-        test_data="test.jsonl", format="gsm8k_hash", temperature=1.0, train_flags=["--x"], eval_tokens=512,
-        eval_kv_gib=4.0, eval_limit=None, finish_by=None, eval_minutes=4.0, step_margin=1.1, warmup_seconds=60,
+        model="qwen2.5-coder-1.5b-instruct",
+        recipe=None,
+        out=tmp_path,
+        train_data="train.jsonl",
+        test_data="test.jsonl",
+        format="gsm8k_hash",
+        temperature=1.0,
+        train_flags=["--x"],
+        eval_tokens=512,
+        eval_kv_gib=4.0,
+        eval_limit=None,
+        finish_by=None,
+        eval_minutes=4.0,
+        step_margin=1.1,
+        warmup_seconds=60,
         min_steps=30,
-    )  # fmt: skip
+    )
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
@@ -79,8 +97,12 @@ def test_each_run_is_qerl_train_then_eval_gsm8k(tmp_path):
     assert task.log == tmp_path / "nvfp4_lora_aqn-seed2" / "log.txt"
     flags = dict(zip(train[3::2], train[4::2], strict=False))
     assert Path(flags["--config"]) == arms.REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
-    assert (flags["--aqn"], flags["--learning-rate"], flags["--seed"], flags["--max-steps"]) == ("true", "0.0001", "2",
-                                                                                                "80")
+    assert (flags["--aqn"], flags["--learning-rate"], flags["--seed"], flags["--max-steps"]) == (
+        "true",
+        "0.0001",
+        "2",
+        "80",
+    )
     assert (flags["--save-strategy"], flags["--save-steps"]) == ("steps", "27")
     evaluate = arms.eval_task(args, "ckpt/nvfp4", tmp_path / "run", "greedy", tmp_path / "run" / "e.jsonl", task)
     command = evaluate.command
@@ -106,8 +128,10 @@ def _task(tmp_path, name, code="pass", after=None, optional=False):
 
 def test_tasks_run_on_gpu_slots_after_what_they_need(tmp_path):
     train_a, train_b = _task(tmp_path, "train_a"), _task(tmp_path, "train_b", "raise SystemExit(3)")
-    evals = [_task(tmp_path, "eval_a", after=train_a, optional=True),
-             _task(tmp_path, "eval_b", after=train_b, optional=True)]  # fmt: skip
+    evals = [
+        _task(tmp_path, "eval_a", after=train_a, optional=True),
+        _task(tmp_path, "eval_b", after=train_b, optional=True),
+    ]
     late = _task(tmp_path, "late", optional=True)
     with pytest.raises(SystemExit, match=r"failed: train_b \(.*train_b.txt\)"):
         arms.run_tasks([train_a, train_b, *evals], gpus=2, per_gpu=1)
@@ -140,13 +164,39 @@ def test_sweep_train_report_on_the_tiny_model(checkpoints, tmp_path, capsys):
     shrink = ["--train-flags", "--max-completion-length", "6", "--max-prompt-length", "4096",
               "--per-device-train-batch-size", "8", "--gradient-accumulation-steps", "1", "--num-generations", "4",
               "--use-cpu", "true"]  # fmt: skip
-    arms.main(["sweep", *common, "--sweep-arms", "nvfp4_lora", "--lrs", "1e-5,1e-4", "--sweep-seeds", "100",
-               "--steps", "2", *shrink])  # fmt: skip
+    arms.main(
+        [
+            "sweep",
+            *common,
+            "--sweep-arms",
+            "nvfp4_lora",
+            "--lrs",
+            "1e-5,1e-4",
+            "--sweep-seeds",
+            "100",
+            "--steps",
+            "2",
+            *shrink,
+        ]
+    )
     sweep = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert set(sweep["chosen_lr"]) == set(arms.ARMS) and sweep["chosen_lr"]["bf16_lora"] is None
     assert sweep["chosen_lr"]["nvfp4_lora_aqn"] == sweep["chosen_lr"]["nvfp4_lora"] in (1e-5, 1e-4)
-    arms.main(["train", *common, "--arms", "nvfp4_lora,nvfp4_lora_aqn", "--seeds", "0", "--steps", "3",
-               "--checkpoints", "1", *shrink])  # fmt: skip
+    arms.main(
+        [
+            "train",
+            *common,
+            "--arms",
+            "nvfp4_lora,nvfp4_lora_aqn",
+            "--seeds",
+            "0",
+            "--steps",
+            "3",
+            "--checkpoints",
+            "1",
+            *shrink,
+        ]
+    )
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     for arm in ("nvfp4_lora", "nvfp4_lora_aqn"):
         assert report[arm]["steps"] == [3] and report[arm]["greedy"]["per_seed"][0]["accuracy"][0] in (0.0, 0.5, 1.0)

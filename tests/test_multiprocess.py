@@ -79,9 +79,13 @@ def _zero3_config(tmp_path) -> str:
 SETUPS = {
     "ddp": (lambda tmp: os.path.join(ACCELERATE_CONFIGS, "ddp.yaml"), ["--use-cpu", "True"], "transformers", None),
     # The native engine on ZeRO-3's partitions: gathered whole every round inside TRL's gather.
-    "zero3": (_zero3_config, ["--use-cpu", "False", "--ddp-backend", "gloo", "--rollout-backend", "native"], "native",
-              "zero3"),
-}  # fmt: skip
+    "zero3": (
+        _zero3_config,
+        ["--use-cpu", "False", "--ddp-backend", "gloo", "--rollout-backend", "native"],
+        "native",
+        "zero3",
+    ),
+}
 
 
 @pytest.mark.slow
@@ -309,9 +313,19 @@ def test_zero3_checkpoint_resumes_exactly(checkpoints, tmp_path):
     from experiments import resume_check
 
     args = argparse.Namespace(
-        config="zero3", model=checkpoints[1], gpu_ids="0,1", steps=2, batch=4, new_tokens=6, seed=2025,
-        backend="native", eval_problems=0, timeout=300, dry_run=True, out=str(tmp_path / "resume"),
-    )  # fmt: skip
+        config="zero3",
+        model=checkpoints[1],
+        gpu_ids="0,1",
+        steps=2,
+        batch=4,
+        new_tokens=6,
+        seed=2025,
+        backend="native",
+        eval_problems=0,
+        timeout=300,
+        dry_run=True,
+        out=str(tmp_path / "resume"),
+    )
     result = resume_check.run_check(args)
     assert result["verdict"] == "exact", resume_check.report(result)
     assert result["a_vs_b"]["update_norm"] > 0  # step 3 trained

@@ -1,10 +1,10 @@
 """Decode attention (qerl/rollout/native/attention.py): the torch reference, the split rule, the Triton kernels.
 
-  * CPU, plain: the reference against SDPA with an explicit mask; decode_attention falls back to the reference.
-  * CPU, TRITON_INTERPRET=1: the kernels on small odd shapes against a float64 reference, with NaN written past
-    every sequence's length (they must never be read). The flag is read when triton is imported, so these run
-    in a subprocess (this file run as a script), as in test_kernels.py.
-  * GPU (marked `gpu`): Qwen2.5-7B shapes and CUDA-graph replay with new lengths.
+* CPU, plain: the reference against SDPA with an explicit mask; decode_attention falls back to the reference.
+* CPU, TRITON_INTERPRET=1: the kernels on small odd shapes against a float64 reference, with NaN written past
+  every sequence's length (they must never be read). The flag is read when triton is imported, so these run
+  in a subprocess (this file run as a script), as in test_kernels.py.
+* GPU (marked `gpu`): Qwen2.5-7B shapes and CUDA-graph replay with new lengths.
 """
 
 from __future__ import annotations
@@ -54,8 +54,12 @@ def test_reference_matches_sdpa_with_mask(seed):
     ref = attention.decode_attention_reference(q, k, v, seq_lens, 0.3)
     mask = (torch.arange(s_max) < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S_max]
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None], k.transpose(1, 2).repeat_interleave(hq // hkv, 1), v.transpose(1, 2).repeat_interleave(
-            hq // hkv, 1), attn_mask=mask, scale=0.3)[:, :, 0]
+        q[:, :, None],
+        k.transpose(1, 2).repeat_interleave(hq // hkv, 1),
+        v.transpose(1, 2).repeat_interleave(hq // hkv, 1),
+        attn_mask=mask,
+        scale=0.3,
+    )[:, :, 0]
     torch.testing.assert_close(ref, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -73,8 +77,12 @@ def test_reference_window_is_transformers_sliding_window(seed):
     mask = torch.tensor([[bool(rule(t(i), t(0), t(n - 1), t(kv))) for kv in range(s_max)] for i, n in enumerate(lens)])
     assert mask.sum(-1).tolist() == [1, 7, 7]
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None], k.transpose(1, 2).repeat_interleave(hq // hkv, 1), v.transpose(1, 2).repeat_interleave(
-            hq // hkv, 1), attn_mask=mask[:, None, None, :], scale=0.3)[:, :, 0]
+        q[:, :, None],
+        k.transpose(1, 2).repeat_interleave(hq // hkv, 1),
+        v.transpose(1, 2).repeat_interleave(hq // hkv, 1),
+        attn_mask=mask[:, None, None, :],
+        scale=0.3,
+    )[:, :, 0]
     torch.testing.assert_close(ref, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -86,12 +94,15 @@ def test_cpu_falls_back_to_reference(seed):
     assert not out.isnan().any()
 
 
-@pytest.mark.parametrize("q_shape,cache_shape,match", [
-    ((2, 4, 24), (2, 8, 2, 24), "D=24 must be a power of two"),
-    ((2, 4, 8), (2, 8, 2, 8), "D=8 must be a power of two"),
-    ((2, 5, 16), (2, 8, 2, 16), "not a multiple"),
-    ((3, 4, 16), (2, 8, 2, 16), "disagree"),
-])
+@pytest.mark.parametrize(
+    "q_shape,cache_shape,match",
+    [
+        ((2, 4, 24), (2, 8, 2, 24), "D=24 must be a power of two"),
+        ((2, 4, 8), (2, 8, 2, 8), "D=8 must be a power of two"),
+        ((2, 5, 16), (2, 8, 2, 16), "not a multiple"),
+        ((3, 4, 16), (2, 8, 2, 16), "disagree"),
+    ],
+)
 def test_rejects_bad_shapes(q_shape, cache_shape, match):
     b = q_shape[0]
     q, k = torch.zeros(q_shape), torch.zeros(cache_shape)
@@ -176,13 +187,16 @@ def _interpreter_checks():
         ref8 = attention.decode_attention_reference(q.double(), k8, v8, seq_lens, scale, ks, vs)
         assert not ref8.isnan().any()
         for num_splits, config in [(n, None) for n in split_counts] + [(None, attention.FP8_WIDE_CONFIG)]:
-            out = attention.decode_attention(q, k8, v8, seq_lens, scale, num_splits=num_splits, k_scale=ks,
-                                             v_scale=vs, config=config)
+            out = attention.decode_attention(
+                q, k8, v8, seq_lens, scale, num_splits=num_splits, k_scale=ks, v_scale=vs, config=config
+            )
             assert _max_err(out, ref8) < 2e-2, ("fp8", hq, hkv, d, lens, num_splits, config, _max_err(out, ref8))
         # A preallocated workspace gives the same answer as one allocated per call.
         ws = attention.decode_workspace(q, k, num_splits=2)
-        assert torch.equal(attention.decode_attention(q, k, v, seq_lens, scale, num_splits=2, workspace=ws),
-                           attention.decode_attention(q, k, v, seq_lens, scale, num_splits=2))
+        assert torch.equal(
+            attention.decode_attention(q, k, v, seq_lens, scale, num_splits=2, workspace=ws),
+            attention.decode_attention(q, k, v, seq_lens, scale, num_splits=2),
+        )
     # Sliding windows, NaN before each window as past each length: a window inside one tile, one across splits
     # (a sequence's first splits then hold no key), one of a single key, one longer than every sequence, and
     # Gemma-3-4B's heads (8 on 4 KV heads of 256).
@@ -228,8 +242,9 @@ def test_gpu_qwen7b_shapes_and_cuda_graph(seed):
     k8, v8, ks, vs = _fp8_caches(k, v, seq_lens)
     ref8 = attention.decode_attention_reference(q.double(), k8, v8, seq_lens, scale, ks, vs)
     for num_splits, config in ((None, None), (1, None), (7, None), (None, attention.FP8_WIDE_CONFIG)):
-        out = attention.decode_attention(q, k8, v8, seq_lens, scale, num_splits=num_splits, k_scale=ks, v_scale=vs,
-                                         config=config)
+        out = attention.decode_attention(
+            q, k8, v8, seq_lens, scale, num_splits=num_splits, k_scale=ks, v_scale=vs, config=config
+        )
         assert _max_err(out, ref8) < 2e-2
 
     k.copy_(torch.randn_like(k))  # the lengths below grow past the ones above: no NaN to read there

@@ -19,9 +19,15 @@ pytestmark = pytest.mark.gpu
 
 
 def _policy(precision, hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=2, **arch):
-    model, tokenizer = build_tiny(dtype=torch.bfloat16, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                                  num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                  **arch)  # fmt: skip
+    model, tokenizer = build_tiny(
+        dtype=torch.bfloat16,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        **arch,
+    )
     model = model.cuda()
     if precision == "nvfp4":
         quantize_model(model)
@@ -50,20 +56,30 @@ LOGPROB_BOUNDS_7B_WIDTHS = (4e-2, 0.5)
 
 @pytest.mark.parametrize(
     "precision,kv_dtype,widths",
-    [("nvfp4", "auto", "small"), ("bf16", "auto", "small"), ("nvfp4", "fp8", "small"), ("bf16", "fp8", "small"),
-     # Qwen2.5-7B's widths, 2 layers, 2 prompts: the CUDA decode GEMM once read x before the previous kernel had
-     # written it (a load the compiler hoisted above the PDL wait), which only CUDA-graph replay at these shapes
-     # showed, as NaN log-probs
-     ("nvfp4", "auto", "7b"),
-     # Qwen3: per-head q/k norms before rotary, head_dim 128 on 8 heads of a 512 hidden size (passed on an H100)
-     ("nvfp4", "auto", "qwen3"), ("bf16", "auto", "qwen3"),
-     # Sliding windows of 32 keys (Qwen2's use_sliding_window on layers 1-3) against prompts of up to 120 tokens and
-     # 48 new ones: the split kernel skips the tiles before each window (not run on a GPU yet)
-     ("nvfp4", "auto", "window"), ("bf16", "auto", "window"), ("nvfp4", "fp8", "window"),
-     # Gemma-3: (1 + w) norms, four per layer, GELU-tanh, scaled tied embeddings, head_dim 256 as Gemma-3-4B's,
-     # local layers (window 32, rope 1e4) and every third global (rope 1e6, linear scaling 8) (not run on a GPU yet)
-     ("nvfp4", "auto", "gemma3"), ("bf16", "auto", "gemma3"), ("nvfp4", "fp8", "gemma3")],
-)  # fmt: skip
+    [
+        ("nvfp4", "auto", "small"),
+        ("bf16", "auto", "small"),
+        ("nvfp4", "fp8", "small"),
+        ("bf16", "fp8", "small"),
+        # Qwen2.5-7B's widths, 2 layers, 2 prompts: the CUDA decode GEMM once read x before the previous kernel had
+        # written it (a load the compiler hoisted above the PDL wait), which only CUDA-graph replay at these shapes
+        # showed, as NaN log-probs
+        ("nvfp4", "auto", "7b"),
+        # Qwen3: per-head q/k norms before rotary, head_dim 128 on 8 heads of a 512 hidden size (passed on an H100)
+        ("nvfp4", "auto", "qwen3"),
+        ("bf16", "auto", "qwen3"),
+        # Sliding windows of 32 keys (Qwen2's use_sliding_window on layers 1-3) against prompts of up to 120 tokens and
+        # 48 new ones: the split kernel skips the tiles before each window (not run on a GPU yet)
+        ("nvfp4", "auto", "window"),
+        ("bf16", "auto", "window"),
+        ("nvfp4", "fp8", "window"),
+        # Gemma-3: (1 + w) norms, four per layer, GELU-tanh, scaled tied embeddings, head_dim 256 as Gemma-3-4B's,
+        # local layers (window 32, rope 1e4) and every third global (rope 1e6, linear scaling 8) (not run on a GPU yet)
+        ("nvfp4", "auto", "gemma3"),
+        ("bf16", "auto", "gemma3"),
+        ("nvfp4", "fp8", "gemma3"),
+    ],
+)
 def test_graph_decode_matches_eager_and_the_policy(precision, kv_dtype, widths):
     if widths == "7b":
         model, tokenizer = _policy(precision, 3584, 18944, 2, 28, 4)
@@ -75,16 +91,18 @@ def test_graph_decode_matches_eager_and_the_policy(precision, kv_dtype, widths):
         model, tokenizer = _policy(precision, sliding_window=32)
         prompts = _prompts(len(tokenizer))
     elif widths == "gemma3":
-        model, tokenizer = _policy(precision, num_heads=4, num_kv_heads=2, architecture="gemma3", head_dim=256,
-                                   sliding_window=32)  # fmt: skip
+        model, tokenizer = _policy(
+            precision, num_heads=4, num_kv_heads=2, architecture="gemma3", head_dim=256, sliding_window=32
+        )
         prompts = _prompts(len(tokenizer))
     else:
         model, tokenizer = _policy(precision)
         prompts = _prompts(len(tokenizer))
     decoder = Decoder(model)
     decoder.refresh()
-    engine = NativeEngine(decoder, Sampler(GenerationConfig(do_sample=True, temperature=1.0)), [-1], 0,
-                          kv_cache_dtype=kv_dtype)
+    engine = NativeEngine(
+        decoder, Sampler(GenerationConfig(do_sample=True, temperature=1.0)), [-1], 0, kv_cache_dtype=kv_dtype
+    )
     assert engine.cuda_graphs
     torch.manual_seed(0)
     graph_ids, graph_lps = engine.generate(prompts, 48)
@@ -101,8 +119,10 @@ def test_graph_decode_matches_eager_and_the_policy(precision, kv_dtype, widths):
             expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids, device="cuda")[:, None])[:, 0]
             diffs.append((torch.tensor(lps, device="cuda") - expected).abs())
     diffs = torch.cat(diffs)
-    print(f"{precision}, {kv_dtype} KV, {widths} widths: |rollout - policy| log-prob mean {diffs.mean():.2e} "
-          f"max {diffs.max():.2e}")
+    print(
+        f"{precision}, {kv_dtype} KV, {widths} widths: |rollout - policy| log-prob mean {diffs.mean():.2e} "
+        f"max {diffs.max():.2e}"
+    )
     if widths in ("window", "gemma3"):
         assert {layer.window for layer in decoder.layers} == {None, 32}
     mean_bound, max_bound = LOGPROB_BOUNDS_7B_WIDTHS if widths == "7b" else LOGPROB_BOUNDS[kv_dtype]
@@ -159,8 +179,9 @@ def test_aqn_on_head_norms_reaches_the_graph():
     engine = NativeEngine(decoder, Sampler(GenerationConfig(do_sample=False)), [-1], 0)
 
     def second_logprobs(include):
-        with aqn.noisy_norms(decoder.norms, 1e-2, torch.Generator().manual_seed(5), fp32_compute=False,
-                             include_head_norms=include):  # fmt: skip
+        with aqn.noisy_norms(
+            decoder.norms, 1e-2, torch.Generator().manual_seed(5), fp32_compute=False, include_head_norms=include
+        ):
             _, lps = engine.generate(prompts, 2)
         return torch.tensor([row[1] for row in lps])  # the second token: sampled inside the graph
 

@@ -32,8 +32,11 @@ def _interpreter_checks():
     torch.testing.assert_close(kernels.rmsnorm(x, w, eps).float(), kernels.rmsnorm_torch(x, w, eps).float(), **BF16_TOL)
     # Gemma's (1 + w) scale, w around zero as its checkpoints hold it.
     w0 = torch.randn(96) * 0.3
-    torch.testing.assert_close(kernels.rmsnorm(x, w0, eps, unit_offset=True).float(),
-                               kernels.rmsnorm_torch(x, w0, eps, unit_offset=True).float(), **BF16_TOL)
+    torch.testing.assert_close(
+        kernels.rmsnorm(x, w0, eps, unit_offset=True).float(),
+        kernels.rmsnorm_torch(x, w0, eps, unit_offset=True).float(),
+        **BF16_TOL,
+    )
 
     # Rotary + KV-cache write: GQA 3:1, rows of different sequences and positions, the rest of the cache untouched.
     hq, hkv, d, batch, cap = 6, 2, 16, 3, 10
@@ -68,8 +71,15 @@ def _interpreter_checks():
     # signed zeros and random values, against torch's cast.
     codes = torch.arange(256, dtype=torch.uint8).view(kv_cache.FP8).float()
     grid = codes[codes.isfinite() & (codes.abs() < 256)].unique()
-    x = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([-0.0, 2.0**-10, 3 * 2.0**-11, 1e-30]),
-                   (torch.rand(4096) * 2 - 1) * 255.9, torch.randn(512) * 1e-3])
+    x = torch.cat(
+        [
+            grid,
+            (grid[1:] + grid[:-1]) / 2,
+            torch.tensor([-0.0, 2.0**-10, 3 * 2.0**-11, 1e-30]),
+            (torch.rand(4096) * 2 - 1) * 255.9,
+            torch.randn(512) * 1e-3,
+        ]
+    )
     out = torch.empty(x.numel(), dtype=torch.uint8)
     _encode_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
     assert torch.equal(out, x.to(kv_cache.FP8).view(torch.uint8))
@@ -78,8 +88,9 @@ def _interpreter_checks():
     gate_up = torch.randn(3, 2 * 1100, dtype=bf16)
     torch.testing.assert_close(kernels.silu_mul(gate_up).float(), kernels.silu_mul_torch(gate_up).float(), **BF16_TOL)
     gate_up = torch.cat([torch.randn(3, 1100) * 4, torch.randn(3, 1100)], -1).to(bf16)  # gates far into the tails
-    torch.testing.assert_close(kernels.gelu_tanh_mul(gate_up).float(), kernels.gelu_tanh_mul_torch(gate_up).float(),
-                               **BF16_TOL)
+    torch.testing.assert_close(
+        kernels.gelu_tanh_mul(gate_up).float(), kernels.gelu_tanh_mul_torch(gate_up).float(), **BF16_TOL
+    )
     print("interpreter checks passed")
 
 
@@ -107,8 +118,9 @@ def test_torch_twins_are_the_math():
     torch.testing.assert_close(kernels.rmsnorm_torch(x, w, 1e-5), expected, **fp32)
     torch.testing.assert_close(kernels.rmsnorm_torch(x, w - 1, 1e-5, unit_offset=True), expected, **fp32)
     gate, up = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)
-    torch.testing.assert_close(kernels.silu_mul_torch(torch.cat([gate, up], -1)), gate * torch.sigmoid(gate) * up,
-                               **fp32)
+    torch.testing.assert_close(
+        kernels.silu_mul_torch(torch.cat([gate, up], -1)), gate * torch.sigmoid(gate) * up, **fp32
+    )
     g = gate
     gelu_tanh = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)))
     torch.testing.assert_close(kernels.gelu_tanh_mul_torch(torch.cat([gate, up], -1)), gelu_tanh * up, **fp32)

@@ -119,9 +119,16 @@ def test_llama3_rope_scaling_is_the_models_own(seed):
     tokenizer = build_tiny_tokenizer()
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_parameters=rope)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_parameters=rope,
+    )
     model = LlamaForCausalLM(config).eval()
     assert model.model.rotary_emb.rope_type == "llama3"
     prompts = _prompts(tokenizer, lengths=(70, 130, 5))
@@ -137,8 +144,16 @@ def _windowed(kind):
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tiny_tokenizer()
-    sizes = dict(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-                 num_attention_heads=3, num_key_value_heads=1, sliding_window=6, tie_word_embeddings=False)
+    sizes = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        sliding_window=6,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     if kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**sizes))
@@ -194,8 +209,10 @@ def test_fp8_kv_cache_takes_fewer_bytes_and_samples_close_to_the_trainer(seed):
         engine.decoder.refresh()
         ids, logprobs = engine.generate(prompts, 10)
         differences[kv_dtype] = _logprob_differences(model, prompts, ids, logprobs, 0.7)
-        print(f"{kv_dtype} KV: |engine - trainer| log-prob mean {differences[kv_dtype].mean():.2e} "
-              f"max {differences[kv_dtype].max():.2e}")
+        print(
+            f"{kv_dtype} KV: |engine - trainer| log-prob mean {differences[kv_dtype].mean():.2e} "
+            f"max {differences[kv_dtype].max():.2e}"
+        )
         if kv_dtype == "auto":
             bf16_bytes = engine._kv_bytes_per_sequence(100)
     assert engine._kv_bytes_per_sequence(100) * 2 * 16 == bf16_bytes * (16 + 4)
@@ -247,7 +264,8 @@ def test_engine_shares_the_policys_weights_and_sees_each_new_adapter():
     q, k, v = (getattr(layer.self_attn, n).base_layer.weight for n in ("q_proj", "k_proj", "v_proj"))
     fused = decoder.layers[0].qkv.weight
     assert q.data_ptr() == fused.data_ptr() and v.data_ptr() + v.numel() * v.element_size() == (
-        fused.data_ptr() + fused.numel() * fused.element_size())
+        fused.data_ptr() + fused.numel() * fused.element_size()
+    )
     assert k.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert sum(t.numel() * t.element_size() for t in model.parameters()) == bytes_before
     assert before.keys() == {n for n, t in model.named_parameters() if not t.requires_grad}
@@ -307,13 +325,16 @@ def test_aqn_on_head_norms_reaches_the_engine_only_when_asked(arch):
     assert [p.rsplit(".", 1)[-1] for p in sites.head_norms] == ["q_norm", "k_norm"] * 3
     policy_heads = norms.find_norms(model).head_norms
     assert list(sites.head_norms) == [re.search(r"layers\.\d+\.", p)[0] + p[-6:] for p in policy_heads]
-    clean = [(h.weight.clone(), layer.head_norms.scale.clone()) for h, layer in zip(
-        [decoder.norms.layers[i]["q_norm"] for i in range(3)], decoder.layers, strict=True)]  # fmt: skip
+    clean = [
+        (h.weight.clone(), layer.head_norms.scale.clone())
+        for h, layer in zip([decoder.norms.layers[i]["q_norm"] for i in range(3)], decoder.layers, strict=True)
+    ]
 
     def run(include):
         torch.manual_seed(1)
-        with aqn.noisy_norms(decoder.norms, 1e-2, torch.Generator().manual_seed(2), fp32_compute=False,
-                             include_head_norms=include) as stats:  # fmt: skip
+        with aqn.noisy_norms(
+            decoder.norms, 1e-2, torch.Generator().manual_seed(2), fp32_compute=False, include_head_norms=include
+        ) as stats:
             layer_noise = torch.cat([m.weight.flatten() for m in sites.layer_norms.values()])
             lps = engine.generate(prompts, 4)[1]
             heads = [layer.head_norms.scale.clone() for layer in decoder.layers]
@@ -340,8 +361,15 @@ def test_unsupported_models_are_refused_by_name():
         Decoder(model)
     from transformers import GemmaConfig, GemmaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    sizes = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16)  # fmt: skip
+    sizes = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     with pytest.raises(ValueError, match="GemmaForCausalLM: model_type 'gemma'; the engine runs llama, mistral"):
         Decoder(GemmaForCausalLM(GemmaConfig(**sizes)))  # same module names, but (1 + w) norms, GELU, scaled embeddings
     moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(**sizes, num_experts=4, moe_intermediate_size=32))
@@ -374,15 +402,18 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     model, tokenizer = build_tiny(num_layers=1)
     model.config.hidden_act = "gelu"
     setup = rollout.RolloutSetup(
-        generation_config=GenerationConfig(do_sample=True, max_new_tokens=4), eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id, open_policy=lambda: contextlib.nullcontext(model),
+        generation_config=GenerationConfig(do_sample=True, max_new_tokens=4),
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        open_policy=lambda: contextlib.nullcontext(model),
         device=torch.device("cuda"),
-    )  # fmt: skip
+    )
     with caplog.at_level(logging.WARNING):
         assert rollout.create_backend("auto", setup).name == "transformers"
     reason = "the native engine cannot run Qwen2ForCausalLM: hidden_act 'gelu'; the engine's MLP gates are silu"
-    assert any(m.startswith(f"rollout_backend auto: {reason}") and m.endswith("; using transformers")
-               for m in caplog.messages)  # fmt: skip
+    assert any(
+        m.startswith(f"rollout_backend auto: {reason}") and m.endswith("; using transformers") for m in caplog.messages
+    )
     refusal = rf"^rollout_backend native: {re.escape(reason)}.*; rollout_backend auto would use transformers$"
     with pytest.raises(rollout.Unsupported, match=refusal):
         rollout.create_backend("native", setup)

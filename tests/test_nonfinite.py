@@ -32,8 +32,9 @@ def test_training_steps_run_without_cudnn_attention(checkpoints, tmp_path):
 
 def test_a_micro_batch_that_makes_a_gradient_nonfinite_is_saved_and_replays(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    args = _config(tmp_path, max_steps=1, gradient_accumulation_steps=2, trainable_norms=True,
-                   dump_nonfinite_grads=True)  # fmt: skip
+    args = _config(
+        tmp_path, max_steps=1, gradient_accumulation_steps=2, trainable_norms=True, dump_nonfinite_grads=True
+    )
     trainer = make_trainer(nvfp4_dir, args)
     poisoned = next(p for n, p in trainer.model.named_parameters() if "lora_B" in n)
     backward_calls = []

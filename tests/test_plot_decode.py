@@ -14,12 +14,23 @@ def _rollout_json(path, size, rows):
 
 
 def _row(precision, batch, waves=1):
-    kernels = {"NVFP4 GEMM": 2482.0, "attention": 405.0, "cuBLAS GEMM (BF16 base, LoRA, LM head)": 1072.0,
-               "add+RMSNorm": 187.0, "a family the plot does not know": 9.0}
+    kernels = {
+        "NVFP4 GEMM": 2482.0,
+        "attention": 405.0,
+        "cuBLAS GEMM (BF16 base, LoRA, LM head)": 1072.0,
+        "add+RMSNorm": 187.0,
+        "a family the plot does not know": 9.0,
+    }
     if precision == "bf16":
         kernels.pop("NVFP4 GEMM")
-    return {"precision": precision, "batch": batch, "ms_per_step": 5.09, "floor_ms": 1.84, "waves": waves,
-            "kernels_us_per_step": kernels}
+    return {
+        "precision": precision,
+        "batch": batch,
+        "ms_per_step": 5.09,
+        "floor_ms": 1.84,
+        "waves": waves,
+        "kernels_us_per_step": kernels,
+    }
 
 
 def test_plot_from_two_runs(tmp_path):

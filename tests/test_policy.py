@@ -13,8 +13,14 @@ from qerl.tiny import build_tiny
 
 def _policy(checkpoint, tmp_path, dtype=torch.float32, **config):
     """The policy QeRLTrainer trains (LoRA rank 4 unless asked otherwise)."""
-    args = QeRLConfig(str(tmp_path / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=4,
-                      num_generations=4, **{"lora_rank": 4, **config})  # fmt: skip
+    args = QeRLConfig(
+        str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=4,
+        **{"lora_rank": 4, **config},
+    )
     return make_trainer(checkpoint, args, dtype=dtype).model
 
 

@@ -53,10 +53,29 @@ def test_gsm8k_wrong_answers_score_zero():
 
 # Answers a person would accept for 18 (or -5), and answers they would not.
 RIGHT = [
-    ("18", "18"), ("$18", "18"), ("18 dollars", "18"), ("18.00", "18"), ("18.", "18"), ("\\boxed{18}", "18"),
-    ("x = 18", "18"), ("3 * 6 = 18", "18"), ("18 km/h", "18"), ("18 m^2", "18"), ("18%", "18"), ("\\(18\\)", "18"),
-    ("$18$", "18"), ("\\$18", "18"), ("18\\text{ km}", "18"), ("\\frac{36}{2}", "18"), ("\\dfrac{36}{2}", "18"),
-    ("1,800", "1800"), ("1800", "1,800"), ("\u22125", "-5"), ("-5", "-5"), ("\u20135", "-5"), ("0.5", ".5"),
+    ("18", "18"),
+    ("$18", "18"),
+    ("18 dollars", "18"),
+    ("18.00", "18"),
+    ("18.", "18"),
+    ("\\boxed{18}", "18"),
+    ("x = 18", "18"),
+    ("3 * 6 = 18", "18"),
+    ("18 km/h", "18"),
+    ("18 m^2", "18"),
+    ("18%", "18"),
+    ("\\(18\\)", "18"),
+    ("$18$", "18"),
+    ("\\$18", "18"),
+    ("18\\text{ km}", "18"),
+    ("\\frac{36}{2}", "18"),
+    ("\\dfrac{36}{2}", "18"),
+    ("1,800", "1800"),
+    ("1800", "1,800"),
+    ("\u22125", "-5"),
+    ("-5", "-5"),
+    ("\u20135", "-5"),
+    ("0.5", ".5"),
 ]
 WRONG = [
     ("180", "18"), ("1", "18"), ("18 or 19", "18"), ("18 19", "18"), ("x = 18, y = 19", "19"), ("", "18"),
@@ -83,21 +102,27 @@ def test_gsm8k_hash_format():
     assert rewards.think_reward([_msg("<think>a\nb</think>#### 1"), _msg("<think></think>"), "x"]) == [0.2, 0, 0]
 
 
-@pytest.mark.parametrize("text, final, hash_format", [
-    ("The answer is: 18", 1.0, 0.0),  # what SmolLM2-135M-Instruct writes
-    ("3 + 15 = 18 apples.", 1.0, 0.0),  # the last number
-    ("#### 18", 1.0, 0.2),
-    ("#### 5\nso in total 18", 0.0, 0.2),  # "####" given: it is the answer, not the later number
-    ("18, or maybe 19", 0.0, 0.0),
-    ("#### eighteen", 0.0, 0.0),  # "####" without a number: no format reward either
-    ("no number at all", 0.0, 0.0),
-    ("$1,800 is the cost... The answer is: $18", 1.0, 0.0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, final, hash_format",
+    [
+        ("The answer is: 18", 1.0, 0.0),  # what SmolLM2-135M-Instruct writes
+        ("3 + 15 = 18 apples.", 1.0, 0.0),  # the last number
+        ("#### 18", 1.0, 0.2),
+        ("#### 5\nso in total 18", 0.0, 0.2),  # "####" given: it is the answer, not the later number
+        ("18, or maybe 19", 0.0, 0.0),
+        ("#### eighteen", 0.0, 0.0),  # "####" without a number: no format reward either
+        ("no number at all", 0.0, 0.0),
+        ("$1,800 is the cost... The answer is: $18", 1.0, 0.0),
+    ],
+)
 def test_gsm8k_lenient_rewards(text, final, hash_format):
     assert rewards.gsm8k_final_answer_reward([_msg(text)], ["18"]) == [final]
     assert rewards.hash_format_reward([_msg(text)]) == [hash_format]
     assert [f.__name__ for f in data.reward_funcs_for("gsm8k_lenient")] == [
-        "gsm8k_final_answer_reward", "hash_format_reward", "think_reward"]
+        "gsm8k_final_answer_reward",
+        "hash_format_reward",
+        "think_reward",
+    ]
 
 
 def test_gsm8k_needs_the_answer_tag_and_format():

@@ -34,10 +34,22 @@ def trainer(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     _, nvfp4_dir = checkpoints
     args = QeRLConfig(
-        output_dir=str(root / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-        max_steps=1, report_to=[], lora_rank=4, lora_alpha=8, use_cpu=True, save_strategy="no", trainable_norms=True,
-        rollout_backend="transformers", temperature=0.7, top_p=0.9, top_k=20,
-    )  # fmt: skip
+        output_dir=str(root / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=1,
+        report_to=[],
+        lora_rank=4,
+        lora_alpha=8,
+        use_cpu=True,
+        save_strategy="no",
+        trainable_norms=True,
+        rollout_backend="transformers",
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+    )
     return make_trainer(nvfp4_dir, args, reward=lambda completions, **kw: [0.0] * len(completions), num_examples=8)
 
 
@@ -130,9 +142,14 @@ def test_round_order_with_a_recording_engine(trainer, tmp_path):
     out = backend.generate([[1, 2], [3]], perturb)
     layers = trainer.model.config.num_hidden_layers
     assert engine.calls[1:] == [
-        "wake_up", ("load_lora", 2 * 7 * layers, 4), ("load_norms", 2 * layers), "noise on", "generate",
-        "noise off", "sleep",
-    ]  # fmt: skip
+        "wake_up",
+        ("load_lora", 2 * 7 * layers, 4),
+        ("load_norms", 2 * layers),
+        "noise on",
+        "generate",
+        "noise off",
+        "sleep",
+    ]
     assert out.completion_ids == [[4, eos]] * 2 and out.logprobs == [[-1.0, -2.0]] * 2 and out.noise == "stats"
 
 
@@ -209,8 +226,13 @@ def test_engine_asks_vllm_for_a_sampler_that_takes_token_ids(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost",
-                        "MASTER_PORT": "29500"}.items():  # fmt: skip
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(name, value)  # restored afterwards; VLLMEngine only sets what is missing
     VLLMEngine("/ckpt", lora_rank=16, fp32_norms=False, max_model_len=2304)
     (kwargs,) = created
@@ -220,8 +242,16 @@ def test_engine_asks_vllm_for_a_sampler_that_takes_token_ids(monkeypatch):
     assert kwargs["distributed_executor_backend"] == "external_launcher" and kwargs["dtype"] == "bfloat16"
 
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, head_dim=16)  # fmt: skip
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    head_dim=16,
+)
 
 
 @pytest.mark.parametrize(
@@ -293,8 +323,13 @@ def vllm_norms(monkeypatch):
     custom_op.CustomOp, custom_op.op_registry_oot = CustomOp, registry
     layernorm = types.ModuleType("vllm.model_executor.layers.layernorm")
     layernorm.RMSNorm, layernorm.GemmaRMSNorm = RMSNorm, GemmaRMSNorm
-    for module in (types.ModuleType("vllm"), types.ModuleType("vllm.model_executor"), custom_op,
-                   types.ModuleType("vllm.model_executor.layers"), layernorm):  # fmt: skip
+    for module in (
+        types.ModuleType("vllm"),
+        types.ModuleType("vllm.model_executor"),
+        custom_op,
+        types.ModuleType("vllm.model_executor.layers"),
+        layernorm,
+    ):
         monkeypatch.setitem(sys.modules, module.__name__, module)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # vLLM builds the model under the model's dtype
@@ -339,8 +374,9 @@ def test_aqn_writes_in_place_on_vllm_gemma_norms_after_load_norms(vllm_norms):
     BF16 GemmaRMSNorm would get a new Parameter instead, which a captured graph never sees."""
     stock = vllm_norms.GemmaRMSNorm(16)
     original = stock.weight
-    with aqn.noisy_norms(torch.nn.Sequential(torch.nn.ModuleList([stock])), 1e-4, torch.Generator().manual_seed(0),
-                         fp32_compute=False):  # fmt: skip
+    with aqn.noisy_norms(
+        torch.nn.Sequential(torch.nn.ModuleList([stock])), 1e-4, torch.Generator().manual_seed(0), fp32_compute=False
+    ):
         assert original.dtype == torch.bfloat16 and stock.weight is not original
     _register_fp32_rmsnorm()
 

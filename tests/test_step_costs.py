@@ -20,8 +20,9 @@ def _engine():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)  # peft starts B at zero: removing the adapter would change nothing
-    engine = NativeEngine(Decoder(model.eval()), Sampler(GenerationConfig(do_sample=False)), [-1],
-                          tokenizer.pad_token_id)
+    engine = NativeEngine(
+        Decoder(model.eval()), Sampler(GenerationConfig(do_sample=False)), [-1], tokenizer.pad_token_id
+    )
     engine.decoder.refresh()
     gen = torch.Generator().manual_seed(0)
     return engine, [torch.randint(10, len(tokenizer), (n,), generator=gen).tolist() for n in (5, 9)]

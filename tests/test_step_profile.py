@@ -9,11 +9,29 @@ from qerl.config import QeRLConfig
 
 def test_profile_splits_the_step_and_counts_forwards(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    args = QeRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                      steps_per_generation=2, max_completion_length=6, max_steps=5,
-                      learning_rate=1e-5, lora_rank=4, use_cpu=True, bf16=True, gradient_checkpointing=True,
-                      loss_type="dapo", beta=0.0, aqn_log_shift=True, sigma_start=1e-2, sigma_end=1e-4, num_stages=3,
-                      report_to=[], save_strategy="no", logging_steps=1, metrics_jsonl=False)  # fmt: skip
+    args = QeRLConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        steps_per_generation=2,
+        max_completion_length=6,
+        max_steps=5,
+        learning_rate=1e-5,
+        lora_rank=4,
+        use_cpu=True,
+        bf16=True,
+        gradient_checkpointing=True,
+        loss_type="dapo",
+        beta=0.0,
+        aqn_log_shift=True,
+        sigma_start=1e-2,
+        sigma_end=1e-4,
+        num_stages=3,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        metrics_jsonl=False,
+    )
     trainer = make_trainer(nvfp4_dir, args)
     profile = StepProfile(trainer)
     trainer.add_callback(profile)

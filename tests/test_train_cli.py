@@ -19,7 +19,6 @@ from qerl.errors import UsageError
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-
 def test_reference_flag_names(tmp_path):
     argv = [
         "--model-name", "m", "--dataset", "dapomath", "--lora-rank", "32", "--lora-alpha", "64", "--ln", "True",
@@ -43,8 +42,20 @@ def test_reference_flag_names(tmp_path):
     assert config.warmup_steps == 0.1 and config.get_warmup_steps(100) == 10
     assert config.aqn is None and config.vllm_importance_sampling_correction is False  # defaults
     # The aliases are HfArgumentParser's: both spellings, and the fields keep TRL's defaults.
-    _, config = train.parse_args(["--model-name", "m", "--random_state", "8", "--warmup_ratio", "0.2",
-                                  "--output-dir", str(tmp_path), "--use-cpu", "True"])  # fmt: skip
+    _, config = train.parse_args(
+        [
+            "--model-name",
+            "m",
+            "--random_state",
+            "8",
+            "--warmup_ratio",
+            "0.2",
+            "--output-dir",
+            str(tmp_path),
+            "--use-cpu",
+            "True",
+        ]
+    )
     assert (config.seed, config.warmup_steps) == (8, 0.2)
     _, config = train.parse_args(["--model-name", "m", "--output-dir", str(tmp_path), "--use-cpu", "True"])
     assert (config.seed, config.warmup_steps) == (42, 0)
@@ -83,8 +94,20 @@ def test_a_recipe_extends_its_bases_in_order(tmp_path, monkeypatch):
     (tmp_path / "run.yaml").write_text("base: [parts/a.yaml, parts/b.yaml]\nlora_alpha: 9\nenv: {QERL_RECIPE_B: own}\n")
     for name in ("QERL_RECIPE_A", "QERL_RECIPE_B"):
         monkeypatch.setenv(name, "")  # restored (removed) after the test
-    _, config = train.parse_args(["--config", str(tmp_path / "run.yaml"), "--model-name", "m", "--output-dir",
-                                  str(tmp_path / "out"), "--use-cpu", "True", "--sigma-start", "0.2"])  # fmt: skip
+    _, config = train.parse_args(
+        [
+            "--config",
+            str(tmp_path / "run.yaml"),
+            "--model-name",
+            "m",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--use-cpu",
+            "True",
+            "--sigma-start",
+            "0.2",
+        ]
+    )
     assert (config.lora_rank, config.lora_alpha, config.sigma_start) == (32, 9, 0.2)  # later base, own key, flag
     assert (os.environ["QERL_RECIPE_A"], os.environ["QERL_RECIPE_B"]) == ("a", "own")
 
@@ -119,14 +142,30 @@ def test_llama_recipe_is_the_references_batch(tmp_path):
     """training/llama3.1_8b_nemotron.sh: the reference's Llama-3.1-8B settings (batch 4 x accumulation 16, its
     bnpo loss, lr 1e-5, gsm8k 256/2048) on top of the shared DAPO + AQN parts."""
     env = dict(os.environ, DRY_RUN="1", MODEL_PATH="/models/x", CKPTS_DIR=str(tmp_path))
-    out = subprocess.run(["bash", os.path.join(REPO_ROOT, "training", "llama3.1_8b_nemotron.sh"), "--use-cpu", "True",
-                          "--bf16", "False"], env=env, check=True, capture_output=True, text=True, cwd="/").stdout
+    out = subprocess.run(
+        [
+            "bash",
+            os.path.join(REPO_ROOT, "training", "llama3.1_8b_nemotron.sh"),
+            "--use-cpu",
+            "True",
+            "--bf16",
+            "False",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd="/",
+    ).stdout
     argv = shlex.split(out)
     assert argv[1:3] == ["-m", "qerl.train"]
     os.chdir(REPO_ROOT)
     script, config = train.parse_args(argv[3:])
     assert (config.per_device_train_batch_size, config.num_generations, config.gradient_accumulation_steps) == (
-        4, 4, 16)  # fmt: skip
+        4,
+        4,
+        16,
+    )
     assert (config.loss_type, config.beta, config.epsilon_high, config.learning_rate) == ("bnpo", 0.0, 0.28, 1e-5)
     assert config.aqn and (config.lora_rank, config.lora_alpha, config.trainable_norms) == (16, 16, True)
     assert (script.dataset, script.max_prompt_length, config.max_completion_length) == ("gsm8k", 256, 2048)
@@ -141,8 +180,9 @@ def test_long_prompts_keep_last_trains_on_every_row(checkpoints, tmp_path):
     one-line refusal); --long-prompts keep_last keeps all, and the rollout (so the loss too) gets them cut to it."""
     bf16_dir, _ = checkpoints
     cap = 400  # characters = tokens for the tiny tokenizer; these think/answer prompts run 460-900
-    argv = train_argv(bf16_dir, str(tmp_path), 1, "--dataset", GSM8K_TEST, "--num-examples", "16",
-                      "--max-prompt-length", str(cap))  # fmt: skip
+    argv = train_argv(
+        bf16_dir, str(tmp_path), 1, "--dataset", GSM8K_TEST, "--num-examples", "16", "--max-prompt-length", str(cap)
+    )
     with pytest.raises(UsageError, match=f"no prompt of .* fits --max-prompt-length {cap}"):
         train.build_trainer(*train.parse_args(argv))
     trainer = train.build_trainer(*train.parse_args([*argv, "--long-prompts", "keep_last"]))

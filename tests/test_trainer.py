@@ -19,12 +19,32 @@ from qerl.trainer import QeRLTrainer
 def _config(tmp_path, **overrides):
     """The recipes' optimizer and precision (configs/dapo_gsm8k_nvfp4.yaml) at toy batch and length."""
     kwargs = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        max_steps=5, learning_rate=1e-5, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.1, max_grad_norm=0.2,
-        logging_steps=1, report_to=[], lora_rank=4, lora_alpha=8, use_cpu=True, bf16=True,
-        gradient_checkpointing=False, save_strategy="no", beta=0.0, loss_type="dapo", epsilon_high=0.28,
-        sigma_start=1e-2, sigma_end=1e-4, num_stages=10, seed=3,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=5,
+        learning_rate=1e-5,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        weight_decay=0.1,
+        max_grad_norm=0.2,
+        logging_steps=1,
+        report_to=[],
+        lora_rank=4,
+        lora_alpha=8,
+        use_cpu=True,
+        bf16=True,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        beta=0.0,
+        loss_type="dapo",
+        epsilon_high=0.28,
+        sigma_start=1e-2,
+        sigma_end=1e-4,
+        num_stages=10,
+        seed=3,
+    )
     kwargs.update(overrides)
     return QeRLConfig(**kwargs)
 
@@ -165,12 +185,17 @@ def test_qwen3_nvfp4_dapo_steps_perturb_only_the_layer_norms(tmp_path):
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "qwen3"), model, tokenizer)
     trainer = make_trainer(nvfp4_dir, _config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3))
     policy_model = trainer.model
-    head_norms = {n: p.detach().clone() for n, p in policy_model.named_parameters() if n.endswith(("q_norm.weight",
-                                                                                                "k_norm.weight"))}
+    head_norms = {
+        n: p.detach().clone()
+        for n, p in policy_model.named_parameters()
+        if n.endswith(("q_norm.weight", "k_norm.weight"))
+    }
     assert len(head_norms) == 4 and not any(policy_model.get_parameter(n).requires_grad for n in head_norms)
     sites = norms.find_norms(policy_model)
-    assert sorted(path.split(".")[-3] for path in sites.layer_norms) == ["input_layernorm"] * 2 + [
-        "post_attention_layernorm"] * 2  # fmt: skip
+    assert (
+        sorted(path.split(".")[-3] for path in sites.layer_norms)
+        == ["input_layernorm"] * 2 + ["post_attention_layernorm"] * 2
+    )
     lora_b = {n: p for n, p in policy_model.named_parameters() if "lora_B" in n}
     trainer.train()
     assert trainer.last_noise.num_norms == 4 and trainer.last_noise.sigma > 0
@@ -185,11 +210,22 @@ def test_aqn_head_norms_perturbs_qwen3s_per_head_norms_in_rollout_and_shift_forw
 
     model, tokenizer = build_tiny(architecture="qwen3", head_dim=32)
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "qwen3"), model, tokenizer)
-    args = _config(tmp_path, max_steps=2, num_stages=3, sigma_start=0.1, sigma_end=0.05, rollout_backend="native",
-                   aqn_head_norms=True, aqn_log_shift=True)  # fmt: skip
+    args = _config(
+        tmp_path,
+        max_steps=2,
+        num_stages=3,
+        sigma_start=0.1,
+        sigma_end=0.05,
+        rollout_backend="native",
+        aqn_head_norms=True,
+        aqn_log_shift=True,
+    )
     trainer = make_trainer(nvfp4_dir, args)
-    head_norms = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n.endswith(("q_norm.weight",
-                                                                                                 "k_norm.weight"))}
+    head_norms = {
+        n: p.detach().clone()
+        for n, p in trainer.model.named_parameters()
+        if n.endswith(("q_norm.weight", "k_norm.weight"))
+    }
     trainer.train()
     assert trainer.last_noise.sigma > 0 and trainer.last_noise.num_norms == 8
     assert any(h["aqn/logprob_shift"] > 0 for h in trainer.state.log_history if "aqn/logprob_shift" in h)
@@ -205,17 +241,26 @@ def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
 
     model, tokenizer = build_tiny(architecture="gemma3", head_dim=32)
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "gemma3"), model, tokenizer)
-    trainer = make_trainer(nvfp4_dir, _config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3,
-                                              rollout_backend="native"))  # fmt: skip
+    trainer = make_trainer(
+        nvfp4_dir, _config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3, rollout_backend="native")
+    )
     policy_model = trainer.model
     assert trainer.rollout.name == "native" and trainer.is_nvfp4
-    assert isinstance(policy_model.get_submodule("base_model.model.model.layers.0.mlp.down_proj.base_layer"),
-                      NVFP4Linear)  # fmt: skip
+    assert isinstance(
+        policy_model.get_submodule("base_model.model.model.layers.0.mlp.down_proj.base_layer"), NVFP4Linear
+    )
     sites = norms.find_norms(policy_model)
     assert sorted({path.split(".")[-3] for path in sites.layer_norms}) == [
-        "input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"]
-    head_norms = {n: p.detach().clone() for n, p in policy_model.named_parameters() if n.endswith(("q_norm.weight",
-                                                                                                "k_norm.weight"))}
+        "input_layernorm",
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+        "pre_feedforward_layernorm",
+    ]
+    head_norms = {
+        n: p.detach().clone()
+        for n, p in policy_model.named_parameters()
+        if n.endswith(("q_norm.weight", "k_norm.weight"))
+    }
     engine_noise, perturb_of = [], trainer.rollout.generate
 
     def watched(prompt_ids, perturb):
@@ -225,8 +270,13 @@ def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
             class Spy:
                 def __enter__(self):
                     stats = cm.__enter__()
-                    noise = torch.cat([(h.weight - n.weight.float()).flatten() for h, n in scales.pairs[:-1]
-                                       if h.weight.numel() == 64])  # the hidden-size norms (not the per-head ones)
+                    noise = torch.cat(
+                        [
+                            (h.weight - n.weight.float()).flatten()
+                            for h, n in scales.pairs[:-1]
+                            if h.weight.numel() == 64
+                        ]
+                    )  # the hidden-size norms (not the per-head ones)
                     engine_noise.append((stats.sigma, noise.std().item()))
                     return stats
 
@@ -371,9 +421,15 @@ def test_bf16_checkpoint_and_its_nvfp4_twin_give_the_same_stop_tokens_and_defaul
     model, tokenizer = build_tiny()
     end_of_turn = tokenizer.convert_tokens_to_ids("<|user|>")
     model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, end_of_turn], pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-        do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
-    )  # fmt: skip
+        eos_token_id=[tokenizer.eos_token_id, end_of_turn],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        do_sample=True,
+        temperature=0.7,
+        top_p=0.8,
+        top_k=20,
+        repetition_penalty=1.05,
+    )
     bf16_dir, nvfp4_dir = save_tiny_checkpoints(str(tmp_path), model, tokenizer)
     trainers = [make_trainer(path, _config(tmp_path)) for path in (bf16_dir, nvfp4_dir)]
     assert trainers[0].is_nvfp4 is False and trainers[1].is_nvfp4 is True
@@ -395,8 +451,10 @@ def test_a_tokenizer_eos_the_generation_config_lacks_is_named_and_the_model_keep
     end_of_turn = tokenizer.convert_tokens_to_ids("<|user|>")
     model.config.eos_token_id = model.generation_config.eos_token_id = end_of_turn
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path), model, tokenizer)
-    named = rf"the tokenizer's EOS '<\|end\|>' \(id 2\) is not among the generation config's EOS ids: '<\|user\|>' " \
-            rf"\(id {end_of_turn}\)"  # fmt: skip
+    named = (
+        rf"the tokenizer's EOS '<\|end\|>' \(id 2\) is not among the generation config's EOS ids: '<\|user\|>' "
+        rf"\(id {end_of_turn}\)"
+    )
     with pytest.warns(UserWarning, match=named):
         common._warn_eos(nvfp4_dir)
     with pytest.warns(UserWarning, match=named + r"\. Rollouts end at any of them"):

@@ -27,15 +27,27 @@ def _source(function) -> str:
 @pytest.fixture(scope="module")
 def trainer(checkpoints, tmp_path_factory):
     _, nvfp4_dir = checkpoints
-    args = QeRLConfig(str(tmp_path_factory.mktemp("seam")), use_cpu=True, report_to=[], per_device_train_batch_size=4,
-                      num_generations=4, lora_rank=4, rollout_backend="transformers")  # fmt: skip
+    args = QeRLConfig(
+        str(tmp_path_factory.mktemp("seam")),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=4,
+        lora_rank=4,
+        rollout_backend="transformers",
+    )
     return make_trainer(nvfp4_dir, args, num_examples=8)
 
 
 def test_overridden_methods_keep_trl_signatures():
     assert _params(GRPOTrainer._generate_single_turn) == [
-        "self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images",
-    ]  # fmt: skip
+        "self",
+        "prompt_ids",
+        "images",
+        "multimodal_fields",
+        "num_generations",
+        "has_tool_images",
+    ]
     assert _params(GRPOTrainer._generate_and_score_completions) == ["self", "inputs"]
     assert _params(GRPOTrainer._compute_loss) == ["self", "model", "inputs"]
     for name in ("_generate_single_turn", "_generate_and_score_completions", "_compute_loss"):
@@ -53,8 +65,15 @@ def test_generation_round_returns_ids_and_logprobs_to_trl():
 
 def test_batch_keys_read_and_written():
     source = _source(GRPOTrainer._generate_and_score_completions)
-    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_per_token_logps",
-                "sampling_per_token_logps", "tool_mask"):  # fmt: skip
+    for key in (
+        "prompt_ids",
+        "prompt_mask",
+        "completion_ids",
+        "completion_mask",
+        "old_per_token_logps",
+        "sampling_per_token_logps",
+        "tool_mask",
+    ):
         assert re.search(rf'output\["{key}"\] = |"{key}": {key},', source), key
     # Old log-probs only when generation and optimizer steps are misaligned, or for the correction.
     assert "old_per_token_logps = None" in source
@@ -83,9 +102,13 @@ def test_use_vllm_gates_the_correction_and_nothing_else_we_run():
     # __init__ reads it before QeRLTrainer sets it; _generate reads it only for rollout_func and _tool_call_loop
     # only for tools, both refused by QeRLTrainer; _generate_single_turn is overridden.
     assert readers == {
-        "__init__", "_generate", "_tool_call_loop", "_generate_single_turn", "_generate_and_score_completions",
+        "__init__",
+        "_generate",
+        "_tool_call_loop",
+        "_generate_single_turn",
+        "_generate_and_score_completions",
         "_compute_loss",
-    }  # fmt: skip
+    }
     assert "if self.rollout_func is not None:" in _source(GRPOTrainer._generate)
 
 
@@ -147,8 +170,15 @@ def test_transformers_trainer_internals():
     assert _params(Trainer._save_checkpoint) == ["self", "model", "trial"]
     assert _params(QeRLTrainer._save_checkpoint) == _params(Trainer._save_checkpoint)
     save = _source(Trainer._save_checkpoint)
-    written = [save.index(call) for call in ("self.save_model(", "self._save_optimizer_and_scheduler(",
-                                              "self._save_rng_state(", "TRAINER_STATE_NAME")]  # fmt: skip
+    written = [
+        save.index(call)
+        for call in (
+            "self.save_model(",
+            "self._save_optimizer_and_scheduler(",
+            "self._save_rng_state(",
+            "TRAINER_STATE_NAME",
+        )
+    ]
     assert written == sorted(written)
     train = _source(Trainer.train)
     assert train.index("align_special_tokens(self.model, self.processing_class)") < train.index("inner_training_loop(")

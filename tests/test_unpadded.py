@@ -69,8 +69,9 @@ def _gsm8k_rows(tokenizer, count: int, gen: torch.Generator):
     lines = [json.loads(line) for line in GSM8K.read_text().splitlines()[:count]]
     rows = []
     for k, row in enumerate(lines):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}],
-                                               add_generation_prompt=True)["input_ids"]  # fmt: skip
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["question"]}], add_generation_prompt=True
+        )["input_ids"]
         answer = tokenizer(row["answer"])["input_ids"]
         length = int(torch.randint(8, min(len(answer), 96) + 1, (1,), generator=gen))
         rows.append((prompt, answer[:length], k % 5 != 4))
@@ -101,9 +102,13 @@ def _grads_and_outputs(trainer, inputs):
 
 @pytest.mark.parametrize(
     "precision,device,compiled",
-    [("nvfp4", "cpu", False), ("bf16", "cpu", False), pytest.param("nvfp4", "cuda", False, marks=pytest.mark.gpu),
-     pytest.param("nvfp4", "cuda", True, marks=pytest.mark.gpu)],
-)  # fmt: skip
+    [
+        ("nvfp4", "cpu", False),
+        ("bf16", "cpu", False),
+        pytest.param("nvfp4", "cuda", False, marks=pytest.mark.gpu),
+        pytest.param("nvfp4", "cuda", True, marks=pytest.mark.gpu),
+    ],
+)
 def test_unpadded_forward_matches_trl_padded_path_in_bf16(checkpoints, tmp_path, precision, device, compiled, seed):
     """On the GPU the two paths run different attention kernels: TRL's layout takes the padding mask to
     EFFICIENT_ATTENTION, the unpadded one runs FlashAttention under the causal mask alone. `compiled`: the unpadded
@@ -112,13 +117,31 @@ def test_unpadded_forward_matches_trl_padded_path_in_bf16(checkpoints, tmp_path,
     folder = nvfp4_dir if precision == "nvfp4" else bf16_dir
     gen = torch.Generator().manual_seed(seed)
     results = {}
-    for name, dtype, flag in [("padded", torch.bfloat16, False), ("unpadded", torch.bfloat16, True),
-                              ("fp32", torch.float32, False)]:  # fmt: skip
-        args = QeRLConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4,
-                          max_completion_length=96, learning_rate=1e-5, lora_rank=4, lora_alpha=8,
-                          bf16=dtype == torch.bfloat16, gradient_checkpointing=False, loss_type="dapo", beta=0.0,
-                          epsilon_high=0.28, aqn=False, report_to=[], seed=3, unpadded_forward=flag,
-                          compile_layers=compiled and flag, use_cpu=device == "cpu")  # fmt: skip
+    for name, dtype, flag in [
+        ("padded", torch.bfloat16, False),
+        ("unpadded", torch.bfloat16, True),
+        ("fp32", torch.float32, False),
+    ]:
+        args = QeRLConfig(
+            output_dir=str(tmp_path / name),
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=96,
+            learning_rate=1e-5,
+            lora_rank=4,
+            lora_alpha=8,
+            bf16=dtype == torch.bfloat16,
+            gradient_checkpointing=False,
+            loss_type="dapo",
+            beta=0.0,
+            epsilon_high=0.28,
+            aqn=False,
+            report_to=[],
+            seed=3,
+            unpadded_forward=flag,
+            compile_layers=compiled and flag,
+            use_cpu=device == "cpu",
+        )
         trainer = make_trainer(folder, args, dtype=dtype)
         torch.manual_seed(0)  # the same LoRA B (nonzero below) in every copy
         for module in trainer.model.modules():

@@ -36,9 +36,16 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+    )
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     save_nvfp4_checkpoint(quantize_model(model), root / "nvfp4")
     base = policy.load_base_model(str(root / "nvfp4"), device="cuda")
@@ -54,10 +61,14 @@ def setup(tmp_path_factory):
     # No top-p/top-k: their renormalisation would shift vLLM's processed log-probs away from logits / T.
     generation_config.update(max_new_tokens=24, do_sample=True, temperature=0.8, top_p=1.0, top_k=0)
     rollout_setup = RolloutSetup(
-        generation_config=generation_config, eos_token_ids=[2], pad_token_id=0,
-        open_policy=lambda: contextlib.nullcontext(peft_model), device=torch.device("cuda"),
-        model_path=str(root / "nvfp4"), options={"gpu_memory_utilization": 0.25, "max_model_len": 512, "sleep": True},
-    )  # fmt: skip
+        generation_config=generation_config,
+        eos_token_ids=[2],
+        pad_token_id=0,
+        open_policy=lambda: contextlib.nullcontext(peft_model),
+        device=torch.device("cuda"),
+        model_path=str(root / "nvfp4"),
+        options={"gpu_memory_utilization": 0.25, "max_model_len": 512, "sleep": True},
+    )
     backend = VLLMRollout(rollout_setup)
     prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (17, 40, 64, 9)]
     return backend, peft_model, prompts
@@ -85,8 +96,12 @@ def test_nvfp4_weights_run_through_vllms_fp4_path(setup):
     try:
         qkv = backend.engine.model.model.layers[0].self_attn.qkv_proj.base_layer  # under vLLM's LoRA wrapper
         scheme = qkv.scheme
-        print("vLLM qkv_proj:", type(scheme).__name__, getattr(scheme, "kernel", None),
-              {k: (tuple(v.shape), v.dtype) for k, v in qkv.named_parameters()})  # fmt: skip
+        print(
+            "vLLM qkv_proj:",
+            type(scheme).__name__,
+            getattr(scheme, "kernel", None),
+            {k: (tuple(v.shape), v.dtype) for k, v in qkv.named_parameters()},
+        )
         assert "FP4" in type(scheme).__name__.upper(), type(scheme).__name__
         assert qkv.weight_scale.dtype == torch.float8_e4m3fn  # the checkpoint's FP8 group scales, 4-bit codes
         norm = backend.engine.model.model.layers[0].input_layernorm
@@ -106,10 +121,16 @@ def test_lora_and_norms_reach_vllm_and_logprobs_match_the_trainer(setup):
     mismatch = torch.cat(diffs).mean().item()
     # The same tokens scored by the policy without its adapter: what the pushed LoRA and norms contribute.
     with peft_model.disable_adapter():
-        base_gap = torch.cat([
-            (_recompute(peft_model, p, c) - torch.tensor(lp, device="cuda")).abs()
-            for p, c, lp in zip(prompts, out.completion_ids, out.logprobs, strict=True)
-        ]).mean().item()  # fmt: skip
+        base_gap = (
+            torch.cat(
+                [
+                    (_recompute(peft_model, p, c) - torch.tensor(lp, device="cuda")).abs()
+                    for p, c, lp in zip(prompts, out.completion_ids, out.logprobs, strict=True)
+                ]
+            )
+            .mean()
+            .item()
+        )
     print(f"vLLM vs trainer log-prob |difference|: mean {mismatch:.4f} (without the adapter: {base_gap:.4f})")
     assert mismatch < 0.02 and base_gap > 5 * mismatch
 
@@ -149,8 +170,10 @@ def test_aqn_reaches_vllm_and_is_restored_bit_for_bit(setup):
         # Every scale entry of every layer norm vLLM runs moved (FP32 scales keep even sigma 1e-4).
         assert perturbed.noise.num_norms == 2 * 4 and perturbed.noise.changed_fraction > 0.99
         shifts[sigma] = _first_token_gap(perturbed, clean)
-    print(f"first-token |logprob| jitter between clean rounds {jitter:.2e}; shift at sigma 1e-2 "
-          f"{shifts[SIGMA]:.2e}, at 1e-4 {shifts[1e-4]:.2e}")  # fmt: skip
+    print(
+        f"first-token |logprob| jitter between clean rounds {jitter:.2e}; shift at sigma 1e-2 "
+        f"{shifts[SIGMA]:.2e}, at 1e-4 {shifts[1e-4]:.2e}"
+    )
     assert shifts[SIGMA] > 2 * jitter + 1e-3
     after = _weights(backend.engine)
     for name, value in before.items():  # every tensor vLLM computes with is back, bit for bit

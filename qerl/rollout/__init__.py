@@ -61,12 +61,24 @@ class RolloutSetup:
     options: dict[str, Any] = field(default_factory=dict)  # backend-specific settings (see each backend)
 
     @classmethod
-    def for_model(cls, model: nn.Module, generation_config: GenerationConfig, eos_token_ids: list[int],
-                  pad_token_id: int, **fields) -> RolloutSetup:
+    def for_model(
+        cls,
+        model: nn.Module,
+        generation_config: GenerationConfig,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        **fields,
+    ) -> RolloutSetup:
         """A setup on a model held outside a trainer (evaluation, benchmarks): opening the policy yields the model as
         it is, on the device of its parameters."""
-        return cls(generation_config, eos_token_ids, pad_token_id, open_policy=lambda: contextlib.nullcontext(model),
-                   device=next(model.parameters()).device, **fields)
+        return cls(
+            generation_config,
+            eos_token_ids,
+            pad_token_id,
+            open_policy=lambda: contextlib.nullcontext(model),
+            device=next(model.parameters()).device,
+            **fields,
+        )
 
 
 def no_noise(module: nn.Module) -> AbstractContextManager:
@@ -140,8 +152,9 @@ def resolve_backend(name: str, device: torch.device | None = None) -> str:
 T = TypeVar("T")
 
 
-def with_auto_fallback(device: torch.device | str | None, use: Callable[[str], T],
-                       report: Callable[[Unsupported, str], None]) -> T:
+def with_auto_fallback(
+    device: torch.device | str | None, use: Callable[[str], T], report: Callable[[Unsupported, str], None]
+) -> T:
     """use(the backend auto stands for on `device`); where that raises Unsupported, report(the error, the serving
     backend) and use(the serving backend) instead. `use` builds a rollout backend (create_backend) or generates with
     one of evaluation's engines."""

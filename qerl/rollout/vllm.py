@@ -302,8 +302,15 @@ class VLLMRollout(RolloutBackend):
     max_model_len, max_num_seqs (vLLM's default), sleep, seed, fp32_norms, enforce_eager."""
 
     name = "vllm"
-    ENGINE_OPTIONS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "sleep", "seed", "fp32_norms",
-                      "enforce_eager")
+    ENGINE_OPTIONS = (
+        "gpu_memory_utilization",
+        "max_model_len",
+        "max_num_seqs",
+        "sleep",
+        "seed",
+        "fp32_norms",
+        "enforce_eager",
+    )
 
     def __init__(self, setup: RolloutSetup, engine_factory=VLLMEngine):
         super().__init__(setup)

@@ -90,8 +90,13 @@ class AtomicOutputDir:
     a folder with other contents. Hidden work folders of killed runs (their process is gone) are removed, saying so.
     """
 
-    def __init__(self, output: str | os.PathLike, overwrite: bool, source: str | os.PathLike | None = None,
-                 writer: str = "quantize_nvfp4.py / qerl.nvfp4.checkpoint"):
+    def __init__(
+        self,
+        output: str | os.PathLike,
+        overwrite: bool,
+        source: str | os.PathLike | None = None,
+        writer: str = "quantize_nvfp4.py / qerl.nvfp4.checkpoint",
+    ):
         self.final = Path(output).resolve()
         self.writer = writer
         # The input as named and as resolved: a folder holding a link to the model holds the model too.
@@ -123,8 +128,9 @@ class AtomicOutputDir:
                 pid = stale.name.rsplit("-", 1)[1]
                 if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
                     shutil.rmtree(stale, ignore_errors=True)
-                    logger.warning("removed %s, left behind by an earlier run (process %s) that did not finish",
-                                   stale, pid)  # fmt: skip
+                    logger.warning(
+                        "removed %s, left behind by an earlier run (process %s) that did not finish", stale, pid
+                    )
 
     def __enter__(self) -> Path:
         self.final.parent.mkdir(parents=True, exist_ok=True)

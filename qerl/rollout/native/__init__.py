@@ -48,11 +48,15 @@ class NativeRollout(RolloutBackend):
             gib = options.get("kv_cache_gib")
             decoder = Decoder(policy, gather_each_round=options.get("sharding") is not None)
             self.engine = NativeEngine(
-                decoder, self.sampler, self.setup.eos_token_ids, self.setup.pad_token_id,
+                decoder,
+                self.sampler,
+                self.setup.eos_token_ids,
+                self.setup.pad_token_id,
                 kv_cache_bytes=None if gib is None else int(gib * 2**30),
-                prefill_tokens=options.get("prefill_tokens") or 8192, cuda_graphs=options.get("cuda_graphs"),
+                prefill_tokens=options.get("prefill_tokens") or 8192,
+                cuda_graphs=options.get("cuda_graphs"),
                 kv_cache_dtype=options.get("kv_cache_dtype") or "auto",
-            )  # fmt: skip
+            )
             self._policy_id = id(policy)
         return self.engine
 

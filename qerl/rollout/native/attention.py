@@ -38,6 +38,7 @@ except ImportError:  # pragma: no cover - depends on the platform
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the split kernel (benchmarks/attention.py times the alternatives; docs/benchmarks.md has
@@ -79,8 +80,27 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @_jit
-def _tile(q, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_off, scale_off, stride_ks, stride_ss, s0, end, qk_scale, m, denom, acc,
-          BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+def _tile(
+    q,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    kv_off,
+    scale_off,
+    stride_ks,
+    stride_ss,
+    s0,
+    end,
+    qk_scale,
+    m,
+    denom,
+    acc,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """One step of _split_kernel's online softmax: keys [s0, min(s0 + BLOCK_S, end)) -> the new (m, denom, acc)."""
     rs = s0 + tl.arange(0, BLOCK_S)
     s_ok = rs < end
@@ -109,11 +129,36 @@ def _tile(q, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_off, scale_off, stride_ks, stride_
 
 @_jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_ob, stride_oh,
-    split_len, window, qk_scale,
-    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_STAGES: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    lens_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_sb,
+    stride_ss,
+    stride_ob,
+    stride_oh,
+    split_len,
+    window,
+    qk_scale,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    FP8: tl.constexpr,
+    PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Keys [max(split * split_len, seq_len - window), min((split + 1) * split_len, seq_len)) of one sequence and
@@ -146,13 +191,51 @@ def _split_kernel(
     if INTERPRET:  # Triton 3.6's interpreter turns range bounds into ints by int(1-element array), which NumPy
         s0 = start  # >= 2.4 refuses ("only 0-dimensional arrays ..."); a while loop only takes their truth value
         while s0 < end:
-            m, denom, acc = _tile(q, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_off, scale_off, stride_ks, stride_ss, s0, end,
-                                  qk_scale, m, denom, acc, BLOCK_H, BLOCK_S, FP8, INTERPRET)
+            m, denom, acc = _tile(
+                q,
+                k_ptr,
+                v_ptr,
+                ks_ptr,
+                vs_ptr,
+                kv_off,
+                scale_off,
+                stride_ks,
+                stride_ss,
+                s0,
+                end,
+                qk_scale,
+                m,
+                denom,
+                acc,
+                BLOCK_H,
+                BLOCK_S,
+                FP8,
+                INTERPRET,
+            )
             s0 += BLOCK_S
     else:  # the same tiles, software-pipelined
         for s0 in tl.range(start, end, BLOCK_S, num_stages=NUM_STAGES):
-            m, denom, acc = _tile(q, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_off, scale_off, stride_ks, stride_ss, s0, end,
-                                  qk_scale, m, denom, acc, BLOCK_H, BLOCK_S, FP8, INTERPRET)
+            m, denom, acc = _tile(
+                q,
+                k_ptr,
+                v_ptr,
+                ks_ptr,
+                vs_ptr,
+                kv_off,
+                scale_off,
+                stride_ks,
+                stride_ss,
+                s0,
+                end,
+                qk_scale,
+                m,
+                denom,
+                acc,
+                BLOCK_H,
+                BLOCK_S,
+                FP8,
+                INTERPRET,
+            )
 
     let_next_kernel_launch(PDL)
     o = acc / denom[:, None]
@@ -167,8 +250,19 @@ def _split_kernel(
 
 @_jit
 def _merge_kernel(
-    lens_ptr, part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, split_len, window,
-    HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    lens_ptr,
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    split_len,
+    window,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[b, head] = the splits' outputs weighted by exp2(lse), over the splits that hold keys of sequence b."""
     b = tl.program_id(0).to(tl.int64)
@@ -189,12 +283,19 @@ def _merge_kernel(
 
 # --------------------------------------------------------------------------------------------- host side
 
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _splits(batch: int, kv_heads: int, max_len: int, device: torch.device, num_splits: int | None,
-            config: DecodeConfig = DEFAULT_CONFIG) -> tuple[int, int]:
+def _splits(
+    batch: int,
+    kv_heads: int,
+    max_len: int,
+    device: torch.device,
+    num_splits: int | None,
+    config: DecodeConfig = DEFAULT_CONFIG,
+) -> tuple[int, int]:
     """(splits, keys per split) from static shapes only, so one CUDA graph serves every set of lengths.
     Default: DecodeConfig's rule. Either way each split covers whole tiles and none is empty at S_max."""
     tiles = _cdiv(max_len, config.block_s)
@@ -212,8 +313,9 @@ def default_config(q: torch.Tensor, k_cache: torch.Tensor) -> DecodeConfig:
     return DEFAULT_CONFIG
 
 
-def decode_workspace(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None = None,
-                     config: DecodeConfig | None = None) -> torch.Tensor:
+def decode_workspace(
+    q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None = None, config: DecodeConfig | None = None
+) -> torch.Tensor:
     """fp32 scratch for decode_attention's split partials at these shapes (pass the same num_splits and config):
     allocate it once, before capturing a CUDA graph, and hand it in as `workspace`."""
     config = config or default_config(q, k_cache)
@@ -224,12 +326,14 @@ def decode_workspace(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | N
 
 def _check(q, k_cache, v_cache, seq_lens, k_scale=None, v_scale=None):
     if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(f"q must be [B, Hq, D] and k_cache [B, S_max, Hkv, D]; got {tuple(q.shape)} and "
-                         f"{tuple(k_cache.shape)}")
+        raise ValueError(
+            f"q must be [B, Hq, D] and k_cache [B, S_max, Hkv, D]; got {tuple(q.shape)} and {tuple(k_cache.shape)}"
+        )
     b, hq, d = q.shape
     if k_cache.shape[0] != b or k_cache.shape[3] != d or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
-                         "disagree on B or D")
+        raise ValueError(
+            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} disagree on B or D"
+        )
     if hq % k_cache.shape[2]:
         raise ValueError(f"q's {hq} heads are not a multiple of k_cache's {k_cache.shape[2]} KV heads")
     if d < 16 or d & (d - 1):
@@ -240,8 +344,20 @@ def _check(q, k_cache, v_cache, seq_lens, k_scale=None, v_scale=None):
         kv_cache.check_scales(k_cache, k_scale, v_scale)
 
 
-def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=None, workspace=None,
-                     config: DecodeConfig | None = None, k_scale=None, v_scale=None, window: int | None = None):
+def decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    seq_lens,
+    scale,
+    out=None,
+    num_splits=None,
+    workspace=None,
+    config: DecodeConfig | None = None,
+    k_scale=None,
+    v_scale=None,
+    window: int | None = None,
+):
     """softmax(q . K^T * scale) V per sequence over its first seq_lens[b] cached keys -> out [B, Hq, D] in q's dtype.
 
     The Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1) for bf16/fp16; the torch reference otherwise.
@@ -285,18 +401,56 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out=None, num_splits=
     else:
         k_scale = v_scale = seq_lens  # not read
     _split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, part, lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        out.stride(0), out.stride(1), split_len, window, scale * _LOG2E,
-        HQ=hq, GROUP=group, D=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_S=config.block_s, NUM_STAGES=config.num_stages, FP8=fp8, PDL=pdl, INTERPRET=INTERPRET,
-        num_warps=config.num_warps, launch_pdl=pdl,
+        q,
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        seq_lens,
+        out,
+        part,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_scale.stride(0) if fp8 else 0,
+        k_scale.stride(1) if fp8 else 0,
+        out.stride(0),
+        out.stride(1),
+        split_len,
+        window,
+        scale * _LOG2E,
+        HQ=hq,
+        GROUP=group,
+        D=d,
+        SPLITS=splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_S=config.block_s,
+        NUM_STAGES=config.num_stages,
+        FP8=fp8,
+        PDL=pdl,
+        INTERPRET=INTERPRET,
+        num_warps=config.num_warps,
+        launch_pdl=pdl,
     )
     if splits > 1:
         _merge_kernel[(b, hq)](
-            seq_lens, part, lse, out, out.stride(0), out.stride(1), split_len, window,
-            HQ=hq, D=d, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits), PDL=pdl, num_warps=4,
+            seq_lens,
+            part,
+            lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            split_len,
+            window,
+            HQ=hq,
+            D=d,
+            SPLITS=splits,
+            BLOCK_SPLITS=triton.next_power_of_2(splits),
+            PDL=pdl,
+            num_warps=4,
             launch_pdl=pdl,
         )
     return out

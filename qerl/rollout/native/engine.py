@@ -30,9 +30,18 @@ from qerl.rollout.native.sampling import Sampler
 
 
 class NativeEngine:
-    def __init__(self, decoder: Decoder, sampler: Sampler, eos_token_ids: list[int], pad_token_id: int,
-                 kv_cache_bytes: int | None = None, prefill_tokens: int = 8192, sync_every: int = 16,
-                 cuda_graphs: bool | None = None, kv_cache_dtype: str = "auto"):
+    def __init__(
+        self,
+        decoder: Decoder,
+        sampler: Sampler,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        kv_cache_bytes: int | None = None,
+        prefill_tokens: int = 8192,
+        sync_every: int = 16,
+        cuda_graphs: bool | None = None,
+        kv_cache_dtype: str = "auto",
+    ):
         self.decoder = decoder
         self.sampler = sampler
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=decoder.device)
@@ -60,8 +69,10 @@ class NativeEngine:
         per_sequence = self._kv_bytes_per_sequence(capacity)
         fits = budget // per_sequence
         if fits < 1:
-            raise RuntimeError(f"native rollout: the KV cache of one sequence of {capacity} tokens needs "
-                               f"{per_sequence / 2**30:.2f} GiB, the budget is {budget / 2**30:.2f} GiB")
+            raise RuntimeError(
+                f"native rollout: the KV cache of one sequence of {capacity} tokens needs "
+                f"{per_sequence / 2**30:.2f} GiB, the budget is {budget / 2**30:.2f} GiB"
+            )
         waves = math.ceil(num_prompts / fits)
         return math.ceil(num_prompts / waves)
 
@@ -92,8 +103,9 @@ class NativeEngine:
         batch = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
         capacity = max(len(p) for p in prompts) + max_new_tokens
-        cache = kv_cache.KVCache(len(d.layers), batch, capacity, d.num_kv_heads, d.head_dim, d.dtype, self.kv_fp8,
-                                 device)
+        cache = kv_cache.KVCache(
+            len(d.layers), batch, capacity, d.num_kv_heads, d.head_dim, d.dtype, self.kv_fp8, device
+        )
         first, first_logprob = self._prefill(prompts, cache)
 
         state = DecodeState(first, first_logprob, lengths, max_new_tokens, self.pad_token_id)
@@ -102,8 +114,9 @@ class NativeEngine:
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             k, v, k_scale, v_scale = cache.layer(i)
-            return decode_attention(q, k, v, state.seq_lens, scale, k_scale=k_scale, v_scale=v_scale,
-                                    window=d.layers[i].window).reshape(batch, -1)
+            return decode_attention(
+                q, k, v, state.seq_lens, scale, k_scale=k_scale, v_scale=v_scale, window=d.layers[i].window
+            ).reshape(batch, -1)
 
         def step():
             torch.add(state.positions, 1, out=state.seq_lens)  # this step's key is written before attention
@@ -171,8 +184,15 @@ class NativeEngine:
                 q = q.view(n, length, d.num_heads, d.head_dim).transpose(1, 2)
                 k, v = (t.transpose(1, 2) for t in cache.read(i, span, length))  # as decode will read them
                 mask = masks.get(d.layers[i].window)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=d.scaling,
-                                                     enable_gqa=d.num_heads != d.num_kv_heads)
+                out = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=d.scaling,
+                    enable_gqa=d.num_heads != d.num_kv_heads,
+                )
                 return out.transpose(1, 2).reshape(n * length, -1)
 
             hidden = d.forward(rows, batch_idx, positions, cache, attend)
@@ -194,8 +214,14 @@ def _window_masks(windows: set[int], length: int, device) -> dict[int, torch.Ten
 class DecodeState:
     """The tensors a captured decode step reads and advances (fixed addresses across replays)."""
 
-    def __init__(self, first: torch.Tensor, first_logprob: torch.Tensor, lengths: torch.Tensor,
-                 max_new_tokens: int, pad_token_id: int):
+    def __init__(
+        self,
+        first: torch.Tensor,
+        first_logprob: torch.Tensor,
+        lengths: torch.Tensor,
+        max_new_tokens: int,
+        pad_token_id: int,
+    ):
         batch, device = first.shape[0], first.device
         self.tokens = first.clone()  # the token each sequence feeds next
         self.positions = lengths.clone()  # ... and its position

@@ -39,8 +39,18 @@ def rmsnorm_torch(x, weight, eps, residual=None, unit_offset=False):
 if triton is not None:
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _rmsnorm_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        n,
+        eps,
+        HAS_RES: tl.constexpr,
+        UNIT_OFFSET: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -53,7 +63,7 @@ if triton is not None:
         let_next_kernel_launch(PDL)  # one wave of programs
         x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
         if HAS_RES:  # the residual stream is updated in place: h = bf16(h + x), as a BF16 add rounds
-            x = (tl.load(res_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32))
+            x = tl.load(res_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)
             x = x.to(res_ptr.dtype.element_ty)
             tl.store(res_ptr + row * n + cols, x, mask=mask)
         xf = x.to(tl.float32)
@@ -61,8 +71,9 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            unit_offset: bool = False) -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, unit_offset: bool = False
+) -> torch.Tensor:
     """RMSNorm(x) * weight for x [M, H] (weight in any float dtype, applied in FP32), or RMSNorm(x) * (1 + weight)
     with `unit_offset` (Gemma's norms, 1 + w in FP32 as transformers computes it). With `residual`, first
     residual += x in place and normalize the sum (the decoder's pre-norm residual stream)."""
@@ -72,8 +83,20 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     out = torch.empty_like(x)
     res = residual if residual is not None else x
     pdl = pdl_enabled(x.device)
-    _rmsnorm_kernel[(m,)](x, res, weight, out, n, eps, HAS_RES=residual is not None, UNIT_OFFSET=unit_offset,
-                          BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=8 if n >= 4096 else 4, launch_pdl=pdl)
+    _rmsnorm_kernel[(m,)](
+        x,
+        res,
+        weight,
+        out,
+        n,
+        eps,
+        HAS_RES=residual is not None,
+        UNIT_OFFSET=unit_offset,
+        BLOCK=triton.next_power_of_2(n),
+        PDL=pdl,
+        num_warps=8 if n >= 4096 else 4,
+        launch_pdl=pdl,
+    )
     return out
 
 
@@ -95,8 +118,9 @@ def qk_rmsnorm(qkv: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tens
     return torch.cat([(normed * scale).to(qkv.dtype), heads[:, normed_heads:]], dim=1).view(qkv.shape)
 
 
-def rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads,
-                     k_scale=None, v_scale=None):
+def rope_cache_torch(
+    qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads, k_scale=None, v_scale=None
+):
     m = qkv.shape[0]
     d = k_cache.shape[-1]
     q, k, v = qkv.float().split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
@@ -128,10 +152,29 @@ if triton is not None:
             tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, bidx_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                           stride_cb, stride_cs, stride_sb, stride_ss, HQ: tl.constexpr, HKV: tl.constexpr,
-                           D: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-                           INTERPRET: tl.constexpr):
+    def _rope_cache_kernel(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        bidx_ptr,
+        pos_ptr,
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        ks_ptr,
+        vs_ptr,
+        stride_cb,
+        stride_cs,
+        stride_sb,
+        stride_ss,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        FP8: tl.constexpr,
+        PDL: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
         tok = tl.program_id(0)
         # Where the token goes and its rotation are not written by the kernel before this one (the qkv GEMM): read
         # before the wait, so only qkv's own load follows it.
@@ -170,10 +213,19 @@ if triton is not None:
         _store_kv(vc_ptr + slot + dims, v, km, FP8, INTERPRET)
 
 
-def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_idx: torch.Tensor,
-               positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-               num_kv_heads: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
-               ) -> torch.Tensor:
+def rope_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    batch_idx: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rotary embedding (rotate-half convention, tables cos/sin [positions, D/2] in FP32) of the fused projection
     qkv [M, (Hq + 2 Hkv) * D]: returns the rotated queries [M, Hq, D] and writes the rotated keys and the values
     of token i into k_cache/v_cache [B, S, Hkv, D] at (batch_idx[i], positions[i]). FP8 caches (E4M3) take their
@@ -183,8 +235,9 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_id
     if fp8:
         kv_cache.check_scales(k_cache, k_scale, v_scale)
     if not triton_runs_on(qkv):
-        return rope_cache_torch(qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads,
-                                k_scale, v_scale)
+        return rope_cache_torch(
+            qkv, cos, sin, batch_idx, positions, k_cache, v_cache, num_heads, num_kv_heads, k_scale, v_scale
+        )
     m = qkv.shape[0]
     d = k_cache.shape[-1]
     q = torch.empty((m, num_heads, d), dtype=qkv.dtype, device=qkv.device)
@@ -193,11 +246,31 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_id
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     else:
         k_scale = v_scale = k_cache  # not read
-    _rope_cache_kernel[(m,)](qkv, cos, sin, batch_idx, positions, q, k_cache, v_cache, k_scale, v_scale,
-                             k_cache.stride(0), k_cache.stride(1), k_scale.stride(0) if fp8 else 0,
-                             k_scale.stride(1) if fp8 else 0, HQ=num_heads, HKV=num_kv_heads, D=d,
-                             BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), FP8=fp8, PDL=pdl,
-                             INTERPRET=INTERPRET, num_warps=4, launch_pdl=pdl)
+    _rope_cache_kernel[(m,)](
+        qkv,
+        cos,
+        sin,
+        batch_idx,
+        positions,
+        q,
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_scale.stride(0) if fp8 else 0,
+        k_scale.stride(1) if fp8 else 0,
+        HQ=num_heads,
+        HKV=num_kv_heads,
+        D=d,
+        BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)),
+        FP8=fp8,
+        PDL=pdl,
+        INTERPRET=INTERPRET,
+        num_warps=4,
+        launch_pdl=pdl,
+    )
     return q
 
 
@@ -236,8 +309,9 @@ def _gate_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     out = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     pdl = pdl_enabled(gate_up.device)
-    _gate_mul_kernel[(m, triton.cdiv(n, block))](gate_up, out, n, GELU=gelu, BLOCK=block, PDL=pdl, num_warps=4,
-                                                 launch_pdl=pdl)
+    _gate_mul_kernel[(m, triton.cdiv(n, block))](
+        gate_up, out, n, GELU=gelu, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl
+    )
     return out
 
 

@@ -91,8 +91,10 @@ def check_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: tor
     [B, S, Hkv] of one layout with a contiguous last dim, which is how the kernels address them."""
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if t is None or t.dtype != torch.float32 or t.shape != cache.shape[:3] or t.stride(2) != 1:
-            raise ValueError(f"an FP8 cache needs {name} FP32 {tuple(cache.shape[:3])} with a contiguous last dim; "
-                             f"got {None if t is None else (t.dtype, tuple(t.shape))}")
+            raise ValueError(
+                f"an FP8 cache needs {name} FP32 {tuple(cache.shape[:3])} with a contiguous last dim; "
+                f"got {None if t is None else (t.dtype, tuple(t.shape))}"
+            )
     if k_scale.stride() != v_scale.stride():
         raise ValueError("k_scale and v_scale need the same strides")
 
@@ -105,12 +107,22 @@ def bytes_per_token(kv_heads: int, head_dim: int, model_dtype: torch.dtype, fp8:
 
 
 class KVCache:
-    def __init__(self, layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
-                 model_dtype: torch.dtype, fp8: bool, device):
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        capacity: int,
+        kv_heads: int,
+        head_dim: int,
+        model_dtype: torch.dtype,
+        fp8: bool,
+        device,
+    ):
         self.model_dtype = model_dtype
         self.fp8 = fp8
-        kv = torch.empty((2, layers, batch, capacity, kv_heads, head_dim), dtype=FP8 if fp8 else model_dtype,
-                         device=device)
+        kv = torch.empty(
+            (2, layers, batch, capacity, kv_heads, head_dim), dtype=FP8 if fp8 else model_dtype, device=device
+        )
         self.k, self.v = kv[0], kv[1]
         self.k_scale = self.v_scale = None
         if fp8:
@@ -126,8 +138,10 @@ class KVCache:
         k, v = self.k[i][rows, :length], self.v[i][rows, :length]
         if not self.fp8:
             return k, v
-        return (dequantize_reference(k, self.k_scale[i][rows, :length], self.model_dtype),
-                dequantize_reference(v, self.v_scale[i][rows, :length], self.model_dtype))
+        return (
+            dequantize_reference(k, self.k_scale[i][rows, :length], self.model_dtype),
+            dequantize_reference(v, self.v_scale[i][rows, :length], self.model_dtype),
+        )
 
 
 def resolve(name: str) -> bool:

@@ -51,15 +51,21 @@ from qerl.sharding import whole
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # Gemma-3: norms scale by (1 + w), the attention output and the MLP output are normed too before their residual add.
 UNIT_OFFSET_NORMS = ("gemma3_text",)
-SUPPORTED = ("Llama/Qwen2/Qwen3/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, optional per-head "
-             "self_attn.{q,k}_norm, mlp.{gate,up,down}_proj, RMSNorms) and Gemma-3 text")
+SUPPORTED = (
+    "Llama/Qwen2/Qwen3/Mistral-style decoder layers (self_attn.{q,k,v,o}_proj, optional per-head "
+    "self_attn.{q,k}_norm, mlp.{gate,up,down}_proj, RMSNorms) and Gemma-3 text"
+)
 # The MLP's activation -> its gate in kernels (by name, looked up per call as the other kernels are, so that
 # benchmarks.step_costs can swap one out)
 GATES = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 # Per-layer norm roles: (before attention, on the attention's output, before the MLP, on the MLP's output).
 PRE_NORM_ROLES = ("input_layernorm", None, "post_attention_layernorm", None)
-SANDWICH_NORM_ROLES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                       "post_feedforward_layernorm")
+SANDWICH_NORM_ROLES = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 
 def _base_layer(module: nn.Module) -> nn.Module:
@@ -101,8 +107,9 @@ class Projection:
     """One GEMM over a group of sibling Linears (q/k/v, gate/up, or one alone) of the frozen base, plus their
     LoRA adapters as two small GEMMs."""
 
-    def __init__(self, modules: list[nn.Module], device: torch.device, dtype: torch.dtype,
-                 gather_each_round: bool = False):
+    def __init__(
+        self, modules: list[nn.Module], device: torch.device, dtype: torch.dtype, gather_each_round: bool = False
+    ):
         bases = [_base_layer(m) for m in modules]
         self.modules = modules
         self.dtype = dtype
@@ -122,8 +129,10 @@ class Projection:
             self.scale = _share_storage([b.weight_scale for b in bases])
             self.global_scale = scales[0]
         elif gather_each_round:
-            raise Unsupported("the BF16 base's weights are sharded (FSDP2 / ZeRO-3); the engine runs "
-                              "on whole weights, which only an NVFP4 base keeps on every rank (as buffers)")
+            raise Unsupported(
+                "the BF16 base's weights are sharded (FSDP2 / ZeRO-3); the engine runs "
+                "on whole weights, which only an NVFP4 base keeps on every rank (as buffers)"
+            )
         else:
             self.weight = _share_storage([b.weight for b in bases])
         self.bias = None
@@ -183,8 +192,9 @@ class NormScales(nn.Module):
     outside it, in the policy's order (so AQN draws the same noise for the same norm on every backend); `config`
     is the policy's, whose hidden size tells the two kinds of layer norms apart."""
 
-    def __init__(self, layer_norms: list[dict[str, nn.Module]], final_norm: nn.Module, config, eps: float,
-                 device: torch.device):
+    def __init__(
+        self, layer_norms: list[dict[str, nn.Module]], final_norm: nn.Module, config, eps: float, device: torch.device
+    ):
         super().__init__()
         self.config = config
 
@@ -209,8 +219,17 @@ class HeadNorms:
     buffer [Hq + Hkv, D]: a scale row per query head, then per key head, as kernels.qk_rmsnorm applies them. Qwen3's
     in the policy's dtype (transformers multiplies in it); Gemma-3's as 1 + w in FP32 (transformers' order)."""
 
-    def __init__(self, q_holder: nn.Module, k_holder: nn.Module, dtype: torch.dtype, num_heads: int,
-                 num_kv_heads: int, head_dim: int, unit_offset: bool, device: torch.device):
+    def __init__(
+        self,
+        q_holder: nn.Module,
+        k_holder: nn.Module,
+        dtype: torch.dtype,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        unit_offset: bool,
+        device: torch.device,
+    ):
         self.q, self.k, self.num_heads, self.unit_offset = q_holder.weight, k_holder.weight, num_heads, unit_offset
         dtype = torch.float32 if unit_offset else dtype
         self.scale = torch.empty(num_heads + num_kv_heads, head_dim, device=device, dtype=dtype)
@@ -250,8 +269,9 @@ def _causal_lm(policy: nn.Module) -> nn.Module:
     return model
 
 
-def _norms_by_layer(policy: nn.Module, num_layers: int, roles: tuple[str | None, ...]
-                    ) -> tuple[list[dict[str, nn.Module]], nn.Module]:
+def _norms_by_layer(
+    policy: nn.Module, num_layers: int, roles: tuple[str | None, ...]
+) -> tuple[list[dict[str, nn.Module]], nn.Module]:
     """The active copy of each layer's norms of these roles, in the policy's order, and the final norm
     (norms.find_norms sees through peft's modules_to_save wrappers); per-head q/k norms come first (the policy's
     attention precedes its norms)."""
@@ -270,8 +290,9 @@ def _norms_by_layer(policy: nn.Module, num_layers: int, roles: tuple[str | None,
         layers[int(match.group(1))][match.group(2)] = module
     finals = list(sites.final_norms.values())
     if any(set(d) - {"q_norm", "k_norm"} != set(names) for d in layers) or len(finals) != 1:
-        raise Unsupported(f"expected the norms {', '.join(names)} in every layer and one final norm; "
-                          f"supported: {SUPPORTED}")
+        raise Unsupported(
+            f"expected the norms {', '.join(names)} in every layer and one final norm; supported: {SUPPORTED}"
+        )
     return layers, finals[0]
 
 
@@ -353,27 +374,44 @@ class Decoder:
             attn, mlp = layer.self_attn, layer.mlp
             head_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
             if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or (
-                    (head_norms[0] is None) != (head_norms[1] is None)):  # fmt: skip
+                (head_norms[0] is None) != (head_norms[1] is None)
+            ):
                 raise Unsupported(f"layer {i} attention is not supported; supported: {SUPPORTED}")
             if head_norms[0] is not None and {n.weight.numel() for n in head_norms} != {self.head_dim}:
-                raise Unsupported(f"q/k norms of {head_norms[0].weight.numel()}/{head_norms[1].weight.numel()} "
-                                  f"elements, not one scale per head dimension ({self.head_dim})")  # fmt: skip
+                raise Unsupported(
+                    f"q/k norms of {head_norms[0].weight.numel()}/{head_norms[1].weight.numel()} "
+                    f"elements, not one scale per head dimension ({self.head_dim})"
+                )
             holders = self.norms.layers[i]
             if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 raise Unsupported(f"layer {i} MLP is not supported; supported: {SUPPORTED}")
             norm = [None if role is None else self.norms.layers[i][role].weight for role in roles]
-            self.layers.append(Layer(
-                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], device, self.dtype, gather_each_round),
-                o=Projection([attn.o_proj], device, self.dtype, gather_each_round),
-                gate_up=Projection([mlp.gate_proj, mlp.up_proj], device, self.dtype, gather_each_round),
-                down=Projection([mlp.down_proj], device, self.dtype, gather_each_round),
-                input_norm=norm[0], attn_out_norm=norm[1], pre_mlp_norm=norm[2], mlp_out_norm=norm[3],
-                head_norms=None if head_norms[0] is None else HeadNorms(
-                    holders["q_norm"], holders["k_norm"], head_norms[0].weight.dtype, self.num_heads,
-                    self.num_kv_heads, self.head_dim, self.unit_offset, device),
-                window=windows[i],
-                rope=0 if self.rope_kinds == [None] else self.rope_kinds.index(layer_types[i]),
-            ))  # fmt: skip
+            self.layers.append(
+                Layer(
+                    qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], device, self.dtype, gather_each_round),
+                    o=Projection([attn.o_proj], device, self.dtype, gather_each_round),
+                    gate_up=Projection([mlp.gate_proj, mlp.up_proj], device, self.dtype, gather_each_round),
+                    down=Projection([mlp.down_proj], device, self.dtype, gather_each_round),
+                    input_norm=norm[0],
+                    attn_out_norm=norm[1],
+                    pre_mlp_norm=norm[2],
+                    mlp_out_norm=norm[3],
+                    head_norms=None
+                    if head_norms[0] is None
+                    else HeadNorms(
+                        holders["q_norm"],
+                        holders["k_norm"],
+                        head_norms[0].weight.dtype,
+                        self.num_heads,
+                        self.num_kv_heads,
+                        self.head_dim,
+                        self.unit_offset,
+                        device,
+                    ),
+                    window=windows[i],
+                    rope=0 if self.rope_kinds == [None] else self.rope_kinds.index(layer_types[i]),
+                )
+            )
         self.cos = self.sin = [torch.empty(0, device=device)] * len(self.rope_kinds)
 
     def projections(self):
@@ -425,8 +463,9 @@ class Decoder:
             self.cos.append(cos[0, :, :half].float().contiguous())
             self.sin.append(sin[0, :, :half].float().contiguous())
 
-    def forward(self, tokens: torch.Tensor, batch_idx: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                attend: Attend) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, batch_idx: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend: Attend
+    ) -> torch.Tensor:
         """Final-normed hidden states [M, H] of rows (batch_idx, positions, tokens); writes each row's key and
         value into layer l's cache [B, S, Hkv, D] at (batch_idx, position)."""
         residual = F.embedding(tokens, self.embed)
@@ -439,8 +478,19 @@ class Decoder:
             qkv = layer.qkv(h)
             if layer.head_norms is not None:
                 qkv = kernels.qk_rmsnorm(qkv, layer.head_norms.scale, self.eps)
-            q = kernels.rope_cache(qkv, self.cos[layer.rope], self.sin[layer.rope], batch_idx, positions, k, v,
-                               self.num_heads, self.num_kv_heads, k_scale, v_scale)
+            q = kernels.rope_cache(
+                qkv,
+                self.cos[layer.rope],
+                self.sin[layer.rope],
+                batch_idx,
+                positions,
+                k,
+                v,
+                self.num_heads,
+                self.num_kv_heads,
+                k_scale,
+                v_scale,
+            )
             out = layer.o(attend(i, q))
             if layer.attn_out_norm is not None:
                 out = kernels.rmsnorm(out, layer.attn_out_norm, self.eps, unit_offset=unit)

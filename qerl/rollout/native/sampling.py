@@ -63,8 +63,19 @@ class Sampler:
 if triton is not None:
 
     @triton.jit
-    def _race_chunk_kernel(logits_ptr, seed_ptr, max_ptr, sum_ptr, win_val_ptr, win_idx_ptr, vocab, stride_b,
-                           temperature, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    def _race_chunk_kernel(
+        logits_ptr,
+        seed_ptr,
+        max_ptr,
+        sum_ptr,
+        win_val_ptr,
+        win_idx_ptr,
+        vocab,
+        stride_b,
+        temperature,
+        CHUNKS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """One chunk of one row: max of x = logit / T, sum of exp(x - max), and the race winner argmax(x - log E)."""
         row = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -84,8 +95,19 @@ if triton is not None:
         tl.store(win_idx_ptr + out, idx)
 
     @triton.jit
-    def _race_merge_kernel(logits_ptr, max_ptr, sum_ptr, win_val_ptr, win_idx_ptr, token_ptr, logprob_ptr,
-                           stride_b, temperature, CHUNKS: tl.constexpr, BLOCK_CHUNKS: tl.constexpr):
+    def _race_merge_kernel(
+        logits_ptr,
+        max_ptr,
+        sum_ptr,
+        win_val_ptr,
+        win_idx_ptr,
+        token_ptr,
+        logprob_ptr,
+        stride_b,
+        temperature,
+        CHUNKS: tl.constexpr,
+        BLOCK_CHUNKS: tl.constexpr,
+    ):
         """One row: the chunks' log-sum-exp, the winning token and its log-prob x[token] - lse."""
         row = tl.program_id(0)
         c = tl.arange(0, BLOCK_CHUNKS)
@@ -103,13 +125,16 @@ if triton is not None:
         tl.store(logprob_ptr + row, x - lse)
 
 
-def sample_fused(logits: torch.Tensor, temperature: float, vocab_chunk: int = VOCAB_CHUNK
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_fused(
+    logits: torch.Tensor, temperature: float, vocab_chunk: int = VOCAB_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The exponential race at `temperature` over FP32 logits [B, V] (last dim contiguous, B x V < 2^31: the Philox
     offsets) in two kernels: (token ids int64 [B], log_softmax(logits / temperature) at those tokens [B])."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be FP32 [B, V] with a contiguous last dim; got {logits.dtype} "
-                         f"{tuple(logits.shape)} strides {logits.stride()}")
+        raise ValueError(
+            f"logits must be FP32 [B, V] with a contiguous last dim; got {logits.dtype} "
+            f"{tuple(logits.shape)} strides {logits.stride()}"
+        )
     if vocab_chunk < 16 or vocab_chunk & (vocab_chunk - 1):
         raise ValueError(f"vocab_chunk must be a power of two >= 16; got {vocab_chunk}")
     b, vocab = logits.shape
@@ -119,10 +144,32 @@ def sample_fused(logits: torch.Tensor, temperature: float, vocab_chunk: int = VO
     win_idx = torch.empty((b, chunks), dtype=torch.int32, device=logits.device)
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
-    _race_chunk_kernel[(b, chunks)](logits, seed, partial[0], partial[1], partial[2], win_idx, vocab,
-                                    logits.stride(0), temperature, CHUNKS=chunks, BLOCK=vocab_chunk,
-                                    num_warps=8 if vocab_chunk >= 2048 else 4)
-    _race_merge_kernel[(b,)](logits, partial[0], partial[1], partial[2], win_idx, tokens, logprobs,
-                             logits.stride(0), temperature, CHUNKS=chunks,
-                             BLOCK_CHUNKS=max(16, triton.next_power_of_2(chunks)), num_warps=1)
+    _race_chunk_kernel[(b, chunks)](
+        logits,
+        seed,
+        partial[0],
+        partial[1],
+        partial[2],
+        win_idx,
+        vocab,
+        logits.stride(0),
+        temperature,
+        CHUNKS=chunks,
+        BLOCK=vocab_chunk,
+        num_warps=8 if vocab_chunk >= 2048 else 4,
+    )
+    _race_merge_kernel[(b,)](
+        logits,
+        partial[0],
+        partial[1],
+        partial[2],
+        win_idx,
+        tokens,
+        logprobs,
+        logits.stride(0),
+        temperature,
+        CHUNKS=chunks,
+        BLOCK_CHUNKS=max(16, triton.next_power_of_2(chunks)),
+        num_warps=1,
+    )
     return tokens, logprobs
