@@ -223,6 +223,11 @@ def main(argv: list[str] | None = None) -> QeRLTrainer:
     finally:
         if lock is not None:
             lock.release()
+    if torch.distributed.is_initialized():
+        # Tear the process group down before the interpreter does: left to exit, gloo's threads were seen destroyed
+        # unjoined on one rank ("terminate called without an active exception", exit -6) after a finished run.
+        trainer.accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
     return trainer
 
 

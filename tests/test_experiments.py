@@ -97,12 +97,8 @@ def test_each_run_is_qerl_train_then_eval_gsm8k(tmp_path):
     assert task.log == tmp_path / "nvfp4_lora_aqn-seed2" / "log.txt"
     flags = dict(zip(train[3::2], train[4::2], strict=False))
     assert Path(flags["--config"]) == arms.REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
-    assert (flags["--aqn"], flags["--learning-rate"], flags["--seed"], flags["--max-steps"]) == (
-        "true",
-        "0.0001",
-        "2",
-        "80",
-    )
+    arm = (flags["--aqn"], flags["--learning-rate"], flags["--seed"], flags["--max-steps"])
+    assert arm == ("true", "0.0001", "2", "80")
     assert (flags["--save-strategy"], flags["--save-steps"]) == ("steps", "27")
     evaluate = arms.eval_task(args, "ckpt/nvfp4", tmp_path / "run", "greedy", tmp_path / "run" / "e.jsonl", task)
     command = evaluate.command

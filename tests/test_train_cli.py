@@ -33,12 +33,8 @@ def test_reference_flag_names(tmp_path):
     assert (script.model_name, script.dataset, script.max_prompt_length) == ("m", "dapomath", 300)
     assert (config.lora_rank, config.lora_alpha, config.trainable_norms, config.seed) == (32, 64, True, 7)
     assert (config.sigma_start, config.sigma_end, config.num_stages) == (5e-2, 5e-4, 6)
-    assert (config.loss_type, config.beta, config.epsilon_high, config.mask_truncated_completions) == (
-        "bnpo",
-        0.04,
-        0.2,
-        True,
-    )
+    loss = (config.loss_type, config.beta, config.epsilon_high, config.mask_truncated_completions)
+    assert loss == ("bnpo", 0.04, 0.2, True)
     assert config.warmup_steps == 0.1 and config.get_warmup_steps(100) == 10
     assert config.aqn is None and config.vllm_importance_sampling_correction is False  # defaults
     # The aliases are HfArgumentParser's: both spellings, and the fields keep TRL's defaults.
@@ -112,21 +108,20 @@ def test_a_recipe_extends_its_bases_in_order(tmp_path, monkeypatch):
     assert (os.environ["QERL_RECIPE_A"], os.environ["QERL_RECIPE_B"]) == ("a", "own")
 
 
-@pytest.mark.parametrize("script_path", sorted(glob.glob(os.path.join(REPO_ROOT, "training", "dapo_qwen2.5-*.sh"))))
-def test_training_scripts(script_path, tmp_path):
+def parse_script(script_path: str, tmp_path) -> tuple:
+    """A training script's command (its DRY_RUN prints it) parsed as `qerl.train` parses it."""
     env = dict(os.environ, DRY_RUN="1", MODEL_PATH="/models/x", CKPTS_DIR=str(tmp_path))
-    out = subprocess.run(
-        ["bash", script_path, "--use-cpu", "True", "--bf16", "False"],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-        cwd="/",
-    ).stdout
-    argv = shlex.split(out)
+    flags = ["--use-cpu", "True", "--bf16", "False"]
+    out = subprocess.run(["bash", script_path, *flags], env=env, check=True, capture_output=True, text=True, cwd="/")
+    argv = shlex.split(out.stdout)
     assert argv[1:3] == ["-m", "qerl.train"]
     os.chdir(REPO_ROOT)  # the script cds there; the recipe path in its command is relative to it
-    script, config = train.parse_args(argv[3:])
+    return train.parse_args(argv[3:])
+
+
+@pytest.mark.parametrize("script_path", sorted(glob.glob(os.path.join(REPO_ROOT, "training", "dapo_qwen2.5-*.sh"))))
+def test_training_scripts(script_path, tmp_path):
+    script, config = parse_script(script_path, tmp_path)
     name = os.path.basename(script_path)
     nvfp4 = "_nvfp4_" in name
     assert config.learning_rate == (1e-5 if nvfp4 else 5e-6)
@@ -141,31 +136,9 @@ def test_training_scripts(script_path, tmp_path):
 def test_llama_recipe_is_the_references_batch(tmp_path):
     """training/llama3.1_8b_nemotron.sh: the reference's Llama-3.1-8B settings (batch 4 x accumulation 16, its
     bnpo loss, lr 1e-5, gsm8k 256/2048) on top of the shared DAPO + AQN parts."""
-    env = dict(os.environ, DRY_RUN="1", MODEL_PATH="/models/x", CKPTS_DIR=str(tmp_path))
-    out = subprocess.run(
-        [
-            "bash",
-            os.path.join(REPO_ROOT, "training", "llama3.1_8b_nemotron.sh"),
-            "--use-cpu",
-            "True",
-            "--bf16",
-            "False",
-        ],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-        cwd="/",
-    ).stdout
-    argv = shlex.split(out)
-    assert argv[1:3] == ["-m", "qerl.train"]
-    os.chdir(REPO_ROOT)
-    script, config = train.parse_args(argv[3:])
-    assert (config.per_device_train_batch_size, config.num_generations, config.gradient_accumulation_steps) == (
-        4,
-        4,
-        16,
-    )
+    script, config = parse_script(os.path.join(REPO_ROOT, "training", "llama3.1_8b_nemotron.sh"), tmp_path)
+    batch = (config.per_device_train_batch_size, config.num_generations, config.gradient_accumulation_steps)
+    assert batch == (4, 4, 16)
     assert (config.loss_type, config.beta, config.epsilon_high, config.learning_rate) == ("bnpo", 0.0, 0.28, 1e-5)
     assert config.aqn and (config.lora_rank, config.lora_alpha, config.trainable_norms) == (16, 16, True)
     assert (script.dataset, script.max_prompt_length, config.max_completion_length) == ("gsm8k", 256, 2048)
