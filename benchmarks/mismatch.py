@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.arms import REPO, recipe_for, run_logged
+from experiments.arms_runs import REPO, recipe_for, run_logged
 from qerl import plotting
 from qerl.models.fetch import bf16_and_nvfp4
 

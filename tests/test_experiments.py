@@ -1,6 +1,7 @@
-"""experiments/arms.py: the report (per-arm reward, entropy, steps to a reward level, non-finite gradient steps,
-accuracies per seed and over seeds), the commands each run is, the scheduler that puts runs on GPU slots, the step
-count fitted to a deadline; and the whole sweep -> train -> report road on the tiny model, the 1.5B recipe shrunk."""
+"""experiments.arms: the report (arms_report.py: per-arm reward, entropy, steps to a reward level, non-finite
+gradient steps, accuracies per seed and over seeds), the commands each run is and the scheduler that puts runs on GPU
+slots (arms_runs.py), the step count fitted to a deadline (arms.py); and the whole sweep -> train -> report road on
+the tiny model, the 1.5B recipe shrunk."""
 
 import argparse
 import json
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import arms
+from experiments import arms, arms_runs
 
 DATA = Path(__file__).parent / "data" / "gsm8k"
 
@@ -30,7 +31,7 @@ def _run(folder, rewards, nan_from=None, accuracy=0.01, step_time=2.0):
                 "entropy": None if broken and step > nan_from else 0.7,
             }
             f.write(json.dumps(row) + "\n")  # NaN as JSON's NaN, as json.dumps writes TRL's log lines
-    for protocol in arms.PROTOCOLS:
+    for protocol in arms_runs.PROTOCOLS:
         summary = {"accuracy": accuracy, "accuracy_ci95": [0.0, 0.02], "accuracy_flexible": 2 * accuracy,
                    "accuracy_flexible_ci95": [0.0, 0.03]}  # fmt: skip
         (folder / f"eval-{protocol}.jsonl").write_text(json.dumps(summary) + "\n")
@@ -91,16 +92,16 @@ def _args(tmp_path, **overrides):
 
 def test_each_run_is_qerl_train_then_eval_gsm8k(tmp_path):
     args = _args(tmp_path)
-    task = arms.train_task(args, "nvfp4_lora_aqn-seed2", "ckpt/nvfp4", True, 1e-4, 2, 80, save_every=27)
+    task = arms_runs.train_task(args, "nvfp4_lora_aqn-seed2", "ckpt/nvfp4", True, 1e-4, 2, 80, save_every=27)
     train = task.command
     assert train[1:3] == ["-m", "qerl.train"] and train[-1] == "--x"
     assert task.log == tmp_path / "nvfp4_lora_aqn-seed2" / "log.txt"
     flags = dict(zip(train[3::2], train[4::2], strict=False))
-    assert Path(flags["--config"]) == arms.REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
+    assert Path(flags["--config"]) == arms_runs.REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
     arm = (flags["--aqn"], flags["--learning-rate"], flags["--seed"], flags["--max-steps"])
     assert arm == ("true", "0.0001", "2", "80")
     assert (flags["--save-strategy"], flags["--save-steps"]) == ("steps", "27")
-    evaluate = arms.eval_task(args, "ckpt/nvfp4", tmp_path / "run", "greedy", tmp_path / "run" / "e.jsonl", task)
+    evaluate = arms_runs.eval_task(args, "ckpt/nvfp4", tmp_path / "run", "greedy", tmp_path / "run" / "e.jsonl", task)
     command = evaluate.command
     assert command[1:3] == ["-m", "eval.gsm8k"] and command[-2:] == ["--adapter", str(tmp_path / "run")]
     assert command[command.index("--format") + 1] == "gsm8k_hash" and evaluate.after is task and evaluate.optional
@@ -109,17 +110,17 @@ def test_each_run_is_qerl_train_then_eval_gsm8k(tmp_path):
     (tmp_path / "nvfp4_lora_aqn-seed2" / "adapter_config.json").write_text("{}")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "e.jsonl").write_text("{}")
-    assert arms.train_task(args, "nvfp4_lora_aqn-seed2", "b", True, 1e-4, 2, 80).command is None
-    assert arms.eval_task(args, "b", None, "greedy", tmp_path / "run" / "e.jsonl", None).command is None
+    assert arms_runs.train_task(args, "nvfp4_lora_aqn-seed2", "b", True, 1e-4, 2, 80).command is None
+    assert arms_runs.eval_task(args, "b", None, "greedy", tmp_path / "run" / "e.jsonl", None).command is None
     with pytest.raises(SystemExit, match="no recipe known for other-model"):
-        arms.recipe_for("other-model")
+        arms_runs.recipe_for("other-model")
 
 
 def _task(tmp_path, name, code="pass", after=None, optional=False):
     """A task that runs `code` in Python and records the GPU it was given."""
     record = f"open({str(tmp_path / name)!r}, 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', '-'))"
     script = f"import os; {record}; {code}"
-    return arms.Task(name, [sys.executable, "-c", script], tmp_path / "logs" / f"{name}.txt", after, optional)
+    return arms_runs.Task(name, [sys.executable, "-c", script], tmp_path / "logs" / f"{name}.txt", after, optional)
 
 
 def test_tasks_run_on_gpu_slots_after_what_they_need(tmp_path):
@@ -130,11 +131,11 @@ def test_tasks_run_on_gpu_slots_after_what_they_need(tmp_path):
     ]
     late = _task(tmp_path, "late", optional=True)
     with pytest.raises(SystemExit, match=r"failed: train_b \(.*train_b.txt\)"):
-        arms.run_tasks([train_a, train_b, *evals], gpus=2, per_gpu=1)
+        arms_runs.run_tasks([train_a, train_b, *evals], gpus=2, per_gpu=1)
     assert [t.state for t in (train_a, train_b, *evals)] == ["done", "failed", "done", "skipped"]
     assert {(tmp_path / "train_a").read_text(), (tmp_path / "train_b").read_text()} == {"0", "1"}  # one GPU each
     assert not (tmp_path / "eval_b").exists() and "exit code 3" in (tmp_path / "logs" / "train_b.txt").read_text()
-    arms.run_tasks([late], gpus=1, per_gpu=1, finish_by=time.time() - 1)  # an evaluation past the deadline
+    arms_runs.run_tasks([late], gpus=1, per_gpu=1, finish_by=time.time() - 1)  # an evaluation past the deadline
     assert late.state == "skipped" and not (tmp_path / "late").exists()
 
 
@@ -145,7 +146,7 @@ def test_steps_fit_the_deadline_at_the_sweeps_pace(tmp_path):
     with pytest.raises(SystemExit, match="only 0 steps"):
         arms.planned_steps(_args(tmp_path, finish_by=time.time() + 300), record)
     _run(tmp_path / "timed", [0.1] * 6, step_time=3.0)
-    assert arms.seconds_per_step(tmp_path / "timed") == 3.0
+    assert arms_runs.seconds_per_step(tmp_path / "timed") == 3.0
 
 
 @pytest.mark.slow
@@ -153,7 +154,7 @@ def test_sweep_train_report_on_the_tiny_model(checkpoints, tmp_path, capsys):
     """The road the GPU experiment takes, on CPU: the 1.5B recipe with its rollouts and batches shrunk (BF16, its
     learning rates), two arms, sweep -> train (first seed's checkpoint evaluated) -> report."""
     bf16, _ = checkpoints
-    common = ["--model", bf16, "--recipe", str(arms.RECIPES["qwen2.5-coder-1.5b-instruct"]), "--checkpoint-dir",
+    common = ["--model", bf16, "--recipe", str(arms_runs.RECIPES["qwen2.5-coder-1.5b-instruct"]), "--checkpoint-dir",
               str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--train-data", str(DATA / "train_sample.jsonl"),
               "--test-data", str(DATA / "test_sample.jsonl"), "--per-gpu", "2", "--eval-limit", "2", "--eval-tokens",
               "4", "--protocols", "greedy"]  # fmt: skip
@@ -176,7 +177,7 @@ def test_sweep_train_report_on_the_tiny_model(checkpoints, tmp_path, capsys):
         ]
     )
     sweep = json.loads((tmp_path / "out" / "sweep.json").read_text())
-    assert set(sweep["chosen_lr"]) == set(arms.ARMS) and sweep["chosen_lr"]["bf16_lora"] is None
+    assert set(sweep["chosen_lr"]) == set(arms_runs.ARMS) and sweep["chosen_lr"]["bf16_lora"] is None
     assert sweep["chosen_lr"]["nvfp4_lora_aqn"] == sweep["chosen_lr"]["nvfp4_lora"] in (1e-5, 1e-4)
     arms.main(
         [

@@ -1,0 +1,195 @@
+"""The runs of experiments.arms: the arms (ARMS), each model's recipe (RECIPES), the evaluation protocols and
+formats; the command of each run (`python -m qerl.train`, then `python -m eval.gsm8k` of its adapter, or of a base
+without one); the runner that puts runs on GPU slots, each after the run it waits for; and the readers of what the
+runs wrote (metrics.jsonl, an evaluation's summary line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from qerl import plotting
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = {  # a fetchable model -> the recipe its arms run
+    "smollm2-135m-instruct": REPO / "configs" / "smollm2_gsm8k_hash.yaml",
+    "qwen2.5-coder-1.5b-instruct": REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml",
+}
+# arm -> (base checkpoint precision, AQN on). bf16_lora_aqn is the ablation the reference's users asked for
+# (NVlabs/QeRL#11): AQN's noise without the quantization it is meant to extend.
+ARMS = {
+    "bf16_lora": ("bf16", False),
+    "nvfp4_lora": ("nvfp4", False),
+    "nvfp4_lora_aqn": ("nvfp4", True),
+    "bf16_lora_aqn": ("bf16", True),
+}
+PROTOCOLS = ("greedy", "reference")
+EVAL_FORMATS = {"gsm8k": "think_answer", "gsm8k_hash": "gsm8k_hash", "gsm8k_lenient": "gsm8k_hash"}
+_print_lock = threading.Lock()
+
+
+def say(message: str) -> None:
+    with _print_lock:
+        print(f"[arms {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def recipe_for(model: str, override: Path | None = None) -> Path:
+    """The recipe of a fetchable model (or its folder, named as fetch names it), unless one is given."""
+    if override:
+        return override
+    name = Path(model).name.removesuffix("-nvfp4")
+    if name not in RECIPES:
+        raise SystemExit(f"no recipe known for {model}; pass --recipe (known: {', '.join(RECIPES)})")
+    return RECIPES[name]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Running: tasks on GPU slots
+
+
+def run_logged(command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(command)}\n")
+        f.flush()
+        code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
+        if code != 0:
+            f.write(f"exit code {code}\n")
+    if code != 0:
+        raise RuntimeError(f"exit code {code}: {' '.join(command[:4])} ... (log: {log})")
+
+
+@dataclass
+class Task:
+    name: str
+    command: list[str] | None  # None: nothing left to do (its output exists)
+    log: Path
+    after: Task | None = None  # runs once that task succeeded; skipped if it failed
+    optional: bool = False  # an evaluation: skipped when it would start after the deadline
+    state: str = "pending"  # pending | running | done | failed | skipped
+
+
+def run_tasks(tasks: list[Task], gpus: int, per_gpu: int, finish_by: float | None = None) -> None:
+    """Run the tasks, `per_gpu` at a time on each GPU (CUDA_VISIBLE_DEVICES), first ready first; a task waits for
+    the one it comes after. Raises SystemExit naming the failed tasks once all have ended."""
+    lock = threading.Condition()
+
+    def next_ready() -> Task | None:
+        with lock:
+            while True:
+                pending = [t for t in tasks if t.state == "pending"]
+                if not pending:
+                    return None
+                for task in pending:
+                    if task.after is not None and task.after.state in ("failed", "skipped"):
+                        task.state = "skipped"
+                    elif task.after is None or task.after.state == "done":
+                        task.state = "running"
+                        return task
+                lock.wait(timeout=5)
+
+    def worker(gpu: int) -> None:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)} if gpus > 0 else None
+        while (task := next_ready()) is not None:
+            state = "done"
+            if task.command is None:
+                pass
+            elif task.optional and finish_by is not None and time.time() > finish_by:
+                say(f"{task.name}: skipped, past the deadline")
+                state = "skipped"
+            else:
+                start = time.time()
+                say(f"{task.name}: started" + (f" on GPU {gpu}" if gpus else ""))
+                try:
+                    run_logged(task.command, task.log, env)
+                    say(f"{task.name}: done in {time.time() - start:.0f} s")
+                except RuntimeError as err:
+                    state = "failed"
+                    say(f"{task.name}: FAILED: {err}")
+            with lock:
+                task.state = state
+                lock.notify_all()
+
+    # One worker per slot, slot k on GPU k mod gpus.
+    threads = [threading.Thread(target=worker, args=(k % max(1, gpus),)) for k in range(max(1, gpus) * per_gpu)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [t for t in tasks if t.state == "failed"]
+    if failed:
+        raise SystemExit("failed: " + ", ".join(f"{t.name} ({t.log})" for t in failed))
+
+
+def train_task(args, name: str, base: str, aqn: bool, lr: float, seed: int, steps: int, save_every: int = 0) -> Task:
+    folder = args.out / name
+    config = recipe_for(args.model, args.recipe)
+    command = [sys.executable, "-m", "qerl.train", "--config", str(config), "--model-name", base, "--dataset",
+               str(args.train_data), "--dataset-format", args.format, "--aqn", str(aqn).lower(), "--learning-rate",
+               str(lr), "--seed", str(seed), "--max-steps", str(steps), "--output-dir", str(folder), "--temperature",
+               str(args.temperature), "--overwrite-output-dir", "true"]  # fmt: skip
+    if save_every:
+        command += ["--save-strategy", "steps", "--save-steps", str(save_every)]
+    done = (folder / "adapter_config.json").exists()
+    return Task(
+        f"{name} train ({steps} steps, lr {lr:g})", None if done else command + args.train_flags, folder / "log.txt"
+    )
+
+
+def eval_task(args, base: str, adapter: Path | None, protocol: str, out: Path, after: Task | None) -> Task:
+    command = [sys.executable, "-m", "eval.gsm8k", "--model", base, "--data", str(args.test_data),
+               "--format", EVAL_FORMATS[args.format], "--protocol", protocol, "--max-new-tokens",
+               str(args.eval_tokens), "--out", str(out), "--kv-cache-gib", str(args.eval_kv_gib)]  # fmt: skip
+    if args.eval_limit:
+        command += ["--limit", str(args.eval_limit)]
+    if adapter:
+        command += ["--adapter", str(adapter)]
+    return Task(
+        f"{out.parent.name} {out.stem}", None if out.exists() else command, out.parent / "log.txt", after, optional=True
+    )
+
+
+def base_tasks(args, bases: dict[str, str], protocol: str) -> list[Task]:
+    """The bases without an adapter under `protocol` (none if the experiment does not evaluate it)."""
+    if protocol not in args.protocols:
+        return []
+    return [
+        eval_task(args, folder, None, protocol, args.out / f"base-{precision}" / f"eval-{protocol}.jsonl", None)
+        for precision, folder in bases.items()
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading the runs
+
+
+def metrics(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    return plotting.read_metrics(str(path)) if path.exists() else []
+
+
+def seconds_per_step(folder: Path) -> float | None:
+    """A step's wall time once warm: TRL's step_time (rollout, forwards, backward) over the last half of the steps."""
+    times = [r["step_time"] for r in metrics(folder) if "step_time" in r]
+    return statistics.fmean(times[len(times) // 2 :]) if times else None
+
+
+def late_reward(rows: list[dict]) -> float:
+    """Mean training reward over the last half of the steps: the sweep's criterion."""
+    half = rows[len(rows) // 2 :]
+    return statistics.fmean(r["reward"] for r in half) if half else float("nan")
+
+
+def eval_summary(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    with open(path) as f:
+        return json.loads(f.readline())
