@@ -22,26 +22,25 @@ side); each row's JSON says which GPUs it had. Results: OUT/results/<job>.json; 
 benchmark's workdirs under OUT/. `summarize` turns them into docs/benchmarks.md rows (OUT/summary.md); --bundle
 writes summary.md, results.json and logs.tar.gz (the last lines of every log) to DIR, for a runner that can bring
 back only a few files.
+
+This module holds the jobs, the phases they form and the command line; the runner that places a phase's jobs on GPUs
+is experiments/multi_gpu_runner.py, the summary and the bundle experiments/multi_gpu_summary.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import io
 import json
 import shlex
 import subprocess
 import sys
-import tarfile
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import multi_gpu
 from experiments import resume_check
+from experiments.multi_gpu_runner import Job, estimate, run_phase, say
+from experiments.multi_gpu_summary import summarize
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_MODEL = "qwen2.5-coder-1.5b-instruct"
@@ -49,110 +48,6 @@ REAL_RECIPE = REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
 # Seconds each kind of job took or is guessed to take on 4 H100s (the estimate printed before the run).
 GUESS = {"build-7b": 60, "build-32b": 150, "bench-7b": 60, "bench-32b": 110, "resume": 200, "real-prep": 150,
          "real-run": 70}  # fmt: skip
-
-
-@dataclass
-class Job:
-    name: str
-    gpus: int  # GPUs it holds; 0: runs beside the others on `share` without holding it
-    work: Callable[[list[int]], dict]  # (gpu ids) -> result
-    guess: float  # seconds
-    share: int = 0
-    result: dict | None = field(default=None, repr=False)
-    # Whether an earlier result still stands: a built model must also still be on disk (a fresh machine has none).
-    holds: Callable[[dict], bool] = lambda result: True
-
-
-def say(message: str) -> None:
-    print(f"[suite {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def result_path(args, job: Job) -> Path:
-    return Path(args.out) / "results" / f"{job.name}.json"
-
-
-def run_phase(args, phase: str, jobs: list[Job], total_gpus: int) -> None:
-    """The jobs, in order, each on the first free GPUs it needs (held ones) or beside them (share)."""
-    todo = []
-    for job in jobs:
-        path = result_path(args, job)
-        if path.is_file():
-            job.result = json.loads(path.read_text())
-            if "error" in job.result and not args.retry_failed or "error" not in job.result and job.holds(job.result):
-                continue
-        todo.append(job)
-    if not todo:
-        return
-    say(f"phase {phase}: {', '.join(j.name for j in todo)}")
-    free = list(range(total_gpus))
-    cond = threading.Condition()
-    threads = []
-
-    def run(job: Job, gpu_ids: list[int]) -> None:
-        start = time.perf_counter()
-        say(f"{job.name}: started on GPU(s) {','.join(map(str, gpu_ids))}")
-        try:
-            result = job.work(gpu_ids)
-        except Exception as err:  # a failed job is recorded; the others go on
-            result = {"error": f"{type(err).__name__}: {err}"[-600:]}
-        result = {**result, "job": job.name, "gpu_ids": gpu_ids, "job_wall_s": time.perf_counter() - start}
-        path = result_path(args, job)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
-        job.result = result
-        say(
-            f"{job.name}: {'FAILED: ' + result['error'] if 'error' in result else 'done'} "
-            f"({result['job_wall_s']:.0f} s)"
-        )
-        with cond:
-            if job.gpus:
-                free.extend(gpu_ids)
-                free.sort()
-            cond.notify_all()
-
-    for job in todo:
-        if job.gpus == 0:
-            ids = [job.share]
-        else:
-            with cond:
-                cond.wait_for(lambda job=job: len(free) >= job.gpus)
-                ids = pick(free, job.gpus)
-                free[:] = [g for g in free if g not in ids]
-        thread = threading.Thread(target=run, args=(job, ids))
-        thread.start()
-        threads.append(thread)
-    for thread in threads:
-        thread.join()
-
-
-def pick(free: list[int], count: int) -> list[int]:
-    """`count` of the free GPUs: an aligned block (0-1, 2-3; 0-3) where one is free, as the machine pairs its GPUs,
-    else the lowest numbered."""
-    for start in range(0, max(free) + 1, count):
-        block = list(range(start, start + count))
-        if all(g in free for g in block):
-            return block
-    return free[:count]
-
-
-def estimate(phases: list[tuple[str, list[Job]]], total_gpus: int) -> float:
-    """Wall seconds of the phases under the same in-order placement, from each job's guess."""
-    total = 0.0
-    for _, jobs in phases:
-        free_at = [0.0] * total_gpus  # when each GPU is free again
-        now, finish = 0.0, 0.0
-        for job in jobs:
-            if job.gpus == 0:
-                finish = max(finish, now + job.guess)
-                continue
-            order = sorted(range(total_gpus), key=lambda g: free_at[g])
-            picked = order[: job.gpus]
-            now = max(now, max(free_at[g] for g in picked))  # in order: no job starts before the one listed above it
-            for g in picked:
-                free_at[g] = now + job.guess
-            finish = max(finish, now + job.guess)
-        total += finish
-    return total
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -369,159 +264,6 @@ def run(args) -> None:
             continue
         run_phase(args, name, jobs, args.gpus)
     summarize(args)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Summary
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("torch", "transformers", "trl", "accelerate", "peft", "deepspeed"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    return found
-
-
-def load_results(out: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted((out / "results").glob("*.json"))}
-
-
-def bench_rows(results: dict[str, dict], size: str) -> list[str]:
-    rows = [r for name, r in results.items() if name.startswith(f"{size}-")]
-    if not rows:
-        return []
-    one = {r["config"]: r["samples_per_s"] for r in rows if r.get("gpus") == 1 and "samples_per_s" in r}
-    first = next((r for r in rows if "device" in r), {})
-    lines = [
-        f"Model {first.get('model', '?')}: {first.get('batch', '?')} completions per GPU per step of <= "
-        f"{first.get('new_tokens', '?')} tokens, {first.get('steps', '?')} steps (the first and the profiled last not "
-        "timed); one-GPU rows ran side by side on separate GPUs, as did pairs of two-GPU rows.",
-        "",
-        "| config | GPUs | samples/s | x one GPU | step s | rollout (refresh) s | log-prob fwd s | backward s "
-        "| other s | comm s | peak GiB per GPU (torch / driver) | adapters equal | ranks' prompts differ |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    order = {"ddp": 0, "fsdp": 1, "zero2": 2, "zero3": 3}
-    for r in sorted(
-        rows, key=lambda r: (order.get(r.get("config", "").split("-")[0], 9), r.get("gpus", 0), r.get("config", ""))
-    ):
-        if "error" in r or "samples_per_s" not in r:
-            lines.append(
-                f"| {r.get('config', r['job'])} | {r.get('gpus', '?')} | failed: "
-                f"{str(r.get('error', '?'))[:150]} |||||||||||"
-            )
-            continue
-        # 32B: DDP's one-GPU row is every config's baseline (one process is one process, whatever the config).
-        base = one.get(r["config"].split("-")[0]) or (one.get("ddp") if size == "32b" else None)
-        s = r["split_s"]
-        scale = f"{r['samples_per_s'] / base:.2f}x" if base else ""
-        comm = "-" if r["comm_s"] is None else f"{r['comm_s']:.2f}"
-        peaks = [p for p in r["peak_gib"] if p is not None]
-        drivers = [p for p in r["peak_driver_gib"] if p is not None]
-        peak = f"{max(peaks):.1f} / {max(drivers):.1f}" if peaks and drivers else "-"
-        lines.append(
-            f"| {r['config']} | {r['gpus']} | {r['samples_per_s']:.2f} | "
-            f"{scale} | {r['step_s']:.2f} | "
-            f"{s['rollout']:.2f} ({s['refresh']:.2f}) | {s['log-prob forwards']:.2f} | {s['backward']:.2f} | "
-            f"{s['other']:.2f} | {comm} | {peak} | "
-            f"{'yes' if r['adapters_equal'] else 'NO'} | "
-            f"{ {None: '-', True: 'yes', False: 'NO'}[r['prompts_differ']] } |"
-        )
-    return lines
-
-
-def resume_lines(results: dict[str, dict]) -> list[str]:
-    lines = []
-    for name, r in results.items():
-        if not name.startswith("resume-"):
-            continue
-        if "error" in r:
-            lines.append(f"- {name}: failed: {r['error']}")
-            continue
-        for line in resume_check.report(r).splitlines():
-            lines.append(("- " if not line.startswith(" ") else "  ") + line.strip())
-    return lines
-
-
-def real_lines(results: dict[str, dict]) -> list[str]:
-    runs = {n: r for n, r in results.items() if n.startswith("real-") and n != "real-prep"}
-    if not runs:
-        return []
-    lines = ["| run | step | reward (std) | loss | step s |", "|---|---|---|---|---|"]
-    for name, r in sorted(runs.items()):
-        if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'][:150]} ||||")
-            continue
-        for row in r["steps"]:
-            lines.append(
-                f"| {name} | {row['step']} | {row.get('reward', float('nan')):.3f} "
-                f"({row.get('reward_std', float('nan')):.3f}) | {row.get('loss', float('nan')):.4f} | "
-                f"{row.get('step_time', float('nan')):.2f} |"
-            )
-    done = [r for r in runs.values() if "error" not in r and r["steps"]]
-    if len(done) == 2:
-        a, b = (r["steps"][0] for r in done)
-        same = done[0]["first_step_prompts"] == done[1]["first_step_prompts"]
-        # 64 samples per step: the standard error of a step's mean reward is about its std / 8.
-        diff = abs(a["reward"] - b["reward"])
-        se = (a.get("reward_std", 0) ** 2 / 64 + b.get("reward_std", 0) ** 2 / 64) ** 0.5
-        sigmas = "0" if diff == 0 else f"{diff / se:.1f}" if se else "inf"
-        lines.append(
-            f"\nFirst step: {'the same' if same else 'DIFFERENT'} {len(done[0]['first_step_prompts'])} "
-            f"prompts; mean rewards differ by {diff:.3f}, {sigmas} standard errors of the difference (the "
-            f"samples differ: each rank draws its own); losses {a['loss']:.4f} vs {b['loss']:.4f}."
-        )
-    return lines
-
-
-def summarize(args) -> str:
-    out = Path(args.out)
-    results = load_results(out)
-    devices = sorted({r["device"] for r in results.values() if r.get("device")})
-    v = versions()
-    text = [
-        f"Machine: {args.gpus} x {', '.join(devices) or '?'}; " + ", ".join(f"{k} {x}" for k, x in v.items()),
-        f"Command: python -m experiments.multi_gpu_suite run --out {args.out}"
-        + (" --gguf GGUF" if any(n.startswith("real-") for n in results) else ""),
-        "",
-    ]
-    for size in ("7b", "32b"):
-        rows = bench_rows(results, size)
-        if rows:
-            text += [f"### {size.upper()} NVFP4, random init (benchmarks.multi_gpu)", "", *rows, ""]
-    resume = resume_lines(results)
-    if resume:
-        text += ["### Checkpoint save and resume (experiments.resume_check)", "", *resume, ""]
-    real = real_lines(results)
-    if real:
-        text += ["### Qwen2.5-Coder-1.5B-Instruct NVFP4, one GPU vs DDP on 4 (same global batch)", "", *real, ""]
-    walls = {n: round(r.get("job_wall_s", 0)) for n, r in results.items()}
-    text += [f"Job wall seconds: {walls}"]
-    summary = "\n".join(text) + "\n"
-    (out / "summary.md").write_text(summary)
-    print(summary)
-    if getattr(args, "bundle", None):
-        bundle(out, Path(args.bundle), results, summary)
-    return summary
-
-
-def bundle(out: Path, dest: Path, results: dict, summary: str, tail_lines: int = 300) -> None:
-    """summary.md, results.json and logs.tar.gz (the last lines of every log) in `dest`: three files."""
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "summary.md").write_text(summary)
-    (dest / "results.json").write_text(json.dumps(results, indent=1))
-    with tarfile.open(dest / "logs.tar.gz", "w:gz") as tar:
-        for log in sorted(out.rglob("*.log")):
-            lines = log.read_text(errors="replace").splitlines()[-tail_lines:]
-            data = ("\n".join(lines) + "\n").encode()
-            info = tarfile.TarInfo(str(log.relative_to(out)))
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
 
 
 def main(argv=None) -> None:

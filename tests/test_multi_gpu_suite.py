@@ -1,17 +1,21 @@
-"""experiments/multi_gpu_suite.py without launching anything: where jobs go, the wall time it plans for, a job done
-earlier skipped on a second start, and the benchmarks.md rows it writes from results."""
+"""experiments.multi_gpu_suite without launching anything: where jobs go, the wall time it plans for, a job done
+earlier skipped on a second start (multi_gpu_runner.py), and the benchmarks.md rows it writes from results
+(multi_gpu_summary.py)."""
 
 import argparse
 import json
 
 import pytest
 
+from experiments import multi_gpu_runner as runner
 from experiments import multi_gpu_suite as suite
+from experiments import multi_gpu_summary as summary
 
 
 def test_jobs_take_aligned_free_gpus():
-    assert suite.pick([0, 1, 2, 3], 2) == [0, 1] and suite.pick([0, 2, 3], 2) == [2, 3]
-    assert suite.pick([0, 3], 2) == [0, 3] and suite.pick([0, 1, 2, 3], 4) == [0, 1, 2, 3] and suite.pick([3], 1) == [3]
+    assert runner.pick([0, 1, 2, 3], 2) == [0, 1] and runner.pick([0, 2, 3], 2) == [2, 3]
+    assert runner.pick([0, 3], 2) == [0, 3] and runner.pick([0, 1, 2, 3], 4) == [0, 1, 2, 3]
+    assert runner.pick([3], 1) == [3]
 
 
 def _args(tmp_path, **kw):
@@ -22,18 +26,18 @@ def test_phase_places_jobs_in_order_and_skips_done_ones(tmp_path):
     ran = []
 
     def job(name, gpus, share=0):
-        return suite.Job(name, gpus, lambda ids, name=name: ran.append((name, ids)) or {"ok": 1}, 1.0, share)
+        return runner.Job(name, gpus, lambda ids, name=name: ran.append((name, ids)) or {"ok": 1}, 1.0, share)
 
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "done.json").write_text(json.dumps({"ok": 1}))
     jobs = [job("done", 1), job("one", 1), job("pair", 2), job("beside", 0, share=3), job("all", 4)]
-    suite.run_phase(_args(tmp_path), "x", jobs, 4)
+    runner.run_phase(_args(tmp_path), "x", jobs, 4)
     placed = dict(ran)
     assert "done" not in placed and placed["one"] == [0] and placed["pair"] == [2, 3] and placed["beside"] == [3]
     assert placed["all"] == [0, 1, 2, 3]
     assert all((tmp_path / "results" / f"{n}.json").is_file() for n in placed)
     # Placement in list order: 1 GPU, then a pair beside it, then all four once both are done (+ a shared job).
-    assert suite.estimate([("x", jobs)], 4) == 2.0
+    assert runner.estimate([("x", jobs)], 4) == 2.0
 
 
 def test_restored_results_skip_their_jobs_but_models_are_rebuilt(tmp_path):
@@ -45,10 +49,10 @@ def test_restored_results_skip_their_jobs_but_models_are_rebuilt(tmp_path):
     ran = []
 
     def job(name, holds=lambda result: True):
-        return suite.Job(name, 1, lambda ids: ran.append(name) or {"model": "x"}, 1.0, holds=holds)
+        return runner.Job(name, 1, lambda ids: ran.append(name) or {"model": "x"}, 1.0, holds=holds)
 
     built = lambda result: (tmp_path / "gone").is_dir()  # noqa: E731
-    suite.run_phase(args, "x", [job("7b-ddp-1gpu"), job("7b-fsdp-1gpu"), job("build-7b", built), job("new")], 4)
+    runner.run_phase(args, "x", [job("7b-ddp-1gpu"), job("7b-fsdp-1gpu"), job("build-7b", built), job("new")], 4)
     assert sorted(ran) == ["build-7b", "new"]  # the failed one stays failed unless --retry-failed
 
 
@@ -83,7 +87,7 @@ def test_summary_rows(tmp_path):
         "32b-fsdp-2gpu": _row("fsdp", 2, 1.5),
     }.items():
         (results / f"{name}.json").write_text(json.dumps({**row, "job": name, "job_wall_s": 60}))
-    text = suite.summarize(_args(tmp_path, bundle=str(tmp_path / "bundle")))
+    text = summary.summarize(_args(tmp_path, bundle=str(tmp_path / "bundle")))
     assert "| ddp | 2 | 5.00 | 2.00x |" in text and "| zero3-2gpu | 2 | failed: boom" in text
     assert "| fsdp | 2 | 1.50 | 1.50x |" in text  # 32B: DDP's one-GPU row is the baseline
     assert "10.0 / 12.5" in text and "NVIDIA H100 80GB HBM3" in text
