@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from benchmarks.kernels import Copies, graph_time_us, measure_ceilings, nvfp4_bytes, shapes
+from benchmarks.measure import Copies, graph_time_us, measure_ceilings, nvfp4_bytes, shapes
 from qerl.device_facts import sm_count
 from qerl.nvfp4 import ops
 from qerl.nvfp4 import triton_kernels as tk
