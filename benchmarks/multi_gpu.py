@@ -178,11 +178,11 @@ def launch(args, config: str, gpus: int, nodes: int = 1, gpu_ids: list[int] | No
 
 def random_nvfp4_checkpoint(size: str, workdir: Path) -> str:
     """The random-init Qwen2.5 `size` model as an NVFP4 checkpoint under `workdir`, made once: built and quantized one
-    decoder layer at a time on the GPU (benchmarks.rollout.build), so a 32B model never exists in BF16 (its ~65 GB
+    decoder layer at a time on the GPU (benchmarks.random_models.build), so a 32B model never exists in BF16 (its ~65 GB
     would not fit beside anything else). Same seed and init order as benchmarks.step.checkpoint, same folder."""
     import torch
 
-    from benchmarks.rollout import build, padded_tokenizer
+    from benchmarks.random_models import build, padded_tokenizer
     from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 
     folder = workdir / f"qwen2.5-{size}-random-nvfp4"
