@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kernels import ROTATE_BYTES, graph_time_us, measure_ceilings
+from benchmarks.measure import ROTATE_BYTES, graph_time_us, measure_ceilings
 from qerl.rollout.native import attention, kv_cache
 
 SHAPES = {"7B": (28, 4), "32B": (40, 8)}  # (query heads, KV heads) of Qwen2.5; head dim 128

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from benchmarks.rollout import QWEN25, build, max_new_tokens, padded_tokenizer
+from benchmarks.random_models import QWEN25, build, padded_tokenizer
+from benchmarks.rollout import max_new_tokens
 from benchmarks.step_profile import StepProfile, print_summary
 from qerl import train
 from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint

@@ -120,10 +120,10 @@ def step_costs(engine: NativeEngine, prompts: list[list[int]], new_tokens: int, 
 
 
 def main(argv=None) -> None:
-    from benchmarks import rollout
+    from benchmarks import random_models, rollout
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=rollout.SIZES, default="7b")
+    parser.add_argument("--size", choices=random_models.SIZES, default="7b")
     parser.add_argument("--batches", default="2,8")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.step_costs needs a CUDA GPU")
     batches = [int(b) for b in args.batches.split(",") if b]
-    model = rollout.with_lora(rollout.build(args.size, "nvfp4"), args.lora_rank)
+    model = random_models.with_lora(random_models.build(args.size, "nvfp4"), args.lora_rank)
     engine = create_backend("native", rollout.setup_for(model, args.new_tokens, None, {})).engine
     engine.decoder.refresh()  # the adapter into the engine's buffers, as every round does
     gen = torch.Generator().manual_seed(1)

@@ -115,7 +115,7 @@ def kernel_families(trainer, ids, mask, completion: int) -> dict[str, float]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="7b", help="Qwen2.5 shape (benchmarks.rollout.QWEN25)")
+    parser.add_argument("--size", default="7b", help="Qwen2.5 shape (benchmarks.random_models.QWEN25)")
     parser.add_argument("--micro-batches", default="2,4,8", help="completions per pass")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--completion", type=int, default=2048)

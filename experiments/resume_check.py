@@ -38,13 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the worker runs as `accelerate launch -m experiments.resume_check`
 
-from benchmarks.multi_gpu import (  # noqa: E402
-    DEEPSPEED_CONFIGS,
-    MAX_PROMPT_TOKENS,
-    _free_port,
-    child_env,
-    kill_session,
-)
+from benchmarks.multi_gpu import _free_port, child_env, kill_session  # noqa: E402
+from benchmarks.multi_gpu_worker import DEEPSPEED_CONFIGS, MAX_PROMPT_TOKENS  # noqa: E402
 
 METRICS = ("loss", "reward", "grad_norm")
 

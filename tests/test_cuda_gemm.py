@@ -109,7 +109,7 @@ def test_wgmma_ceiling_probe_builds_unserialized(tmp_path):
     does, with no wgmma serialized and no spills, or they would time something else."""
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
-    from benchmarks.probe_gemm import CEILING_LDG_SOURCES, CEILING_SOURCE, CEILING_STAGES
+    from benchmarks.probe_gemm_cuda import CEILING_LDG_SOURCES, CEILING_SOURCE, CEILING_STAGES
 
     for instances, params in (
         ([f"wgmma_ceiling<{s}, {w}>" for s in range(len(CEILING_STAGES)) for w in (1, 2, 3, 4)], "CeilingArgs"),

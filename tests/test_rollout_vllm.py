@@ -263,7 +263,7 @@ TINY = dict(
     ids=["gemma3", "qwen3"],
 )
 def test_nvfp4_checkpoint_of_a_model_built_in_memory_names_its_causal_lm(tmp_path, config, architecture):
-    """A model built from a config (benchmarks.rollout) has no config.architectures; the NVFP4 writer records the
+    """A model built from a config (benchmarks.random_models) has no config.architectures; the NVFP4 writer records the
     model's class as save_pretrained does. Without it vLLM takes the model type's base class (Gemma3TextModel,
     Qwen3Model), which it serves as an embedding model."""
     model = AutoModelForCausalLM.from_config(config())
