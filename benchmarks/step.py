@@ -33,6 +33,7 @@ from benchmarks.step_profile import StepProfile, print_summary
 from qerl import train
 from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 from qerl.nvfp4.quantize import quantize_model
+from qerl.rollout import no_noise
 
 GSM8K = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "train_sample.jsonl"
 
@@ -236,14 +237,13 @@ def main(argv=None) -> None:
     ]
 
     rollout_rows = []
-    noop = lambda model: contextlib.nullcontext()  # noqa: E731
     for batch in [int(b) for b in args.rollout_batches.split(",") if b]:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         with max_new_tokens(backend, args.rollout_tokens):
-            backend.generate(batch_prompts[:2], noop)  # warm-up: CUDA graphs, first LoRA push
+            backend.generate(batch_prompts[:2], no_noise)  # warm-up: CUDA graphs, first LoRA push
             with timer.phase("bench rollout"):
                 start = time.perf_counter()
-                out = backend.generate(batch_prompts, noop)
+                out = backend.generate(batch_prompts, no_noise)
                 seconds = time.perf_counter() - start
         tokens = sum(len(c) for c in out.completion_ids)
         rollout_rows.append(

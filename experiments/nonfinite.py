@@ -26,6 +26,8 @@ import traceback
 import torch
 from torch import nn
 
+from qerl.nonfinite_dump import nonfinite_grads
+
 ATTENTION = ("sdpa", "sdpa-no-cudnn", "eager")  # torch's default SDPA kernels, the training step's, eager
 HEADS = ("fused", "logits")
 
@@ -122,10 +124,6 @@ def watch(model: nn.Module, pad_mask: torch.Tensor):
     finally:
         for handle in handles:
             handle.remove()
-
-
-def nonfinite_grads(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
 
 
 def replay(model: nn.Module, batch: dict, head: str, temperature: float, attn: str) -> dict:

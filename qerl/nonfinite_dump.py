@@ -14,6 +14,11 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+def nonfinite_grads(model: nn.Module) -> list[str]:
+    """The names of the parameters whose gradient holds a NaN or an Inf."""
+    return [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+
+
 @torch.no_grad()
 def dump_if_nonfinite(
     policy: nn.Module, output_dir: str, step: int, micro: int, batch: dict | None, loss_settings: dict
@@ -23,8 +28,7 @@ def dump_if_nonfinite(
     lora). Gradients accumulate over the micro-batches of a step, so the first check that fails names the
     micro-batch that made them non-finite; the parameters are still those it ran with (the optimizer steps after the
     last)."""
-    named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
-    bad = [n for n, p in named if p.grad is not None and not torch.isfinite(p.grad).all()]
+    bad = nonfinite_grads(policy)  # only trainable parameters have gradients
     if not bad:
         return None
     path = os.path.join(output_dir, f"nonfinite-step{step}-micro{micro}.pt")
@@ -35,7 +39,7 @@ def dump_if_nonfinite(
             "micro_batch": micro,
             "nonfinite_grads": bad,
             "batch": batch,
-            "trainable": {n: p.detach().cpu() for n, p in named},
+            "trainable": {n: p.detach().cpu() for n, p in policy.named_parameters() if p.requires_grad},
             **loss_settings,
         },
         path,
