@@ -22,6 +22,41 @@ def make_trainer(checkpoint, args, dtype=torch.bfloat16, reward=digit_share_rewa
     )
 
 
+def recipe_config(tmp_path, **overrides):
+    """The recipes' optimizer and precision (configs/dapo_gsm8k_nvfp4.yaml) at toy batch and length."""
+    from qerl.config import QeRLConfig
+
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=5,
+        learning_rate=1e-5,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        weight_decay=0.1,
+        max_grad_norm=0.2,
+        logging_steps=1,
+        report_to=[],
+        lora_rank=4,
+        lora_alpha=8,
+        use_cpu=True,
+        bf16=True,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        beta=0.0,
+        loss_type="dapo",
+        epsilon_high=0.28,
+        sigma_start=1e-2,
+        sigma_end=1e-4,
+        num_stages=10,
+        seed=3,
+    )
+    kwargs.update(overrides)
+    return QeRLConfig(**kwargs)
+
+
 def train_argv(checkpoint, output_dir, steps, *extra) -> list[str]:
     """`python -m qerl.train` flags for a short run on the tiny model (CPU, FP32, a checkpoint every step)."""
     return [

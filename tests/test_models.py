@@ -8,11 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fakes import digit_share_reward, make_trainer
+from fakes import digit_share_reward, make_trainer, recipe_config
 
 from eval import gsm8k
 from qerl import cli, policy
-from qerl.config import QeRLConfig
 from qerl.models import fetch, registry  # the modules
 from qerl.models.__main__ import main as models_main
 from qerl.models.gguf import convert_gguf, fix_special_tokens, load_gguf
@@ -318,31 +317,7 @@ def test_real_model_path_convert_quantize_two_dapo_steps_eval(converted, tmp_pat
     two DAPO steps of LoRA + trainable norms (AQN on), the adapter saved, then eval.gsm8k in the gsm8k_hash format."""
     nvfp4 = tmp_path / "nvfp4"
     quantize_checkpoint(str(converted), str(nvfp4), device="cpu")
-    args = QeRLConfig(
-        output_dir=str(tmp_path / "run"),
-        max_steps=2,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-5,
-        adam_beta1=0.9,
-        adam_beta2=0.99,
-        weight_decay=0.1,
-        max_grad_norm=0.2,
-        loss_type="dapo",
-        beta=0.0,
-        epsilon_high=0.28,
-        lora_rank=4,
-        lora_alpha=8,
-        trainable_norms=True,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        bf16=True,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        seed=1,
-    )
+    args = recipe_config(tmp_path, output_dir=str(tmp_path / "run"), max_steps=2, trainable_norms=True, seed=1)
     trainer = make_trainer(str(nvfp4), args, reward=digit_share_reward)
     assert trainer.is_nvfp4 and trainer.aqn_enabled
     # The rollout stops on <|im_end|>: nothing "aligned" the EOS to the GGUF's <|im_start|>.

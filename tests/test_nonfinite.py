@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fakes import make_trainer
-from test_trainer import _config
+from fakes import make_trainer, recipe_config
 from torch.nn.attention import sdpa_kernel
 
 from experiments import nonfinite
@@ -17,7 +16,7 @@ from qerl.trainer import TRAINING_SDPA_BACKENDS
 
 def test_training_steps_run_without_cudnn_attention(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    trainer = make_trainer(nvfp4_dir, _config(tmp_path, max_steps=1))
+    trainer = make_trainer(nvfp4_dir, recipe_config(tmp_path, max_steps=1))
     seen, compute_loss = [], trainer.compute_loss
 
     def spy(*args, **kwargs):
@@ -32,7 +31,7 @@ def test_training_steps_run_without_cudnn_attention(checkpoints, tmp_path):
 
 def test_a_micro_batch_that_makes_a_gradient_nonfinite_is_saved_and_replays(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    args = _config(
+    args = recipe_config(
         tmp_path, max_steps=1, gradient_accumulation_steps=2, trainable_norms=True, dump_nonfinite_grads=True
     )
     trainer = make_trainer(nvfp4_dir, args)

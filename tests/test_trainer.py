@@ -5,10 +5,9 @@ import os
 
 import pytest
 import torch
-from fakes import digit_share_reward, make_trainer
+from fakes import digit_share_reward, make_trainer, recipe_config
 
 from qerl import aqn, norms, policy
-from qerl.config import QeRLConfig
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.transformers import SampledTokenLogprobs
 from qerl.rollout.warpers import sampling_warpers
@@ -16,42 +15,9 @@ from qerl.tiny import save_tiny_checkpoints
 from qerl.trainer import QeRLTrainer
 
 
-def _config(tmp_path, **overrides):
-    """The recipes' optimizer and precision (configs/dapo_gsm8k_nvfp4.yaml) at toy batch and length."""
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=5,
-        learning_rate=1e-5,
-        adam_beta1=0.9,
-        adam_beta2=0.99,
-        weight_decay=0.1,
-        max_grad_norm=0.2,
-        logging_steps=1,
-        report_to=[],
-        lora_rank=4,
-        lora_alpha=8,
-        use_cpu=True,
-        bf16=True,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        beta=0.0,
-        loss_type="dapo",
-        epsilon_high=0.28,
-        sigma_start=1e-2,
-        sigma_end=1e-4,
-        num_stages=10,
-        seed=3,
-    )
-    kwargs.update(overrides)
-    return QeRLConfig(**kwargs)
-
-
 def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    args = _config(tmp_path, trainable_norms=True, num_stages=3, aqn_log_shift=True)
+    args = recipe_config(tmp_path, trainable_norms=True, num_stages=3, aqn_log_shift=True)
     trainer = make_trainer(nvfp4_dir, args)
     model = trainer.model
     assert trainer.aqn_enabled and trainer.is_nvfp4  # AQN defaults on for an NVFP4 base
@@ -164,7 +130,7 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
 def test_rollout_logprobs_match_trl_at_the_sampling_temperature(checkpoints, tmp_path, backend):
     """With AQN off, the rollout log-probs must equal TRL's own training log-probs (logits / temperature)."""
     _, nvfp4_dir = checkpoints
-    args = _config(tmp_path, aqn=False, temperature=0.7, max_steps=2, rollout_backend=backend)
+    args = recipe_config(tmp_path, aqn=False, temperature=0.7, max_steps=2, rollout_backend=backend)
     trainer = make_trainer(nvfp4_dir, args)
     assert trainer.rollout.name == backend
     trainer.train()
@@ -183,7 +149,7 @@ def test_qwen3_nvfp4_dapo_steps_perturb_only_the_layer_norms(tmp_path):
 
     model, tokenizer = build_tiny(architecture="qwen3", head_dim=32)
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "qwen3"), model, tokenizer)
-    trainer = make_trainer(nvfp4_dir, _config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3))
+    trainer = make_trainer(nvfp4_dir, recipe_config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3))
     policy_model = trainer.model
     head_norms = {
         n: p.detach().clone()
@@ -210,7 +176,7 @@ def test_aqn_head_norms_perturbs_qwen3s_per_head_norms_in_rollout_and_shift_forw
 
     model, tokenizer = build_tiny(architecture="qwen3", head_dim=32)
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "qwen3"), model, tokenizer)
-    args = _config(
+    args = recipe_config(
         tmp_path,
         max_steps=2,
         num_stages=3,
@@ -242,7 +208,7 @@ def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
     model, tokenizer = build_tiny(architecture="gemma3", head_dim=32)
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "gemma3"), model, tokenizer)
     trainer = make_trainer(
-        nvfp4_dir, _config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3, rollout_backend="native")
+        nvfp4_dir, recipe_config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3, rollout_backend="native")
     )
     policy_model = trainer.model
     assert trainer.rollout.name == "native" and trainer.is_nvfp4
@@ -300,7 +266,7 @@ def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
 
 def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    args = _config(
+    args = recipe_config(
         tmp_path,
         vllm_importance_sampling_correction=True,
         vllm_importance_sampling_mode="token_truncate",
@@ -328,7 +294,7 @@ def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_p
 def test_generation_config_of_the_model_does_not_leak(checkpoints, tmp_path):
     """A checkpoint's own sampling defaults (here top_k=1) must not override the trainer's sampling."""
     _, nvfp4_dir = checkpoints
-    trainer = make_trainer(nvfp4_dir, _config(tmp_path, aqn=False, max_completion_length=6))
+    trainer = make_trainer(nvfp4_dir, recipe_config(tmp_path, aqn=False, max_completion_length=6))
     trainer.model.generation_config.update(do_sample=True, top_k=1, temperature=0.1)
     prompt = trainer.processing_class.apply_chat_template(
         [{"role": "user", "content": "1+1="}], add_generation_prompt=True
@@ -365,18 +331,18 @@ def test_sampled_token_logprobs_with_filters():
 
 def test_bad_configs(checkpoints, tmp_path):
     with pytest.raises(ValueError, match=r"num_generations to a divisor of 6 \(here: 2, 3, 6\)"):
-        _config(tmp_path, per_device_train_batch_size=6, num_generations=4)
+        recipe_config(tmp_path, per_device_train_batch_size=6, num_generations=4)
     with pytest.raises(ValueError, match="rollout_backend"):
-        _config(tmp_path, use_vllm=True)
+        recipe_config(tmp_path, use_vllm=True)
     with pytest.raises(ValueError, match="unknown rollout_backend 'sglang'"):
-        _config(tmp_path, rollout_backend="sglang")
+        recipe_config(tmp_path, rollout_backend="sglang")
     bf16_dir, _ = checkpoints
     with pytest.warns(UserWarning, match="AQN is on for a BF16 base"):
-        trainer = make_trainer(bf16_dir, _config(tmp_path, aqn=True))
+        trainer = make_trainer(bf16_dir, recipe_config(tmp_path, aqn=True))
     assert trainer.aqn_enabled and not trainer.is_nvfp4
-    assert not make_trainer(bf16_dir, _config(tmp_path)).aqn_enabled  # default: off for BF16
+    assert not make_trainer(bf16_dir, recipe_config(tmp_path)).aqn_enabled  # default: off for BF16
     with pytest.raises(TypeError, match="policy.load_base_model"):  # one road from a folder: the base loader
-        QeRLTrainer(bf16_dir, [digit_share_reward], args=_config(tmp_path))
+        QeRLTrainer(bf16_dir, [digit_share_reward], args=recipe_config(tmp_path))
 
 
 def test_demo_pipeline(tmp_path):
@@ -431,7 +397,7 @@ def test_bf16_checkpoint_and_its_nvfp4_twin_give_the_same_stop_tokens_and_defaul
         repetition_penalty=1.05,
     )
     bf16_dir, nvfp4_dir = save_tiny_checkpoints(str(tmp_path), model, tokenizer)
-    trainers = [make_trainer(path, _config(tmp_path)) for path in (bf16_dir, nvfp4_dir)]
+    trainers = [make_trainer(path, recipe_config(tmp_path)) for path in (bf16_dir, nvfp4_dir)]
     assert trainers[0].is_nvfp4 is False and trainers[1].is_nvfp4 is True
     assert trainers[0].eos_token_ids == trainers[1].eos_token_ids == [tokenizer.eos_token_id, end_of_turn]
     defaults = [t.model.generation_config.to_diff_dict() for t in trainers]
@@ -458,7 +424,7 @@ def test_a_tokenizer_eos_the_generation_config_lacks_is_named_and_the_model_keep
     with pytest.warns(UserWarning, match=named):
         common._warn_eos(nvfp4_dir)
     with pytest.warns(UserWarning, match=named + r"\. Rollouts end at any of them"):
-        trainer = make_trainer(nvfp4_dir, _config(tmp_path, max_steps=1, per_device_train_batch_size=4))
+        trainer = make_trainer(nvfp4_dir, recipe_config(tmp_path, max_steps=1, per_device_train_batch_size=4))
     assert trainer.eos_token_ids == [tokenizer.eos_token_id, end_of_turn]
     seen, generate = [], trainer.rollout.generate
 
