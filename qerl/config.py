@@ -153,6 +153,16 @@ class QeRLConfig(GRPOConfig):
             "under DDP, FSDP2 or ZeRO)."
         },
     )
+    dense_training_weights: bool | None = field(
+        default=None,
+        metadata={
+            "help": "NVFP4 base: decode the frozen weights to BF16 once after each rollout and let the training "
+            "passes (log-prob forwards, recomputed forward, backward) share that copy, freed before the next "
+            "rollout, instead of decoding each weight in every pass (qerl/dense_weights.py). Same numbers; costs "
+            "2 bytes per frozen weight while the passes run (1.5B: 2.6 GB, 7B: 13 GB, 32B: 62 GB). Default: on "
+            "when the copy takes at most half of the GPU memory available after the rollout."
+        },
+    )
     metrics_jsonl: bool = field(
         default=True,
         metadata={

@@ -23,6 +23,7 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
 from qerl import aqn, cli, norms, policy, rollout, sharding, unpadded
+from qerl.dense_weights import DenseWeights
 from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
 from qerl.nonfinite_dump import dump_if_nonfinite
@@ -93,6 +94,8 @@ class QeRLTrainer(GRPOTrainer):
             )
         self.add_callback(KeepModelEos(self.model))
         self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup())
+        # The training passes' BF16 copy of the frozen NVFP4 weights: made after each rollout, dropped before the next.
+        self.dense_weights = DenseWeights(self.model, args.dense_training_weights)
         self._norm_sites: dict[int, norms.NormSites] = {}
         self.last_noise = aqn.NoiseStats()
         self._noise_round = (-1, 0)
@@ -270,8 +273,11 @@ class QeRLTrainer(GRPOTrainer):
             raise NotImplementedError("QeRLTrainer trains text-only policies")
         mode = "train" if self.model.training else "eval"
         sigma = self.current_sigma()
+        self.dense_weights.release()  # the engine gets the memory; a policy-side rollout decodes per call, as before
         with profiling_context(self, f"{self.rollout.name}.generate"):
             output = self.rollout.generate(prompt_ids, lambda model: self._perturb(model, sigma))
+        with profiling_context(self, "dense_weights.materialize"):
+            self.dense_weights.materialize()
         self.last_noise = output.noise  # the round's noise, for the metrics and the shift forward
         if mode == "train":
             self._metrics[mode]["aqn/sigma"].append(sigma)

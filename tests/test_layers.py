@@ -26,6 +26,7 @@ LAYERS = [
         "qerl.unpadded",
         "qerl.rewards",
         "qerl.nonfinite_dump",
+        "qerl.dense_weights",
     ],
     ["qerl.aqn", "qerl.policy", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
     ["qerl.config", "qerl.callbacks", "qerl.recipes"],

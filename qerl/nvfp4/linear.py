@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qerl.nvfp4 import codec, ops
@@ -47,6 +48,9 @@ class NVFP4Linear(nn.Linear):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        # The weight decoded to compute_dtype while the training passes share it (qerl/dense_weights.py sets and drops
+        # it around each rollout); a plain attribute, not a buffer: never saved, moved, broadcast or gathered.
+        self.dense_weight: torch.Tensor | None = None
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -83,6 +87,8 @@ class NVFP4Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.compute_dtype)
+        if self.dense_weight is not None:
+            return F.linear(x, self.dense_weight, self.bias)
         return ops.nvfp4_linear(
             x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias, self.splitk_counters
         )
