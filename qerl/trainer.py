@@ -23,9 +23,9 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
 from qerl import aqn, cli, norms, policy, rollout, sharding, unpadded
-from qerl.dense_weights import DenseWeights
 from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
+from qerl.dense_weights import DenseWeights
 from qerl.nonfinite_dump import dump_if_nonfinite
 from qerl.nvfp4.linear import NVFP4Linear
 
