@@ -1,12 +1,17 @@
 """QeRL training on one GPU, timed: rollout throughput on the trainer's own path, and whole GRPO steps.
 
     python -m benchmarks.step --size 7b --precision nvfp4 --backend vllm --steps 3 --out runs/step.json
+    python -m benchmarks.step --model ckpt/qwen2.5-coder-1.5b-instruct-nvfp4 \
+        --config configs/qwen2.5_coder_1.5b_gsm8k_hash.yaml --backend native --steps 22 --rollout-batches ""
 
 Builds a Qwen2.5-shaped model with random weights (no download) and writes it as a BF16 checkpoint, or as the
 NVFP4 checkpoint our quantizer makes (kept under --workdir, reused by later runs). The trainer is the real one
 (`qerl.train.build_trainer` on a recipe YAML) on real GSM8K questions; the tokenizer is the tiny character
 tokenizer of the demo padded to the model's vocabulary, so a GSM8K prompt is ~250 tokens, near the recipe's
 256. Random weights almost never sample EOS, so every completion runs to the length limit.
+--model runs a real checkpoint instead (BF16 or NVFP4, its own tokenizer) on the recipe as written (its prompt
+format, limits and masking): completions end where the model ends them, and each step's line gives its longest and
+mean completion, since a step's time follows its longest.
 
 1. Rollout throughput: `trainer.rollout.generate` (LoRA push, AQN, sampling: what a training round runs) on
    --rollout-batches prompts of the training set, --rollout-tokens new tokens each.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -95,6 +101,23 @@ def recipe_flags(config: str, model_path: str, out_dir: Path, new_tokens: int) -
     ]
 
 
+def real_model_flags(config: str, model_path: str, out_dir: Path, dataset: str) -> list[str]:
+    """qerl.train flags of a recipe run as written on a real checkpoint (no saving, no logging)."""
+    return [
+        "--config", config, "--model-name", model_path, "--dataset", dataset, "--output-dir", str(out_dir),
+        "--save-strategy", "no", "--report-to", "none", "--metrics-jsonl", "false",
+    ]  # fmt: skip
+
+
+def completion_lengths(log_history: list[dict]) -> list[tuple[float, float]]:
+    """(longest, mean) completion tokens of each logged step, as TRL logs them."""
+    return [
+        (row["completions/max_length"], row["completions/mean_length"])
+        for row in log_history
+        if "completions/max_length" in row
+    ]
+
+
 def synchronize() -> None:
     """Wait for the GPU (timings end when its work does); nothing to wait for on a CPU run."""
     if torch.cuda.is_available():
@@ -166,18 +189,30 @@ def profile_steps(trainer, args, rollout_rows) -> None:
     trainer.train()
     summary = profiler.summary(slice(args.warmup_steps, args.steps - 1))
     summary["torch_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    print(
-        f"\nQwen2.5-{args.size} shapes, random weights, {args.precision}, rollout backend {trainer.rollout.name}, "
-        f"recipe {args.config or 'default'}, completions <= {args.new_tokens} tokens"
-    )
+    summary["completion_lengths"] = completion_lengths(trainer.state.log_history)
+    summary["dense_weight_rounds"] = trainer.dense_weights.rounds
+    print(f"\n{describe(args)}, rollout backend {trainer.rollout.name}, recipe {args.config or 'default'}")
     print_summary(summary)
     print(f"trainer's torch peak {summary['torch_peak_gib']:.1f} GiB")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rollout": rollout_rows, "profile": summary}, indent=2))
 
 
+def describe(args) -> str:
+    if args.model:
+        return f"{args.model} (real weights), completions as the model ends them"
+    return f"Qwen2.5-{args.size} shapes, random weights, {args.precision}, completions <= {args.new_tokens} tokens"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a real checkpoint folder (BF16 or NVFP4, with its tokenizer) instead of random weights: the recipe "
+        "(--config, required) runs as written; --size, --precision, --new-tokens and --in-memory do not apply",
+    )
+    parser.add_argument("--dataset", default=str(GSM8K), help="--model: the training prompts (default: GSM8K rows)")
     parser.add_argument("--size", choices=sorted(QWEN25), default="7b")
     parser.add_argument("--precision", choices=("nvfp4", "bf16"), default="nvfp4")
     parser.add_argument("--backend", default="vllm", help="rollout backend: native, vllm or transformers")
@@ -214,18 +249,23 @@ def main(argv=None) -> None:
         raise SystemExit("benchmarks.step needs a CUDA GPU")
 
     model = None
-    if args.in_memory:
-        model, model_path = in_memory_model(args.size, args.precision, Path(args.workdir))
+    if args.model:
+        if not args.config:
+            raise SystemExit("--model needs --config: the recipe to run as written")
+        out_dir = Path(args.workdir) / f"run-{Path(args.model).name}-{args.backend}"
+        flags = real_model_flags(args.config, args.model, out_dir, args.dataset)
     else:
-        model_path = checkpoint(args.size, args.precision, Path(args.workdir))
-    recipe = args.config or f"configs/dapo_gsm8k_{args.precision}.yaml"
-    out_dir = Path(args.workdir) / f"run-{args.size}-{args.precision}-{args.backend}"
-    flags = [
-        *recipe_flags(recipe, model_path, out_dir, args.new_tokens),
+        if args.in_memory:
+            model, model_path = in_memory_model(args.size, args.precision, Path(args.workdir))
+        else:
+            model_path = checkpoint(args.size, args.precision, Path(args.workdir))
+        recipe = args.config or f"configs/dapo_gsm8k_{args.precision}.yaml"
+        out_dir = Path(args.workdir) / f"run-{args.size}-{args.precision}-{args.backend}"
+        # Random weights never sample EOS: with the recipe's masking every completion would drop out of the loss.
+        flags = [*recipe_flags(recipe, model_path, out_dir, args.new_tokens), "--mask-truncated-completions", "false"]
+    flags += [
         "--rollout-backend", args.backend, "--max-steps", str(args.steps),
         "--vllm-gpu-memory-utilization", str(args.gpu_memory_utilization),
-        # Random weights never sample EOS: with the recipe's masking every completion would drop out of the loss.
-        "--mask-truncated-completions", "false",
         *args.extra,
     ]  # fmt: skip
     timer = PhaseTimer()
@@ -285,11 +325,18 @@ def main(argv=None) -> None:
     ]
 
     device = torch.cuda.get_device_name()
-    print(f"\nQwen2.5-{args.size} shapes, random weights, {args.precision}, rollout backend {backend.name}, {device}")
-    print(f"{'batch':>5s} {'new tok':>7s} {'tok/s':>8s}")
+    lengths = completion_lengths(trainer.state.log_history)
+    print(f"\n{describe(args)}, rollout backend {backend.name}, {device}")
+    if rollout_rows:
+        print(f"{'batch':>5s} {'new tok':>7s} {'tok/s':>8s}")
     for row in rollout_rows:
         print(f"{row['batch']:5d} {row['new_tokens']:7d} {row['tokens_per_s']:8.0f}")
-    print(f"steps ({args.steps}, completion <= {args.new_tokens}): " + ", ".join(f"{t:.1f}" for t in step_times) + " s")
+    print(f"{'step':>4s} {'s':>6s} {'longest':>7s} {'mean':>6s}   (completion tokens)")
+    for i, seconds in enumerate(step_times):
+        longest, mean = lengths[i] if i < len(lengths) else (float("nan"), float("nan"))
+        print(f"{i + 1:4d} {seconds:6.2f} {longest:7.0f} {mean:6.1f}")
+    steady = step_times[1:] or step_times
+    print(f"median of steps 2-{len(step_times)}: {statistics.median(steady):.2f} s")
     for name, seconds in phases.items():
         print(f"  {name:18s} {seconds:7.2f} s/step")
     peak = {"torch_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_peak_gib": timer.peak_gpu_gib}
@@ -310,6 +357,9 @@ def main(argv=None) -> None:
                 "device": device,
                 "rollout": rollout_rows,
                 "step_seconds": step_times,
+                "completion_lengths": lengths,
+                "median_step_seconds": statistics.median(steady),
+                "dense_weight_rounds": trainer.dense_weights.rounds,
                 "phases_per_step": phases,
                 "memory": peak,
                 "logp_difference": mismatch,

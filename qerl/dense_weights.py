@@ -61,6 +61,7 @@ class DenseWeights:
         self.enabled = enabled
         self.nbytes = copy_bytes(self.layers)
         self.active = False
+        self.rounds = 0  # rounds whose passes ran on the copies
         self._logged: bool | None = None  # the last decision logged
 
     def wanted(self) -> bool:
@@ -90,6 +91,7 @@ class DenseWeights:
         for layer in self.layers:
             layer.dense_weight = layer.dequantize_weight()
         self.active = True
+        self.rounds += 1
 
     def release(self) -> None:
         """Drop the copies: the layers decode per call again (what the rollout engines read is the packed weight)."""

@@ -151,6 +151,12 @@ class QeRLTrainer(GRPOTrainer):
         ) as stats:
             yield stats
 
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.dense_weights.release()  # nothing of the run's passes stays on the GPU after it
+
     # ======================================================================================================
     # THE TRL SEAM (trl 1.16). Every TRL internal the trainer relies on is used below and nowhere above;
     # tests/test_trl_seam.py pins each one (and the two TRL utilities the rollout backends import: pad,
