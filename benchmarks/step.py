@@ -36,9 +36,10 @@ from transformers import TrainerCallback
 from benchmarks.random_models import QWEN25, build, padded_tokenizer
 from benchmarks.rollout import max_new_tokens
 from benchmarks.step_profile import StepProfile, print_summary
-from qerl import train
+from qerl import data, train
 from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 from qerl.nvfp4.quantize import quantize_model
+from qerl.recipes import load_recipe
 from qerl.rollout import no_noise
 
 GSM8K = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "train_sample.jsonl"
@@ -102,9 +103,13 @@ def recipe_flags(config: str, model_path: str, out_dir: Path, new_tokens: int) -
 
 
 def real_model_flags(config: str, model_path: str, out_dir: Path, dataset: str) -> list[str]:
-    """qerl.train flags of a recipe run as written on a real checkpoint (no saving, no logging)."""
+    """qerl.train flags of a recipe run as written on a real checkpoint (no saving, no logging), its prompts read from
+    the local file `dataset` in the format of the recipe's own dataset (the GPU machine reaches no hub)."""
+    recipe = load_recipe(config, train._parser())
+    source = data.HUB_DATASETS.get(recipe.get("dataset"))
     return [
         "--config", config, "--model-name", model_path, "--dataset", dataset, "--output-dir", str(out_dir),
+        *(["--dataset-format", source.format] if source else []),
         "--save-strategy", "no", "--report-to", "none", "--metrics-jsonl", "false",
     ]  # fmt: skip
 
@@ -116,6 +121,18 @@ def completion_lengths(log_history: list[dict]) -> list[tuple[float, float]]:
         for row in log_history
         if "completions/max_length" in row
     ]
+
+
+def print_steps(seconds: list[float], lengths: list[tuple[float, float]]) -> float:
+    """Each step's seconds with its longest and mean completion; returns the median of the steps after the first
+    (compilation, graph capture, autotuning)."""
+    print(f"{'step':>4s} {'s':>6s} {'longest':>7s} {'mean':>6s}   (completion tokens)")
+    for i, step in enumerate(seconds):
+        longest, mean = lengths[i] if i < len(lengths) else (float("nan"), float("nan"))
+        print(f"{i + 1:4d} {step:6.2f} {longest:7.0f} {mean:6.1f}")
+    median = statistics.median(seconds[1:] or seconds)
+    print(f"median of steps 2-{len(seconds)}: {median:.2f} s")
+    return median
 
 
 def synchronize() -> None:
@@ -331,12 +348,7 @@ def main(argv=None) -> None:
         print(f"{'batch':>5s} {'new tok':>7s} {'tok/s':>8s}")
     for row in rollout_rows:
         print(f"{row['batch']:5d} {row['new_tokens']:7d} {row['tokens_per_s']:8.0f}")
-    print(f"{'step':>4s} {'s':>6s} {'longest':>7s} {'mean':>6s}   (completion tokens)")
-    for i, seconds in enumerate(step_times):
-        longest, mean = lengths[i] if i < len(lengths) else (float("nan"), float("nan"))
-        print(f"{i + 1:4d} {seconds:6.2f} {longest:7.0f} {mean:6.1f}")
-    steady = step_times[1:] or step_times
-    print(f"median of steps 2-{len(step_times)}: {statistics.median(steady):.2f} s")
+    median = print_steps(step_times, lengths)
     for name, seconds in phases.items():
         print(f"  {name:18s} {seconds:7.2f} s/step")
     peak = {"torch_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_peak_gib": timer.peak_gpu_gib}
@@ -358,7 +370,7 @@ def main(argv=None) -> None:
                 "rollout": rollout_rows,
                 "step_seconds": step_times,
                 "completion_lengths": lengths,
-                "median_step_seconds": statistics.median(steady),
+                "median_step_seconds": median,
                 "dense_weight_rounds": trainer.dense_weights.rounds,
                 "phases_per_step": phases,
                 "memory": peak,
