@@ -15,15 +15,17 @@ from qerl import policy as qpolicy
 from qerl.nvfp4.quantize import quantize_model
 from qerl.tiny import build_tiny_tokenizer
 
-# (hidden, intermediate, layers, heads, kv heads, vocab) of Qwen2.5-{1.5,3,7,14,32}B; Llama-3.1-8B as the
+# (hidden, intermediate, layers, heads, kv heads, vocab) of Qwen2.5-{0.5,1.5,3,7,14,32}B; Llama-3.1-8B as the
 # architecture the native engine was not tuned on (no q/k/v bias, llama3 RoPE scaling, 128K context).
 QWEN25 = {
+    "0.5b": (896, 4864, 24, 14, 2, 151936),  # head_dim 64, tied embeddings
     "1.5b": (1536, 8960, 28, 12, 2, 151936),  # untied, as the Q4_K_M GGUF of Qwen2.5-Coder-1.5B-Instruct converts
     "3b": (2048, 11008, 36, 16, 2, 151936),
     "7b": (3584, 18944, 28, 28, 4, 152064),
     "14b": (5120, 13824, 48, 40, 8, 152064),
     "32b": (5120, 27648, 64, 40, 8, 152064),
 }
+TIED = {"0.5b"}  # Qwen2.5-0.5B shares its embedding with the LM head
 SIZES = [*QWEN25, "llama8b", "qwen3-8b", "gemma3-4b"]
 
 
@@ -94,7 +96,7 @@ def model_config(size: str):
         num_attention_heads=heads,
         num_key_value_heads=kv,
         max_position_embeddings=32768,
-        tie_word_embeddings=False,
+        tie_word_embeddings=size in TIED,
     )
 
 

@@ -139,6 +139,14 @@ def profile_decode_step(engine, prompts) -> dict[str, float]:
     return {k: (long[k] - short.get(k, 0.0)) / 40 for k in sorted(long, key=lambda k: -long[k])}
 
 
+def free_share(reserve_bytes: int = 0) -> float:
+    """vLLM's gpu_memory_utilization for the memory free now, less `reserve_bytes` kept for others: vLLM refuses to
+    start unless that share of the whole card is free, so a fixed share fails beside a resident model (0.5 of an H200
+    beside the BF16 7B and its copy)."""
+    free, total = torch.cuda.mem_get_info()
+    return round(max(0.05, min(0.9, 0.9 * (free - reserve_bytes) / total)), 3)
+
+
 def setup_for(model, new_tokens: int, model_path: str | None, options: dict) -> RolloutSetup:
     """Temperature 1 and nothing else, no EOS: every sequence samples `new_tokens`."""
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens)
@@ -201,7 +209,7 @@ def run(args, precision: str) -> list[dict]:
     model = with_lora(base, args.lora_rank)
     options = (
         {
-            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "gpu_memory_utilization": args.gpu_memory_utilization or free_share(),
             "sleep": False,
             "max_model_len": args.prompt_len + args.new_tokens,
         }
@@ -240,7 +248,13 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--kv-cache-dtypes", default="auto", help=f"native: KV-cache dtypes to time, of {', '.join(KV_CACHE_DTYPES)}"
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: its share of the GPU")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vllm: its share of the whole card, which must be free at its start (default: 90%% of the free share, "
+        "at most 0.9)",
+    )
     parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/rollout.json")
     args = parser.parse_args(argv)

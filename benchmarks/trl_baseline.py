@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from benchmarks.rollout import free_share
 from benchmarks.step import GSM8K, StepClock, completion_lengths, gpu_used_gib, print_steps, real_model_flags
 from qerl import data, policy, train
 from qerl.config import QeRLConfig
@@ -41,13 +42,6 @@ def trl_config(config: QeRLConfig, use_vllm: bool, gpu_memory_utilization: float
     }
     shared.update(use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=gpu_memory_utilization)
     return GRPOConfig(**shared)
-
-
-def vllm_share(model_bytes: int) -> float:
-    """vLLM's gpu_memory_utilization, a share of the whole card that must be free when it starts: what is free now,
-    less the training passes' room (the model again for its gradients' activations, and 8 GiB), at most 0.6."""
-    free, total = torch.cuda.mem_get_info()
-    return round(max(0.1, min(0.6, (free - model_bytes - 8 * 2**30) / total)), 2)
 
 
 def build(args) -> GRPOTrainer:
@@ -70,7 +64,8 @@ def build(args) -> GRPOTrainer:
     use_vllm = not args.no_vllm
     share = args.gpu_memory_utilization
     if use_vllm and share is None:
-        share = vllm_share(sum(p.numel() * p.element_size() for p in model.parameters()))
+        # Room for the training passes: the model again (its activations' and gradients' order of size) and 8 GiB.
+        share = free_share(reserve_bytes=sum(p.numel() * p.element_size() for p in model.parameters()) + 8 * 2**30)
     lora = policy.lora_config(
         model, config.lora_rank, config.lora_alpha, config.lora_target_modules, config.lora_dropout,
         config.trainable_norms,
