@@ -20,7 +20,16 @@ import time
 
 import torch
 
-from benchmarks.measure import Copies, copies_for, graph_time_us, make_weights, measure_ceilings, nvfp4_bytes, shapes
+from benchmarks.measure import (
+    MODELS,
+    Copies,
+    copies_for,
+    graph_time_us,
+    make_weights,
+    measure_ceilings,
+    nvfp4_bytes,
+    shapes,
+)
 from qerl.nvfp4 import codec, ops
 from qerl.nvfp4 import triton_kernels as tk
 
@@ -197,7 +206,7 @@ def fmt_table(header, rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="JSON path (default runs/bench_kernels_<time>.json)")
-    ap.add_argument("--models", default="7B,14B,32B")
+    ap.add_argument("--models", default="7B,14B,32B", help=f"of {', '.join(MODELS)}")
     ap.add_argument("--quick", action="store_true", help="7B only, fewer M")
     ap.add_argument("--sweep", action="store_true", help="time a grid of GEMM configs (slow: many compiles)")
     ap.add_argument("--sweep-m", default="1,16,64")
@@ -306,7 +315,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     layer_rows = []
     for model in models:
-        for m in (1, 8, 16):
+        for m in (1, 8, 16, 64):
             r = bench_layer(model, m, copy_gbs)
             result["layer"].append(dict(model=model, m=m, **r))
             layer_rows.append(

@@ -13,20 +13,23 @@ import torch
 
 from qerl.nvfp4 import codec, ops
 
-MODELS = {  # hidden, heads, kv heads, intermediate (Qwen2.5; head_dim 128)
-    "7B": (3584, 28, 4, 18944),
-    "14B": (5120, 40, 8, 13824),
-    "32B": (5120, 40, 8, 27648),
+MODELS = {  # hidden, heads, kv heads, intermediate, head_dim (Qwen2.5)
+    "0.5B": (896, 14, 2, 4864, 64),
+    "1.5B": (1536, 12, 2, 8960, 128),
+    "3B": (2048, 16, 2, 11008, 128),
+    "7B": (3584, 28, 4, 18944, 128),
+    "14B": (5120, 40, 8, 13824, 128),
+    "32B": (5120, 40, 8, 27648, 128),
 }
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES  # the weight copies a graph cycles through add up to at least this
 
 
 def shapes(model):
-    h, nh, nkv, inter = MODELS[model]
+    h, nh, nkv, inter, head_dim = MODELS[model]
     return {
-        "qkv": ((nh + 2 * nkv) * 128, h),
-        "o": (h, nh * 128),
+        "qkv": ((nh + 2 * nkv) * head_dim, h),
+        "o": (h, nh * head_dim),
         "gate_up": (2 * inter, h),
         "down": (h, inter),
     }

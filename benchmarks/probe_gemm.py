@@ -8,6 +8,7 @@
     python -m benchmarks.probe_gemm wgmma-lora        # the same with the rollout engine's LoRA in the same launch
     python -m benchmarks.probe_gemm wgmma-ceiling     # the 64-row wgmma loop, built up part by part
     python -m benchmarks.probe_gemm wgmma-by-k        # the 64-row wgmma GEMM's time against K: fixed cost and slope
+    python -m benchmarks.probe_gemm small             # 0.5B/1.5B GEMMs at 8 and 64 rows with LoRA: every CUDA config
     ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probe_gemm ncu
 
 This module holds the subcommand table; the probes live by family: benchmarks/probe_gemm_triton.py (`stream`,
@@ -20,7 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 
-from benchmarks.probe_gemm_cuda import cuda_vs_triton, wgmma_by_k, wgmma_ceiling, wgmma_vs_triton
+from benchmarks.probe_gemm_cuda import cuda_vs_triton, small_shapes, wgmma_by_k, wgmma_ceiling, wgmma_vs_triton
 from benchmarks.probe_gemm_triton import host_cost, ncu_targets, split_sweep, stream_probe
 
 MODES = {  # subcommand: the probe it runs, and what that measures (the module docstring's line)
@@ -35,6 +36,11 @@ MODES = {  # subcommand: the probe it runs, and what that measures (the module d
     ),
     "wgmma-ceiling": (wgmma_ceiling, "the 64-row wgmma loop, built up part by part"),
     "wgmma-by-k": (wgmma_by_k, "the 64-row wgmma GEMM's time against K: fixed cost and slope"),
+    "small": (
+        small_shapes,
+        "the 0.5B and 1.5B layers' GEMMs at 8 and 64 rows with the engine's LoRA: bytes floor, cuBLAS, dispatch, "
+        "Triton, and the CUDA kernel at every config of a grid",
+    ),
     "ncu": (
         ncu_targets,
         "the GEMM on a few 7B shapes, untimed, for Nsight Compute to sample: "

@@ -249,3 +249,114 @@ def wgmma_by_k():
             print("".join(row), flush=True)
             del c
             torch.cuda.empty_cache()
+
+
+SMALL_MODELS = ("0.5B", "1.5B")
+
+
+def small_configs(m: int, n: int, k: int, idx: int) -> list:
+    """The CUDA kernel's configs to try at `m` rows on an n x k weight: its default, then for 1-16 rows the decode
+    kernel's 16/32-row tiles on 4/8 warps, for 33-64 the wgmma kernel's 1/2 warpgroups, ring 2/3, 1/2 CTAs per SM,
+    each with every K split from 1 up to one chunk of 128 per (warp or warpgroup and) split."""
+    from qerl.nvfp4 import cuda_gemm
+
+    chunks = k // cuda_gemm.CHUNK
+    if m <= cuda_gemm.DECODE_MAX_M:
+        default = cuda_gemm.default_config(m, n, k, idx)
+        grid = [
+            cuda_gemm.CudaGemmConfig(tile, warps, 2, split, 1)
+            for tile in (16, 32)
+            for warps in (4, 8)
+            for split in range(1, max(1, chunks // warps) + 1)
+            if split <= 8
+        ]
+    else:
+        default = cuda_gemm.wgmma_config(n, k, idx)
+        grid = [
+            cuda_gemm.WgmmaConfig(groups, stages, split, occupancy)
+            for groups in (1, 2)
+            for stages in (2, 3)
+            for occupancy in (1, 2)
+            for split in sorted({1, 2, 3, 4, 6, 8, 12} & set(range(1, chunks + 1)))
+        ]
+    return [default, *(c for c in grid if c != default)]
+
+
+def _lora_gemm_us(gemm, x, weights, lora, **kw) -> float:
+    """Per-call time of `gemm` with the adapter in the same launch, cycling through (weight, counters) pairs."""
+    return graph_time_us(
+        [
+            lambda q=q, cn=cn: gemm(x, q.packed, q.scale, q.global_scale, counters=cn, lora=lora, **kw)
+            for q, cn in weights
+        ]
+    )
+
+
+def small_shapes():
+    """The 0.5B and 1.5B layers' GEMMs at 8 and 64 rows, with the rollout engine's LoRA in the same launch, against
+    their bytes and cuBLAS BF16 (bare, and with the adapter as the BF16 engine adds it: two more GEMMs): what the
+    dispatch takes now, Triton's kernel, the CUDA kernel at its default config and at the best of small_configs."""
+    import json
+
+    from qerl.nvfp4 import cuda_gemm
+
+    dev = torch.device("cuda")
+    idx = torch.cuda.current_device()
+    copy_gbs, _ = measure_ceilings(dev)
+    print(f"{torch.cuda.get_device_name(idx)}, copy {copy_gbs:.0f} GB/s; us per call (CUDA graph, weights past L2)")
+    print(
+        "| shape | N x K | M | r | bytes floor | cuBLAS | cuBLAS + LoRA | dispatch (takes) | Triton | CUDA default | "
+        "CUDA best (config) | best / cuBLAS + LoRA |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in SMALL_MODELS:
+        for name, (n, k) in shapes(model).items():
+            c = Copies(n, k, dev)
+            rank = ENGINE_LORA_RANKS[name]
+            a, b = _engine_lora(name, n, k, dev)
+            for m in (8, 64):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                fp4 = list(zip(c.fp4, c.counters, strict=True))
+
+                bf16 = graph_time_us([lambda w=w, x=x: x @ w.t() for w in c.bf16])
+                bf16_lora = graph_time_us(
+                    [lambda w=w, x=x, a=a, b=b: torch.addmm(x @ w.t(), x @ a.t(), b.t()) for w in c.bf16]
+                )
+                dispatch = graph_time_us([lambda q=q, cn=cn, x=x, ab=(a, b): _dispatch(x, q, cn, ab) for q, cn in fp4])
+                takes = "CUDA" if cuda_gemm.supported(x, k, rank, n) else "Triton"
+                triton_us = _lora_gemm_us(tk.gemm, x, fp4, (a, b))
+                timed = [
+                    (_lora_gemm_us(cuda_gemm.gemm, x, fp4, (a, b), config=cfg), cfg)
+                    for cfg in small_configs(m, n, k, idx)
+                ]
+                best_us, best = min(timed, key=lambda t: t[0])
+                floor = nvfp4_bytes(n, k) / copy_gbs / 1e3
+                print(
+                    f"| {model}.{name} | {n} x {k} | {m} | {rank} | {floor:.1f} | {bf16:.1f} | {bf16_lora:.1f} | "
+                    f"{dispatch:.1f} ({takes}) | {triton_us:.1f} | {timed[0][0]:.1f} | {best_us:.1f} {tuple(best)} | "
+                    f"{bf16_lora / best_us:.2f}x |",
+                    flush=True,
+                )
+                print(
+                    "#json "
+                    + json.dumps(
+                        {
+                            "model": model,
+                            "shape": name,
+                            "n": n,
+                            "k": k,
+                            "m": m,
+                            "rank": rank,
+                            "floor_us": floor,
+                            "bf16_us": bf16,
+                            "bf16_lora_us": bf16_lora,
+                            "dispatch_us": dispatch,
+                            "takes": takes,
+                            "triton_us": triton_us,
+                            "cuda": [[us, list(cfg)] for us, cfg in timed],
+                        }  # fmt: skip
+                    ),
+                    flush=True,
+                )
+            del c
+            torch.cuda.empty_cache()
