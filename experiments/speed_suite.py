@@ -1,0 +1,251 @@
+"""Issue 41's measurements on one machine of one to four GPUs, in one command that a lease can start early and feed:
+
+    python -m experiments.speed_suite run --out runs/speed --site /tmp/gpu-site --gguf /tmp/carry/q15
+    python -m experiments.speed_suite summarize --out runs/speed [--bundle DIR]
+
+Jobs, started in list order on the first free GPU (a job whose result file exists is skipped, so a second start
+redoes only what was lost); a job whose inputs are still arriving waits for them on its GPU:
+  kernels      benchmarks.kernels on the 0.5B and 1.5B layers (each GEMM at 1-64 rows against its bytes and cuBLAS),
+               then probe_gemm small (the same GEMMs with the engine's LoRA, every CUDA config of a grid)
+  rollout      benchmarks.rollout, native engine, NVFP4 and BF16 at 0.5B, 1.5B, 3B, 7B, batch 8 and 64, 512 new
+               tokens (the 1.5B with --profile: GPU time per kernel family)
+  step-7b      benchmarks.step --profile on the random 7B (the default recipe, 2048 tokens): NVFP4 with and without
+               the dense training weights, BF16                                                          (needs --site)
+  real-prep    the GGUF converted to BF16 and quantized to NVFP4, beside another job          (needs --site, --gguf)
+  real-*       benchmarks.step --profile on the real Qwen2.5-Coder-1.5B-Instruct, its recipe as written, --steps
+               steps: NVFP4 without / with the dense training weights, BF16, and both compiled (--compile-layers)
+  trl-baseline benchmarks.trl_baseline on the BF16 checkpoint, the same recipe and steps
+  gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
+  vllm-rollout benchmarks.rollout --engine vllm at 1.5B (vLLM's share sized from the free memory)   (needs --site)
+Results: OUT/results/<job>.json (each benchmark's own JSON); logs: OUT/logs/. `summarize` writes OUT/summary.md
+(medians, longest completions, the phase splits, the GEMM tables); --bundle adds results.json and the logs' tails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.multi_gpu import child_env
+from experiments.multi_gpu_runner import Job, run_phase, say
+from experiments.multi_gpu_suite import gpu_count
+from experiments.multi_gpu_summary import bundle, load_results
+from experiments.resume_check import last_error, run_logged
+
+REPO = Path(__file__).resolve().parents[1]
+REAL_MODEL = "qwen2.5-coder-1.5b-instruct"
+REAL_RECIPE = REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
+SIZES = ("0.5b", "1.5b", "3b", "7b")
+# name: (NVFP4 or BF16 checkpoint, qerl.train flags) of the real-model step runs
+REAL_RUNS = {
+    "real-nvfp4": ("nvfp4", ["--dense-training-weights", "false"]),
+    "real-nvfp4-dense": ("nvfp4", ["--dense-training-weights", "true"]),
+    "real-bf16": ("bf16", []),
+    "real-nvfp4-dense-compiled": ("nvfp4", ["--dense-training-weights", "true", "--compile-layers", "true"]),
+    "real-bf16-compiled": ("bf16", ["--compile-layers", "true"]),
+}
+
+
+def wait_for(path: Path, what: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        if time.time() > deadline:
+            raise RuntimeError(f"{what} did not arrive in {timeout:.0f} s ({path})")
+        time.sleep(5)
+
+
+def run_commands(args, name: str, commands: list[list[str]], gpu_ids: list[int], site: bool) -> None:
+    """Each command (python -m ... arguments) on the job's GPUs, one log each; the first failure raises."""
+    env = child_env(False)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+    if site:
+        wait_for(Path(args.site) / ".complete", "the gpu-site packages", args.timeout)
+        env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{args.site}"
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    for i, command in enumerate(commands):
+        log = Path(args.out) / "logs" / (f"{name}.log" if len(commands) == 1 else f"{name}-{i}.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        code = run_logged([sys.executable, *command], env, log, args.timeout)
+        if code != 0:
+            raise RuntimeError(f"exit code {code} ({log}): {last_error(log)}")
+
+
+def bench_job(args, name: str, commands: list[tuple[str | None, list[str]]], site: bool = False, after=None) -> Job:
+    """A job of `python -m module ...` commands, each given with the key of the JSON file it writes (passed as --out
+    right after the module, before any `--`), or None for one that only logs; the result holds the JSON files."""
+    out = Path(args.out) / "json"
+
+    def argv(key, cmd):
+        return cmd if key is None else [*cmd[:2], "--out", str(out / f"{key}.json"), *cmd[2:]]
+
+    def work(gpu_ids):
+        if after is not None:
+            after()
+        run_commands(args, name, [argv(key, cmd) for key, cmd in commands], gpu_ids, site)
+        return {key: json.loads((out / f"{key}.json").read_text()) for key, _ in commands if key is not None}
+
+    return Job(name, 1, work, guess=0)
+
+
+def checkpoints(args) -> dict[str, str]:
+    ckpt = Path(args.out) / "ckpt"
+    return {"bf16": str(ckpt / REAL_MODEL), "nvfp4": str(ckpt / f"{REAL_MODEL}-nvfp4")}
+
+
+def real_prep_job(args, share: int) -> Job:
+    def work(gpu_ids):
+        wait_for(Path(args.gguf), "the GGUF", args.timeout)
+        folders = checkpoints(args)
+        fetch = ["-m", "qerl.models", "fetch", REAL_MODEL, "--output", folders["bf16"], "--gguf", args.gguf]
+        quantize = ["-m", "qerl.quantize", "--model", folders["bf16"], "--output", folders["nvfp4"], "--device", "cuda"]
+        run_commands(args, "real-prep", [fetch, quantize], gpu_ids, site=True)
+        return folders
+
+    return Job("real-prep", 0, work, guess=0, share=share, holds=lambda r: Path(r["nvfp4"], "config.json").is_file())
+
+
+def real_prepared(args) -> None:
+    path = Path(args.out) / "results" / "real-prep.json"
+    wait_for(path, "the real model's checkpoints", 2 * args.timeout)
+    if "error" in json.loads(path.read_text()):
+        raise RuntimeError("no real model: real-prep failed")
+
+
+def jobs(args) -> list[Job]:
+    steps = ["--steps", str(args.steps), "--warmup-steps", "1", "--rollout-batches", ""]
+    rollout = [
+        (f"rollout-{size}", ["-m", "benchmarks.rollout", "--engine", "native", "--size", size, "--batches", "8,64",
+                             "--new-tokens", "512", *(["--profile"] if size == "1.5b" else [])])
+        for size in SIZES
+    ]  # fmt: skip
+    step_7b = [
+        (key, ["-m", "benchmarks.step", "--size", "7b", "--precision", precision, "--backend", "native", "--in-memory",
+               "--profile", "--steps", "5", "--rollout-batches", "", "--", *flags])
+        for key, precision, flags in (
+            ("step-7b-nvfp4", "nvfp4", ["--dense-training-weights", "false"]),
+            ("step-7b-nvfp4-dense", "nvfp4", ["--dense-training-weights", "true"]),
+            ("step-7b-bf16", "bf16", []),
+        )
+    ]  # fmt: skip
+    found = [
+        bench_job(args, "kernels", [("kernels-small", ["-m", "benchmarks.kernels", "--models", "0.5B,1.5B",
+                                                       "--no-large"]),
+                                    (None, ["-m", "benchmarks.probe_gemm", "small"])]),
+        bench_job(args, "rollout", rollout),
+        bench_job(args, "step-7b", step_7b, site=True),
+    ]  # fmt: skip
+    if args.gguf:
+        folders = checkpoints(args)
+        found.append(real_prep_job(args, share=args.gpus - 1))
+        for name, (precision, flags) in REAL_RUNS.items():
+            command = ["-m", "benchmarks.step", "--model", folders[precision], "--config", str(REAL_RECIPE),
+                       "--backend", "native", "--profile", *steps, "--", *flags]  # fmt: skip
+            found.append(bench_job(args, name, [(name, command)], site=True, after=lambda: real_prepared(args)))
+            if name == "real-bf16":  # the anchor runs beside the first three
+                anchor = ["-m", "benchmarks.trl_baseline", "--model", folders["bf16"], "--config", str(REAL_RECIPE),
+                          "--steps", str(args.steps)]  # fmt: skip
+                found.append(
+                    bench_job(
+                        args, "trl-baseline", [("trl-baseline", anchor)], site=True, after=lambda: real_prepared(args)
+                    )  # fmt: skip
+                )
+    tests = ["-m", "pytest", "-q", "-m", "gpu", "tests/test_dense_weights.py", "tests/test_kernels.py",
+             "tests/test_cuda_gemm.py", "tests/test_native_gpu.py", "tests/test_linear.py"]  # fmt: skip
+    found.append(bench_job(args, "gpu-tests", [(None, tests)], site=True))
+    vllm = ["-m", "benchmarks.rollout", "--engine", "vllm", "--size", "1.5b", "--batches", "8,64", "--new-tokens",
+            "512"]  # fmt: skip
+    found.append(bench_job(args, "vllm-rollout", [("vllm-rollout-1.5b", vllm)], site=True))
+    return found
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Summary
+
+
+def step_lines(name: str, result: dict) -> list[str]:
+    profile = result.get("profile", result)
+    seconds = profile.get("step_seconds") or result.get("step_seconds") or []
+    lengths = profile.get("completion_lengths") or result.get("completion_lengths") or []
+    if not seconds:
+        return [f"- {name}: no steps"]
+    ordered = sorted(seconds)
+    median = ordered[len(ordered) // 2]
+    longest = [int(length[0]) for length in lengths]
+    line = f"- {name}: median {median:.2f} s over {len(seconds)} steps, {profile.get('device', result.get('device'))}"
+    if longest:
+        line += f"; longest completions {min(longest)}-{max(longest)} (median {sorted(longest)[len(longest) // 2]})"
+    if "dense_weight_rounds" in profile:
+        line += f"; dense-weight rounds {profile['dense_weight_rounds']}"
+    lines = [line]
+    phases = profile.get("phases")
+    if phases:
+        split = ", ".join(f"{k} {v:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+        lines.append(f"  phases (s/step): {split}")
+    return lines
+
+
+def summarize(args) -> str:
+    out = Path(args.out)
+    results = load_results(out)
+    text = ["# Speed suite (issue 41)", ""]
+    for name, result in results.items():
+        if "error" in result:
+            text.append(f"- {name}: FAILED: {result['error']}")
+            continue
+        for key, value in result.items():
+            if not isinstance(value, dict):
+                continue
+            if "rows" in value:  # benchmarks.rollout
+                for row in value["rows"]:
+                    if "error" in row:
+                        text.append(f"- {key} {row['precision']} batch {row['batch']}: {row['error']}")
+                    else:
+                        text.append(
+                            f"- {key} {row['precision']} batch {row['batch']}: {row['tokens_per_s']:.0f} tok/s, "
+                            f"{row['ms_per_step']:.2f} ms/step"
+                            + (f" (floor {row['floor_ms']:.2f})" if "floor_ms" in row else "")
+                            + f", {value['device']}"
+                        )
+            elif "step_seconds" in value or "profile" in value:
+                text += step_lines(key, value)
+    kernels_log = out / "logs" / "kernels-1.log"
+    if kernels_log.is_file():
+        text += ["", "## probe_gemm small", ""]
+        text += [line for line in kernels_log.read_text().splitlines() if line.startswith("|")]
+    summary = "\n".join(text) + "\n"
+    (out / "summary.md").write_text(summary)
+    print(summary)
+    if args.bundle:
+        bundle(out, Path(args.bundle), results, summary)
+    return summary
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("run", "summarize"))
+    parser.add_argument("--out", default="runs/speed")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs of the machine (default: all it has)")
+    parser.add_argument("--site", default="/tmp/gpu-site", help="the unpacked ../shared/gpu-site (trl, vLLM, gguf)")
+    parser.add_argument("--gguf", help="Qwen2.5-Coder-1.5B-Instruct's GGUF (may still be arriving): adds the real runs")
+    parser.add_argument("--steps", type=int, default=22, help="real-model steps per run (the first is not counted)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds one command or one wait may take")
+    parser.add_argument("--retry-failed", action="store_true", help="run again the jobs whose result is an error")
+    parser.add_argument("--bundle", help="summarize: also write summary.md, results.json, logs.tar.gz here")
+    args = parser.parse_args(argv)
+    if args.gguf:
+        args.gguf = str(Path(args.gguf).resolve())
+    if args.command == "summarize":
+        summarize(args)
+        return
+    args.gpus = args.gpus or gpu_count()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    say(f"{args.gpus} GPU(s)")
+    run_phase(args, "speed", jobs(args), args.gpus)
+    summarize(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""experiments.speed_suite's wiring on the CPU: which jobs a machine gets, each benchmark's --out where its parser reads
+it (before a `--` that hands the rest to qerl.train), and the summary of finished results."""
+
+import argparse
+import json
+
+from experiments import speed_suite
+
+
+def _args(tmp_path, gguf=None):
+    return argparse.Namespace(out=str(tmp_path), gpus=4, site=str(tmp_path / "site"), gguf=gguf, steps=22, timeout=5,
+                              retry_failed=False, bundle=None)  # fmt: skip
+
+
+def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
+    without = [job.name for job in speed_suite.jobs(_args(tmp_path))]
+    assert without == ["kernels", "rollout", "step-7b", "gpu-tests", "vllm-rollout"]
+    with_gguf = [job.name for job in speed_suite.jobs(_args(tmp_path, gguf="/tmp/q15.gguf"))]
+    assert with_gguf == [
+        "kernels", "rollout", "step-7b", "real-prep", "real-nvfp4", "real-nvfp4-dense", "real-bf16", "trl-baseline",
+        "real-nvfp4-dense-compiled", "real-bf16-compiled", "gpu-tests", "vllm-rollout",
+    ]  # fmt: skip
+    prep = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == "real-prep")
+    assert prep.gpus == 0 and prep.share == 3  # beside the others, on the last GPU
+
+
+def test_out_goes_before_the_flags_for_qerl_train(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(speed_suite, "run_commands", lambda args, name, commands, gpu_ids, site: ran.append(commands))
+    (tmp_path / "json").mkdir()
+    for key in ("step-7b-nvfp4", "step-7b-nvfp4-dense", "step-7b-bf16"):
+        (tmp_path / "json" / f"{key}.json").write_text(json.dumps({"key": key}))
+    job = next(job for job in speed_suite.jobs(_args(tmp_path)) if job.name == "step-7b")
+    result = job.work([2])
+    assert list(result) == ["step-7b-nvfp4", "step-7b-nvfp4-dense", "step-7b-bf16"]
+    for command in ran[0]:
+        assert command[:3] == ["-m", "benchmarks.step", "--out"] and command[3].startswith(str(tmp_path / "json"))
+        assert command.index("--out") < command.index("--")
+    assert ran[0][1][ran[0][1].index("--") + 1 :] == ["--dense-training-weights", "true"]
+
+
+def test_summary_gives_medians_lengths_phases_and_failures(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    profile = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "step_seconds": [3.0, 4.0, 3.5],
+        "completion_lengths": [[450, 160.0], [300, 150.0], [512, 170.0]],
+        "phases": {"rollout": 1.5, "backward": 0.9},
+        "dense_weight_rounds": 3,
+    }
+    (results / "real-nvfp4-dense.json").write_text(json.dumps({"real-nvfp4-dense": {"profile": profile}}))
+    (results / "vllm-rollout.json").write_text(json.dumps({"error": "RuntimeError: no vLLM"}))
+    text = speed_suite.summarize(_args(tmp_path))
+    assert "- real-nvfp4-dense: median 3.50 s over 3 steps, NVIDIA H100 80GB HBM3" in text
+    assert "longest completions 300-512 (median 450); dense-weight rounds 3" in text
+    assert "phases (s/step): rollout 1.50, backward 0.90" in text
+    assert "- vllm-rollout: FAILED: RuntimeError: no vLLM" in text
+    assert (tmp_path / "summary.md").read_text() == text
