@@ -38,7 +38,7 @@ from experiments.resume_check import last_error, run_logged
 REPO = Path(__file__).resolve().parents[1]
 REAL_MODEL = "qwen2.5-coder-1.5b-instruct"
 REAL_RECIPE = REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
-SIZES = ("0.5b", "1.5b", "3b", "7b")
+SIZES = ("1.5b", "7b", "3b", "0.5b")  # the recipe's size first: a job's later commands run after a failure too
 # name: (NVFP4 or BF16 checkpoint, qerl.train flags) of the real-model step runs
 REAL_RUNS = {
     "real-nvfp4": ("nvfp4", ["--dense-training-weights", "false"]),
@@ -57,20 +57,23 @@ def wait_for(path: Path, what: str, timeout: float) -> None:
         time.sleep(5)
 
 
-def run_commands(args, name: str, commands: list[list[str]], gpu_ids: list[int], site: bool) -> None:
-    """Each command (python -m ... arguments) on the job's GPUs, one log each; the first failure raises."""
+def run_commands(args, name: str, commands: list[list[str]], gpu_ids: list[int], site: bool) -> list[str]:
+    """Each command (python -m ... arguments) on the job's GPUs, one log each, all of them whatever fails; returns
+    what failed, one line each."""
     env = child_env(False)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
     if site:
         wait_for(Path(args.site) / ".complete", "the gpu-site packages", args.timeout)
         env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{args.site}"
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    failed = []
     for i, command in enumerate(commands):
         log = Path(args.out) / "logs" / (f"{name}.log" if len(commands) == 1 else f"{name}-{i}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
         code = run_logged([sys.executable, *command], env, log, args.timeout)
         if code != 0:
-            raise RuntimeError(f"exit code {code} ({log}): {last_error(log)}")
+            failed.append(f"exit code {code} ({log}): {last_error(log)}")
+    return failed
 
 
 def bench_job(args, name: str, commands: list[tuple[str | None, list[str]]], site: bool = False, after=None) -> Job:
@@ -84,8 +87,15 @@ def bench_job(args, name: str, commands: list[tuple[str | None, list[str]]], sit
     def work(gpu_ids):
         if after is not None:
             after()
-        run_commands(args, name, [argv(key, cmd) for key, cmd in commands], gpu_ids, site)
-        return {key: json.loads((out / f"{key}.json").read_text()) for key, _ in commands if key is not None}
+        failed = run_commands(args, name, [argv(key, cmd) for key, cmd in commands], gpu_ids, site)
+        found = {
+            key: json.loads((out / f"{key}.json").read_text())
+            for key, _ in commands
+            if key is not None and (out / f"{key}.json").is_file()
+        }
+        if failed and not found:
+            raise RuntimeError("; ".join(failed))
+        return {**found, **({"failed": failed} if failed else {})}
 
     return Job(name, 1, work, guess=0)
 
@@ -195,6 +205,7 @@ def summarize(args) -> str:
         if "error" in result:
             text.append(f"- {name}: FAILED: {result['error']}")
             continue
+        text += [f"- {name}: FAILED: {line}" for line in result.get("failed", [])]
         for key, value in result.items():
             if not isinstance(value, dict):
                 continue

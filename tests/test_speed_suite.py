@@ -26,7 +26,9 @@ def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
 
 def test_out_goes_before_the_flags_for_qerl_train(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(speed_suite, "run_commands", lambda args, name, commands, gpu_ids, site: ran.append(commands))
+    monkeypatch.setattr(
+        speed_suite, "run_commands", lambda args, name, commands, gpu_ids, site: ran.append(commands) or []
+    )
     (tmp_path / "json").mkdir()
     for key in ("step-7b-nvfp4", "step-7b-nvfp4-dense", "step-7b-bf16"):
         (tmp_path / "json" / f"{key}.json").write_text(json.dumps({"key": key}))
