@@ -61,7 +61,7 @@ def run_commands(args, name: str, commands: list[list[str]], gpu_ids: list[int],
     """Each command (python -m ... arguments) on the job's GPUs, one log each, all of them whatever fails; returns
     what failed, one line each."""
     env = child_env(False)
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(args.gpu_ids[i]) if args.gpu_ids else str(i) for i in gpu_ids)
     if site:
         wait_for(Path(args.site) / ".complete", "the gpu-site packages", args.timeout)
         env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{args.site}"
@@ -111,7 +111,9 @@ def real_prep_job(args, share: int) -> Job:
         folders = checkpoints(args)
         fetch = ["-m", "qerl.models", "fetch", REAL_MODEL, "--output", folders["bf16"], "--gguf", args.gguf]
         quantize = ["-m", "qerl.quantize", "--model", folders["bf16"], "--output", folders["nvfp4"], "--device", "cuda"]
-        run_commands(args, "real-prep", [fetch, quantize], gpu_ids, site=True)
+        failed = run_commands(args, "real-prep", [fetch, quantize], gpu_ids, site=True)
+        if failed:
+            raise RuntimeError("; ".join(failed))
         return folders
 
     return Job("real-prep", 0, work, guess=0, share=share, holds=lambda r: Path(r["nvfp4"], "config.json").is_file())
@@ -147,6 +149,13 @@ def jobs(args) -> list[Job]:
         bench_job(args, "rollout", rollout),
         bench_job(args, "step-7b", step_7b, site=True),
     ]  # fmt: skip
+    # These two run while the real model is being prepared.
+    tests = ["-m", "pytest", "-q", "-m", "gpu", "tests/test_dense_weights.py", "tests/test_kernels.py",
+             "tests/test_cuda_gemm.py", "tests/test_native_gpu.py", "tests/test_linear.py"]  # fmt: skip
+    found.append(bench_job(args, "gpu-tests", [(None, tests)], site=True))
+    vllm = ["-m", "benchmarks.rollout", "--engine", "vllm", "--size", "1.5b", "--batches", "8,64", "--new-tokens",
+            "512"]  # fmt: skip
+    found.append(bench_job(args, "vllm-rollout", [("vllm-rollout-1.5b", vllm)], site=True))
     if args.gguf:
         folders = checkpoints(args)
         found.append(real_prep_job(args, share=args.gpus - 1))
@@ -162,12 +171,6 @@ def jobs(args) -> list[Job]:
                         args, "trl-baseline", [("trl-baseline", anchor)], site=True, after=lambda: real_prepared(args)
                     )  # fmt: skip
                 )
-    tests = ["-m", "pytest", "-q", "-m", "gpu", "tests/test_dense_weights.py", "tests/test_kernels.py",
-             "tests/test_cuda_gemm.py", "tests/test_native_gpu.py", "tests/test_linear.py"]  # fmt: skip
-    found.append(bench_job(args, "gpu-tests", [(None, tests)], site=True))
-    vllm = ["-m", "benchmarks.rollout", "--engine", "vllm", "--size", "1.5b", "--batches", "8,64", "--new-tokens",
-            "512"]  # fmt: skip
-    found.append(bench_job(args, "vllm-rollout", [("vllm-rollout-1.5b", vllm)], site=True))
     return found
 
 
@@ -244,6 +247,10 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=22, help="real-model steps per run (the first is not counted)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one command or one wait may take")
     parser.add_argument("--retry-failed", action="store_true", help="run again the jobs whose result is an error")
+    parser.add_argument("--only", default="", help="run only these jobs (comma-separated names)")
+    parser.add_argument(
+        "--gpu-ids", default="", help="the machine's GPUs the suite may use (default: all); --gpus counts them"
+    )
     parser.add_argument("--bundle", help="summarize: also write summary.md, results.json, logs.tar.gz here")
     args = parser.parse_args(argv)
     if args.gguf:
@@ -251,10 +258,12 @@ def main(argv=None) -> None:
     if args.command == "summarize":
         summarize(args)
         return
-    args.gpus = args.gpus or gpu_count()
+    args.gpu_ids = [int(g) for g in args.gpu_ids.split(",") if g]
+    args.gpus = len(args.gpu_ids) or args.gpus or gpu_count()
+    only = [name for name in args.only.split(",") if name]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     say(f"{args.gpus} GPU(s)")
-    run_phase(args, "speed", jobs(args), args.gpus)
+    run_phase(args, "speed", [job for job in jobs(args) if not only or job.name in only], args.gpus)
     summarize(args)
 
 

@@ -9,7 +9,7 @@ from experiments import speed_suite
 
 def _args(tmp_path, gguf=None):
     return argparse.Namespace(out=str(tmp_path), gpus=4, site=str(tmp_path / "site"), gguf=gguf, steps=22, timeout=5,
-                              retry_failed=False, bundle=None)  # fmt: skip
+                              retry_failed=False, bundle=None, gpu_ids=[])  # fmt: skip
 
 
 def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
@@ -17,8 +17,8 @@ def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
     assert without == ["kernels", "rollout", "step-7b", "gpu-tests", "vllm-rollout"]
     with_gguf = [job.name for job in speed_suite.jobs(_args(tmp_path, gguf="/tmp/q15.gguf"))]
     assert with_gguf == [
-        "kernels", "rollout", "step-7b", "real-prep", "real-nvfp4", "real-nvfp4-dense", "real-bf16", "trl-baseline",
-        "real-nvfp4-dense-compiled", "real-bf16-compiled", "gpu-tests", "vllm-rollout",
+        "kernels", "rollout", "step-7b", "gpu-tests", "vllm-rollout", "real-prep", "real-nvfp4", "real-nvfp4-dense",
+        "real-bf16", "trl-baseline", "real-nvfp4-dense-compiled", "real-bf16-compiled",
     ]  # fmt: skip
     prep = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == "real-prep")
     assert prep.gpus == 0 and prep.share == 3  # beside the others, on the last GPU
