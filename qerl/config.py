@@ -160,7 +160,7 @@ class QeRLConfig(GRPOConfig):
             "passes (log-prob forwards, recomputed forward, backward) share that copy, freed before the next "
             "rollout, instead of decoding each weight in every pass (qerl/dense_weights.py). Same numbers; costs "
             "2 bytes per frozen weight while the passes run (1.5B: 2.6 GB, 7B: 13 GB, 32B: 62 GB). Default: on "
-            "when the copy takes at most half of the GPU memory available after the rollout."
+            "when the copy takes at most 40%% of the GPU memory available after the rollout (1.5B, 7B: on; 32B: off)."
         },
     )
     metrics_jsonl: bool = field(

@@ -1,6 +1,8 @@
 """The training passes' BF16 copy of the frozen NVFP4 weights (qerl/dense_weights.py): the same numbers as decoding
 per call, made after each rollout and gone before the next, and the auto rule's memory test."""
 
+import math
+
 import pytest
 import torch
 from fakes import make_trainer, recipe_config
@@ -53,11 +55,12 @@ def test_passes_through_the_copy_equal_decoding_per_call(checkpoints, seed):
     assert "dense_weight" not in model.state_dict()
 
 
-def test_auto_takes_the_copy_where_it_fits_half_the_free_memory(checkpoints, monkeypatch):
+def test_auto_takes_the_copy_where_it_fits_its_share_of_the_free_memory(checkpoints, monkeypatch):
     _, nvfp4_dir = checkpoints
     model = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
     nbytes = DenseWeights(model).nbytes
-    for available, expected in ((2 * nbytes, True), (2 * nbytes - 1, False), (0, False)):
+    enough = math.ceil(nbytes / dense_weights.AUTO_SHARE)
+    for available, expected in ((enough, True), (enough - 3, False), (0, False)):
         monkeypatch.setattr(dense_weights, "available_bytes", lambda device, a=available: a)
         assert DenseWeights(model).wanted() is expected
         assert DenseWeights(model, enabled=True).wanted() and not DenseWeights(model, enabled=False).wanted()
