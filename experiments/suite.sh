@@ -19,7 +19,8 @@ py=${PYTHON:-python3}
 gpus=${GPUS:+--gpus $GPUS}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-running() { [ -f "$out/suite.pid" ] && kill -0 "$(cat "$out/suite.pid")" 2>/dev/null; }
+# By its command line: on the GPU machine the pid that `$!` gave was seen dead while the suite ran on.
+running() { pgrep -f -- "-m $module run --out $out( |\$)" > /dev/null; }
 bundle() {
   "$py" -m "$module" summarize --out "$out" $gpus ${OUT:+--bundle "$OUT"} > /dev/null
   cp "$out/suite.log" "${OUT:-$out}/suite.log" 2>/dev/null || true
@@ -29,7 +30,7 @@ shift || true
 case "$command" in
   start)
     if running; then
-      echo "already running (pid $(cat "$out/suite.pid"))"
+      echo "already running: $(pgrep -af -- "-m $module run --out $out( |\$)")"
     else
       rm -rf "$src" && mkdir -p "$src"
       if git rev-parse --git-dir > /dev/null 2>&1; then  # tracked and not-ignored files, as the runner sends them
@@ -37,9 +38,8 @@ case "$command" in
       else
         tar --exclude=./.git --exclude=./runs -cf - . | tar -xf - -C "$src"
       fi
-      (cd "$src" && setsid nohup "$py" -m "$module" run --out "$out" $gpus "$@" >> "$out/suite.log" 2>&1 < /dev/null &
-       echo $! > "$out/suite.pid")
-      echo "started (pid $(cat "$out/suite.pid")), log $out/suite.log"
+      (cd "$src" && setsid nohup "$py" -m "$module" run --out "$out" $gpus "$@" >> "$out/suite.log" 2>&1 < /dev/null &)
+      echo "started, log $out/suite.log"
     fi ;;
   wait | bundle) ;;
   *) echo "usage: $0 MODULE start|wait|bundle [suite flags]"; exit 2 ;;
