@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -120,10 +121,16 @@ def real_prep_job(args, share: int) -> Job:
 
 
 def real_prepared(args) -> None:
+    """Wait for this machine's real-prep job: its result, and the checkpoints it says it wrote (a result kept from an
+    earlier start whose folders are gone must not count)."""
     path = Path(args.out) / "results" / "real-prep.json"
-    wait_for(path, "the real model's checkpoints", 2 * args.timeout)
-    if "error" in json.loads(path.read_text()):
-        raise RuntimeError("no real model: real-prep failed")
+    deadline = time.time() + 2 * args.timeout
+    while not (path.is_file() and all(Path(f, "config.json").is_file() for f in checkpoints(args).values())):
+        if path.is_file() and "error" in json.loads(path.read_text()):
+            raise RuntimeError("no real model: real-prep failed")
+        if time.time() > deadline:
+            raise RuntimeError(f"the real model's checkpoints did not arrive in {2 * args.timeout} s")
+        time.sleep(5)
 
 
 def jobs(args) -> list[Job]:
@@ -184,12 +191,11 @@ def step_lines(name: str, result: dict) -> list[str]:
     lengths = profile.get("completion_lengths") or result.get("completion_lengths") or []
     if not seconds:
         return [f"- {name}: no steps"]
-    ordered = sorted(seconds)
-    median = ordered[len(ordered) // 2]
+    median = statistics.median(seconds)
     longest = [int(length[0]) for length in lengths]
     line = f"- {name}: median {median:.2f} s over {len(seconds)} steps, {profile.get('device', result.get('device'))}"
     if longest:
-        line += f"; longest completions {min(longest)}-{max(longest)} (median {sorted(longest)[len(longest) // 2]})"
+        line += f"; longest completions {min(longest)}-{max(longest)} (median {statistics.median(longest):.0f})"
     if "dense_weight_rounds" in profile:
         line += f"; dense-weight rounds {profile['dense_weight_rounds']}"
     lines = [line]

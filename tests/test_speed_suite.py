@@ -4,6 +4,8 @@ it (before a `--` that hands the rest to qerl.train), and the summary of finishe
 import argparse
 import json
 
+import pytest
+
 from experiments import speed_suite
 
 
@@ -59,3 +61,23 @@ def test_summary_gives_medians_lengths_phases_and_failures(tmp_path):
     assert "phases (s/step): rollout 1.50, backward 0.90" in text
     assert "- vllm-rollout: FAILED: RuntimeError: no vLLM" in text
     assert (tmp_path / "summary.md").read_text() == text
+
+
+def test_a_real_run_waits_for_the_checkpoints_not_only_a_kept_result(tmp_path, monkeypatch):
+    """A real-prep result kept from an earlier start, whose folders went with that machine, must not start the runs."""
+    monkeypatch.setattr(speed_suite.time, "sleep", lambda seconds: None)
+    args = _args(tmp_path, gguf="x")
+    args.timeout = 0
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "real-prep.json").write_text(json.dumps(speed_suite.checkpoints(args)))
+    with pytest.raises(RuntimeError, match="checkpoints did not arrive"):
+        speed_suite.real_prepared(args)
+    for folder in speed_suite.checkpoints(args).values():
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "config.json").write_text("{}")
+    speed_suite.real_prepared(args)  # both folders there: go
+    (tmp_path / "results" / "real-prep.json").write_text(json.dumps({"error": "ImportError: gguf"}))
+    for folder in speed_suite.checkpoints(args).values():
+        (tmp_path / folder / "config.json").unlink()
+    with pytest.raises(RuntimeError, match="real-prep failed"):
+        speed_suite.real_prepared(args)
