@@ -26,7 +26,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from benchmarks.rollout import free_share
 from benchmarks.step import GSM8K, StepClock, completion_lengths, gpu_used_gib, print_steps, real_model_flags
-from qerl import data, policy, train
+from qerl import policy, train
 from qerl.config import QeRLConfig
 
 # Left to TRL: QeRLConfig's own default where TRL's differs (a field the recipes do not set), and the field that
@@ -34,13 +34,15 @@ from qerl.config import QeRLConfig
 LEFT_TO_TRL = ("vllm_enable_sleep_mode", "generation_batch_size")
 
 
-def trl_config(config: QeRLConfig, use_vllm: bool, gpu_memory_utilization: float) -> GRPOConfig:
+def trl_config(config: QeRLConfig, gpu_memory_utilization: float | None) -> GRPOConfig:
     """The recipe's GRPOConfig: every field GRPOConfig declares, as the QeRL config holds it (but LEFT_TO_TRL), with
-    TRL's colocated vLLM on."""
+    TRL's colocated vLLM at that share of the card (None: no vLLM, TRL's transformers generate)."""
     shared = {
         f.name: getattr(config, f.name) for f in dataclasses.fields(GRPOConfig) if f.init and f.name not in LEFT_TO_TRL
     }
-    shared.update(use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=gpu_memory_utilization)
+    shared["use_vllm"] = gpu_memory_utilization is not None
+    if shared["use_vllm"]:
+        shared.update(vllm_mode="colocate", vllm_gpu_memory_utilization=gpu_memory_utilization)
     return GRPOConfig(**shared)
 
 
@@ -51,19 +53,9 @@ def build(args) -> GRPOTrainer:
     train.validate(script_args, config)
     tokenizer = policy.load_tokenizer(script_args.model_name)
     model = policy.load_base_model(script_args.model_name, "bf16", getattr(torch, script_args.dtype), config.device)
-    task = data.load_task(
-        script_args.dataset,
-        script_args.dataset_split,
-        script_args.dataset_format,
-        script_args.num_examples,
-        config.seed,
-    )
-    prompts = data.fit_prompts(task.train, tokenizer, script_args.max_prompt_length, script_args.long_prompts)
-    if config.vllm_max_model_length is None and script_args.max_prompt_length:
-        config.vllm_max_model_length = script_args.max_prompt_length + config.max_completion_length
-    use_vllm = not args.no_vllm
-    share = args.gpu_memory_utilization
-    if use_vllm and share is None:
+    prompts, reward_funcs = train.prompts_and_rewards(script_args, config, tokenizer)
+    share = None if args.no_vllm else args.gpu_memory_utilization
+    if not args.no_vllm and share is None:
         # Room for the training passes: the model again (its activations' and gradients' order of size) and 8 GiB.
         share = free_share(reserve_bytes=sum(p.numel() * p.element_size() for p in model.parameters()) + 8 * 2**30)
     lora = policy.lora_config(
@@ -72,8 +64,8 @@ def build(args) -> GRPOTrainer:
     )  # fmt: skip
     return GRPOTrainer(
         model=model,
-        reward_funcs=list(task.reward_funcs),
-        args=trl_config(config, use_vllm, share or 0.3),
+        reward_funcs=reward_funcs,
+        args=trl_config(config, share),
         train_dataset=prompts,
         processing_class=tokenizer,
         peft_config=lora,

@@ -170,12 +170,9 @@ def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
     _check_dataset(script_args.dataset, script_args.dataset_format)
 
 
-def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=None) -> QeRLTrainer:
-    """The trainer of a run; `model`: a base already built in memory (benchmarks), instead of loading model_name."""
-    dtype = getattr(torch, script_args.dtype)
-    tokenizer = policy.load_tokenizer(script_args.model_name)
-    if model is None:
-        model = policy.load_base_model(script_args.model_name, script_args.precision, dtype, device=config.device)
+def prompts_and_rewards(script_args: QeRLScriptArguments, config: QeRLConfig, tokenizer):
+    """The run's training prompts (under the prompt cap) and reward functions; sets the rollout engine's context from
+    the prompt cap when the config leaves it open. Shared with benchmarks.trl_baseline, which runs the same task."""
     task = data.load_task(
         script_args.dataset,
         script_args.dataset_split,
@@ -202,6 +199,16 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=No
         len(train_dataset),
         [getattr(f, "__name__", type(f).__name__) for f in reward_funcs],
     )
+    return train_dataset, reward_funcs
+
+
+def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=None) -> QeRLTrainer:
+    """The trainer of a run; `model`: a base already built in memory (benchmarks), instead of loading model_name."""
+    dtype = getattr(torch, script_args.dtype)
+    tokenizer = policy.load_tokenizer(script_args.model_name)
+    if model is None:
+        model = policy.load_base_model(script_args.model_name, script_args.precision, dtype, device=config.device)
+    train_dataset, reward_funcs = prompts_and_rewards(script_args, config, tokenizer)
     return QeRLTrainer(model, reward_funcs, args=config, train_dataset=train_dataset, processing_class=tokenizer)
 
 

@@ -20,7 +20,7 @@ def test_the_recipe_reaches_trls_config_field_for_field(checkpoints, tmp_path):
     bf16_dir, _ = checkpoints
     flags = ["--config", RECIPE, "--model-name", bf16_dir, "--output-dir", str(tmp_path), "--use-cpu", "true"]
     _, config = train.parse_args(flags)
-    trl = trl_baseline.trl_config(config, use_vllm=True, gpu_memory_utilization=0.25)
+    trl = trl_baseline.trl_config(config, gpu_memory_utilization=0.25)
     assert trl.use_vllm and trl.vllm_mode == "colocate" and trl.vllm_gpu_memory_utilization == 0.25
     assert not trl.vllm_enable_sleep_mode  # TRL's default; QeRL's own is on
     for name in ("learning_rate", "loss_type", "beta", "epsilon_high", "mask_truncated_completions", "temperature",
