@@ -3,27 +3,34 @@
     python -m experiments.arms prepare --model M                         (fetch it, quantize it to NVFP4)
     python -m experiments.arms probe --model M --formats gsm8k,gsm8k_hash,gsm8k_lenient      (prompt and reward)
     python -m experiments.arms sweep --model M --lrs 3e-5,1e-4,3e-4 --steps 25          (each arm's learning rate)
-    python -m experiments.arms train --model M --seeds 0,1,2 --steps 150                  (arms x seeds, evaluated)
-    python -m experiments.arms report --model M                                          (table, JSON and PNG)
+    python -m experiments.arms train --model M --seeds 0,1,2 --steps 51 --mps --bases     (arms x seeds, evaluated)
+    python -m experiments.arms report --model M                           (tables, JSON and PNG from the records)
 
 Each run is `python -m qerl.train` with the model's recipe (RECIPES, or --recipe) on the GSM8K train file, then
 `python -m eval.gsm8k` of its adapter on the GSM8K test file (every problem, greedy and the reference protocol),
-each in its own process, `--per-gpu` at a time on each of `--gpus` GPUs (one run leaves most of a GPU idle).
-`train` evaluates the first seed's intermediate checkpoints too, and both bases without an adapter. Runs whose
-outputs exist are skipped, so an interrupted experiment continues where it stopped.
+each in its own process, `--per-gpu` at a time on each of the `--gpu-ids` GPUs (one run leaves most of a GPU idle;
+with --mps they share its SMs). Once evaluated, a run is recorded as data under --results (default
+results/arms/MODEL, committed: experiments/arms_results.py), and a recorded run is never run again, so seeds from
+several leases add up; `report` reads only the records. Outputs in --out are skipped too, so an interrupted
+experiment continues where it stopped.
 
 The format, the temperature and the learning rates are chosen on training prompts and training reward, never on
 the test set. `train --steps auto --finish-by T` sizes the runs from the sweep's seconds per step so that training
-and the evaluations end by the time T (a lent machine that goes back at a fixed time).
+and the evaluations end by the time T (a lent machine that goes back at a fixed time); with fixed --steps,
+--run-minutes keeps a run from starting when it would end after T. experiments/arms_seeds.sh runs seeds on a lent
+machine of four GPUs.
 
 This module holds the phases and the command line; the runs (the arms, each run's command, the runner on GPU slots,
-the readers of their outputs) are in experiments/arms_runs.py, the report (statistics, table, plot) in
-experiments/arms_report.py.
+the readers of their outputs) are in experiments/arms_runs.py, the records in experiments/arms_results.py, the
+report (tables, comparisons, plot) in experiments/arms_report.py and its statistics in experiments/arms_stats.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import hashlib
 import json
 import math
 import statistics
@@ -32,15 +39,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from experiments.arms_report import report
+from experiments.arms_results import RESULTS, current_commit, gpu_name, record_path, run_record, write_record
 from experiments.arms_runs import (
     ARMS,
     EVAL_FORMATS,
     PROTOCOLS,
     REPO,
-    base_tasks,
     eval_task,
     late_reward,
     metrics,
+    mps_daemon,
+    recipe_for,
     run_tasks,
     say,
     seconds_per_step,
@@ -144,7 +153,8 @@ def sweep(args) -> None:
         train_task(args, name, bases[ARMS[arm][0]], ARMS[arm][1], lr, seed, args.steps)
         for (arm, lr, seed), name in runs.items()
     ]
-    run_tasks(tasks, args.gpus, args.per_gpu)
+    with mps_daemon(args.out) if args.mps else contextlib.nullcontext({}) as env:
+        run_tasks(tasks, args.gpu_ids, args.per_gpu, env=env)
     late = {
         arm: {
             str(lr): statistics.fmean(late_reward(metrics(args.out / runs[arm, lr, seed])) for seed in args.sweep_seeds)
@@ -164,7 +174,7 @@ def sweep(args) -> None:
                 "lrs": args.lrs,
                 "seeds": args.sweep_seeds,
                 "steps": args.steps,
-                "runs_at_once": max(1, args.gpus) * args.per_gpu,
+                "runs_at_once": max(1, len(args.gpu_ids)) * args.per_gpu,
                 "late_reward": late,
                 "chosen_lr": chosen,
                 "seconds_per_step": timing,
@@ -200,6 +210,9 @@ def planned_steps(args, sweep_record: dict) -> int:
 
 
 def train(args) -> None:
+    """Each arm x seed (seeds first: every arm's first seeds before any arm's later ones), evaluated under each
+    protocol, its record written to --results as soon as its greedy evaluation is in. Runs whose record is there are
+    not run again; with --bases the bases are evaluated too, once (their records: base-bf16, base-nvfp4)."""
     bases = checkpoints(args)
     sweep_path = args.out / "sweep.json"
     sweep_record = json.loads(sweep_path.read_text()) if sweep_path.exists() else None
@@ -207,36 +220,91 @@ def train(args) -> None:
         raise SystemExit(f"{sweep_path} not found: run the sweep first, or pass --lr and --steps")
     steps = planned_steps(args, sweep_record) if args.steps == "auto" else int(args.steps)
     save_every = math.ceil(steps / (args.checkpoints + 1)) if args.checkpoints else 0
-    trainings, finals, intermediate, reference = [], [], [], []
-    for arm in args.arms:
-        precision, aqn = ARMS[arm]
-        lr = args.lr if args.lr is not None else sweep_record["chosen_lr"][arm]
-        for seed in args.seeds:
-            name = f"{arm}-seed{seed}"
+    setting = experiment_setting(args, steps)
+    suffix = "" if setting["sharing"] == "mps" else f"-{setting['sharing']}"  # a run made otherwise is apart
+    runs, kept = [], []
+    for seed in args.seeds:
+        for arm in args.arms:
+            name = f"{arm}-seed{seed}{suffix}"
+            if record_path(args.results, name).exists():
+                kept.append(name)
+                continue
+            precision, aqn = ARMS[arm]
+            lr = args.lr if args.lr is not None else sweep_record["chosen_lr"][arm]
             first = seed == args.seeds[0]
-            trained = train_task(args, name, bases[precision], aqn, lr, seed, steps, save_every if first else 0)
-            trainings.append(trained)
-            folder = args.out / name
-            for protocol in args.protocols:
-                task = eval_task(args, bases[precision], folder, protocol, folder / f"eval-{protocol}.jsonl", trained)
-                (finals if protocol == "greedy" else reference).append(task)
-            for step in range(save_every, steps, save_every) if first and save_every else ():
-                out = folder / f"eval-greedy-step{step}.jsonl"
-                intermediate.append(
-                    eval_task(args, bases[precision], folder / f"checkpoint-{step}", "greedy", out, trained)
-                )
-    # Evaluations in order of what the report needs most: final greedy and the bases', the curve, the reference
-    # protocol (what the deadline leaves out comes last).
-    tasks = (
-        trainings
-        + finals
-        + base_tasks(args, bases, "greedy")
-        + intermediate
-        + reference
-        + base_tasks(args, bases, "reference")
-    )
-    run_tasks(tasks, args.gpus, args.per_gpu, args.finish_by)
+            every = save_every if first else 0
+            trained = train_task(args, name, bases[precision], aqn, lr, seed, steps, every)
+            trained.expected_seconds = 60 * args.run_minutes if args.run_minutes else None
+            run = {**setting, "arm": arm, "precision": precision, "aqn": aqn, "seed": seed, "lr": lr}
+            runs.append(_run_tasks(args, name, bases[precision], trained, run, every, steps))
+    if kept:
+        say(f"train: {len(kept)} run(s) already recorded in {args.results}, not run again: {', '.join(kept)}")
+    # The bases go after the first runs at once (one per slot), before later seeds.
+    at_once = max(1, len(args.gpu_ids)) * args.per_gpu
+    tasks = [t for group in runs[:at_once] for t in group]
+    for precision, folder in bases.items() if args.bases else ():
+        name = f"base-{precision}"
+        if not record_path(args.results, name).exists():
+            base = {**setting, "arm": None, "precision": precision, "seed": None}
+            tasks += _eval_tasks(args, name, folder, None, args.out / name, None, base)
+    tasks += [t for group in runs[at_once:] for t in group]
+    with mps_daemon(args.out) if args.mps else contextlib.nullcontext({}) as env:
+        run_tasks(tasks, args.gpu_ids, args.per_gpu, args.finish_by, env)
     report(args)
+
+
+def experiment_setting(args, steps: int) -> dict:
+    """What every record of this invocation shares: the recipe and how the runs were packed on the machine."""
+    recipe = recipe_for(args.model, args.recipe)
+    sharing = "mps" if args.mps else "alone" if args.per_gpu == 1 else "shared"
+    return {
+        "model": Path(args.model).name.removesuffix("-nvfp4"),
+        "recipe": str(recipe.relative_to(REPO)) if recipe.is_relative_to(REPO) else str(recipe),
+        "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest(),
+        "format": args.format,
+        "temperature": args.temperature,
+        "steps": steps,
+        "train_flags": args.train_flags,
+        "sharing": sharing,
+        "runs_per_gpu": args.per_gpu if args.gpu_ids else None,
+        "commit": current_commit(),
+    }
+
+
+def _run_tasks(args, name, base, trained, run, save_every, steps) -> list:
+    """A run's training, then its evaluations, then its checkpoints': each evaluation rewrites the run's record."""
+    folder = args.out / name
+    tasks = [trained, *_eval_tasks(args, name, base, folder, folder, trained, run)]
+    for step in range(save_every, steps, save_every) if save_every else ():
+        out = folder / f"eval-greedy-step{step}.jsonl"
+        task = eval_task(args, base, folder / f"checkpoint-{step}", "greedy", out, tasks[-1])
+        task.on_done = tasks[-1].on_done
+        tasks.append(task)
+    return tasks
+
+
+def _eval_tasks(args, name, base, adapter, folder, trained, setting) -> list:
+    """The evaluations of a run (or a base: no adapter) in protocol order, each after the one before, each writing
+    the record with what is evaluated so far (the first protocol, greedy, is the one the report needs most)."""
+    tasks = []
+    write = functools.partial(_write_record, args, name, folder, setting, trained)
+    for protocol in args.protocols:
+        after = tasks[-1] if tasks else trained
+        task = eval_task(args, base, adapter, protocol, folder / f"eval-{protocol}.jsonl", after)
+        task.on_done = write
+        tasks.append(task)
+    return tasks
+
+
+def _write_record(args, name: str, folder: Path, setting: dict, trained, evaluated) -> None:
+    """The record of a run (or base) with the evaluations done so far; its card is the one it trained on (a base's:
+    the one it was evaluated on)."""
+    protocols = tuple(p for p in args.protocols if (folder / f"eval-{p}.jsonl").exists())
+    gpu = (trained or evaluated).gpu
+    extra = {"card": gpu_name(gpu) if args.gpu_ids else "cpu"}
+    if trained is not None and trained.seconds is not None:
+        extra["train_seconds"] = round(trained.seconds, 1)
+    write_record(record_path(args.results, name), run_record(folder, {**setting, **extra}, protocols))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -318,11 +386,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--checkpoints",
         type=int,
-        default=2,
+        default=0,
         help="train: intermediate checkpoints of the first seed's runs evaluated (evenly spaced)",
     )
-    parser.add_argument("--gpus", type=int, help="GPUs to spread runs over (default: all visible; 0 on CPU)")
+    parser.add_argument(
+        "--gpu-ids",
+        type=lambda t: [int(x) for x in t.split(",") if x],
+        help="GPUs to spread runs over, e.g. 1,2,3 (default: all visible; none on CPU)",
+    )
     parser.add_argument("--per-gpu", type=int, default=3, help="runs at a time on each GPU")
+    parser.add_argument(
+        "--mps", action="store_true", help="share each GPU's SMs between its runs through CUDA MPS (starts the daemon)"
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        help="train: where each finished run's record goes (a run recorded there is not run again); report: the "
+        "records read (default: results/arms/MODEL, committed with the code)",
+    )
+    parser.add_argument(
+        "--run-minutes",
+        type=float,
+        help="train with --finish-by: a run's expected minutes (training and evaluations); a run that would end "
+        "past the deadline is not started",
+    )
+    parser.add_argument(
+        "--bases", action="store_true", help="train: evaluate the bases without an adapter too (unless recorded)"
+    )
+    parser.add_argument("--report-steps", type=int, help="report: the step count pooled (default: the most common)")
+    parser.add_argument(
+        "--sharing",
+        choices=("alone", "shared", "mps"),
+        help="report: the packing of runs on GPUs pooled in the arms table (default: the most common)",
+    )
     parser.add_argument(
         "--protocols", type=_names(PROTOCOLS), default=list(PROTOCOLS), help="eval protocols of every run"
     )
@@ -338,10 +434,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "train" and args.steps == "auto" and args.finish_by is None:
         parser.error("--steps auto needs --finish-by")
-    if args.gpus is None:
+    if args.gpu_ids is None:
         import torch
 
-        args.gpus = torch.cuda.device_count()
+        args.gpu_ids = list(range(torch.cuda.device_count()))
+    if args.mps and not args.gpu_ids:
+        parser.error("--mps needs GPUs")
+    args.results = args.results or RESULTS / Path(args.model).name.removesuffix("-nvfp4")
     args.png = args.png or args.out / "arms.png"
     args.out.mkdir(parents=True, exist_ok=True)
     {"prepare": prepare, "probe": probe, "sweep": sweep, "train": train, "report": report}[args.command](args)

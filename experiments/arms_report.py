@@ -1,7 +1,8 @@
-"""The report of experiments.arms: per arm the training reward (first and last tenth of the steps), early entropy,
-steps to a reward level, non-finite gradient steps and GSM8K test accuracy per protocol (per seed with its Wilson
-interval, mean over seeds with its t interval); report.json, the printed table and the plot (reward and entropy per
-step, accuracy along the first seed's run).
+"""The report of experiments.arms, read from the committed run records (experiments/arms_results.py): per arm the
+GSM8K test accuracy per protocol (mean over seeds with its 95% t interval), training reward, early entropy, steps to a
+reward level and non-finite gradient steps; the four comparisons fixed before the runs (COMPARISONS: differences of
+seed means with Welch 95% intervals, equivalence within +-2 points by TOST); whether the card or the packing of runs
+on it moved an arm; report.json, report.md (the tables) and the plot.
 """
 
 from __future__ import annotations
@@ -9,21 +10,25 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 
-from experiments.arms_runs import ARMS, PROTOCOLS, eval_summary, metrics
+from experiments.arms_results import curve_rows, load_records
+from experiments.arms_runs import ARMS, PROTOCOLS
+from experiments.arms_stats import mean_interval, variance_ratio, welch
 from qerl import plotting
 
-ACCURACIES = ("accuracy", "accuracy_flexible")  # eval.gsm8k: strict (the training format's answer), and lenient
-# Two-sided 95% quantiles of Student's t by degrees of freedom: the interval of a mean over a few seeds.
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def mean_interval(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% t interval over seeds (0 for one seed)."""
-    if len(values) < 2:
-        return statistics.fmean(values), 0.0
-    return statistics.fmean(values), T_975[len(values) - 1] * statistics.stdev(values) / math.sqrt(len(values))
+# Fixed before the runs (issue 42): (arm a, arm b, what a - b answers). The first is QeRL's claim.
+COMPARISONS = (
+    ("nvfp4_lora_aqn", "bf16_lora", "NVFP4 + AQN vs BF16 LoRA (QeRL against 16-bit LoRA)"),
+    ("nvfp4_lora", "bf16_lora", "NVFP4 LoRA vs BF16 LoRA (what quantization costs)"),
+    ("nvfp4_lora_aqn", "nvfp4_lora", "AQN within NVFP4"),
+    ("bf16_lora_aqn", "bf16_lora", "AQN within BF16"),
+)
+MARGIN = 0.02  # equivalence margin on accuracy: 2 points
+# Per-run measures compared between arms: accuracy under each protocol, then the training-side ones.
+TRAINING_MEASURES = ("reward_last_tenth", "entropy_first_tenth", "steps_to_reward")
+REWARD_LEVEL_SHARE = 0.9  # steps to reward: the step the moving average reaches 90% of the lowest arm's last tenth
 
 
 def _value(row: dict, key: str) -> float:
@@ -43,149 +48,325 @@ def steps_to_reach(rows: list[dict], level: float, window: int) -> int | None:
     return next((r["step"] for r, v in zip(rows, curve, strict=True) if v >= level), None)
 
 
-def _tenth(rows: list[dict], key: str, last: bool = False) -> float:
+def tenth(rows: list[dict], key: str, last: bool = False) -> float:
     k = max(1, len(rows) // 10)
     return statistics.fmean(_value(r, key) for r in (rows[-k:] if last else rows[:k]))
 
 
-def accuracy_curve(args, arm: str, table: dict) -> list[tuple[int, float]]:
-    """(step, greedy accuracy) of the first seed's run: its base at step 0, its checkpoints, its final adapter."""
-    folder = args.out / f"{arm}-seed{args.seeds[0]}"
-    base = table[f"base-{ARMS[arm][0]}"].get("greedy")
-    points = [(0, base["accuracy"])] if base else []
-    for path in folder.glob("eval-greedy-step*.jsonl"):
-        points.append((int(path.stem.removeprefix("eval-greedy-step")), eval_summary(path)["accuracy"]))
-    final = eval_summary(folder / "eval-greedy.jsonl")
-    rows = metrics(folder)
-    if final and rows:
-        points.append((rows[-1]["step"], final["accuracy"]))
-    return sorted(points)
+def experiment(record: dict) -> tuple:
+    """What runs must share to be pooled: step count, extra training flags, prompt format, rollout temperature."""
+    return record["steps"], tuple(record.get("train_flags") or ()), record.get("format"), record.get("temperature")
 
 
-def plot(args, runs: dict[str, list[list[dict]]], table: dict, png: Path) -> None:
-    """Reward and entropy per step, per arm: mean over seeds (line), min-max (band), a moving average (an x marks
-    a run's first non-finite gradient); and greedy test accuracy along the first seed's run."""
+def select(records: list[dict], steps: int | None, sharing: str | None) -> tuple[list[dict], list[dict], dict]:
+    """(the runs the arms table pools, every trained run of that experiment, what was chosen). The table pools one
+    experiment (the most common; with `steps`, the most common of that step count) and one packing of runs on the
+    GPUs (the most common unless given); runs made otherwise are left out of it and named."""
+    trained = [r for r in records if r["arm"] is not None and (steps is None or r["steps"] == steps)]
+    key = Counter(experiment(r) for r in trained).most_common(1)[0][0] if trained else None
+    same = [r for r in trained if experiment(r) == key]
+    sharing = sharing or (Counter(r["sharing"] for r in same).most_common(1)[0][0] if same else None)
+    pooled = [r for r in same if r["sharing"] == sharing]
+    left_out = sorted(r["name"] for r in records if r["arm"] is not None and r not in pooled)
+    chosen = {"steps": key[0] if key else None, "train_flags": list(key[1]) if key else [], "sharing": sharing}
+    return pooled, same, {**chosen, "left_out": left_out}
+
+
+def per_run_measures(runs: list[dict]) -> dict[str, dict[str, float | None]]:
+    """Each run's measures by name: accuracy per protocol (strict and flexible), training reward in the first and
+    last tenth of its steps, entropy in the first tenth, the step it reached the common reward level, the first
+    non-finite gradient step."""
+    rows = {r["name"]: curve_rows(r) for r in runs}
+    measures = {}
+    for run in runs:
+        steps = rows[run["name"]]
+        m = {}
+        for protocol in PROTOCOLS:
+            summary = run["evals"].get(protocol)
+            m[protocol] = summary["accuracy"] if summary else None
+            m[f"{protocol}_flexible"] = summary.get("accuracy_flexible") if summary else None
+        m["reward_first_tenth"] = tenth(steps, "reward")
+        m["reward_last_tenth"] = tenth(steps, "reward", last=True)
+        m["entropy_first_tenth"] = tenth(steps, "entropy")
+        m["first_nonfinite_grad_step"] = first_nonfinite_step(steps)
+        measures[run["name"]] = m
+    if runs:
+        # The level every arm's runs end above on average: 90% of the lowest arm's mean last-tenth reward.
+        by_arm: dict[str, list[float]] = {}
+        for run in runs:
+            by_arm.setdefault(run["arm"], []).append(measures[run["name"]]["reward_last_tenth"])
+        level = REWARD_LEVEL_SHARE * min(statistics.fmean(v) for v in by_arm.values())
+        window = max(1, min(len(v) for v in rows.values()) // 15)
+        for run in runs:
+            measures[run["name"]]["steps_to_reward"] = steps_to_reach(rows[run["name"]], level, window)
+        measures["_level"] = {"reward": level, "window": window}
+    return measures
+
+
+def _values(runs: list[dict], measures: dict, key: str) -> list[float]:
+    values = [measures[r["name"]].get(key) for r in runs]
+    return [float(v) for v in values if v is not None and math.isfinite(v)]
+
+
+def arm_table(runs: list[dict], measures: dict) -> dict[str, dict]:
+    """Per arm: its seeds and cards, and each measure's mean with its 95% t interval, sd and n."""
+    table = {}
+    for arm in ARMS:
+        mine = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
+        if not mine:
+            continue
+        row = {"seeds": [r["seed"] for r in mine], "cards": sorted({r.get("card", "?") for r in mine})}
+        for key in (*PROTOCOLS, *(f"{p}_flexible" for p in PROTOCOLS), "reward_first_tenth", *TRAINING_MEASURES):
+            values = _values(mine, measures, key)
+            if values:
+                mean, half = mean_interval(values)
+                sd = statistics.stdev(values) if len(values) > 1 else 0.0
+                row[key] = {"mean": mean, "ci95": half, "sd": sd, "n": len(values)}
+        row["not_reaching_reward_level"] = sum(measures[r["name"]].get("steps_to_reward") is None for r in mine)
+        row["nonfinite_runs"] = [r["name"] for r in mine if measures[r["name"]]["first_nonfinite_grad_step"]]
+        table[arm] = row
+    return table
+
+
+def comparisons(runs: list[dict], measures: dict) -> list[dict]:
+    """Each fixed comparison on each measure: mean(a) - mean(b) with its Welch interval; on the accuracies also
+    the TOST verdict at +-MARGIN."""
+    out = []
+    for a, b, question in COMPARISONS:
+        runs_a = [r for r in runs if r["arm"] == a]
+        runs_b = [r for r in runs if r["arm"] == b]
+        for key in (*PROTOCOLS, *TRAINING_MEASURES):
+            margin = MARGIN if key in PROTOCOLS else None
+            diff = welch(_values(runs_a, measures, key), _values(runs_b, measures, key), margin)
+            out.append({"a": a, "b": b, "question": question, "measure": key, **(diff.as_dict() if diff else {})})
+    return out
+
+
+def setting_effects(runs: list[dict], measures: dict, pooled: str | None) -> list[dict]:
+    """Where an arm ran in more than one way (card, packing of runs on the GPU): greedy accuracy per way (mean,
+    interval, sd), and each other way's difference from the first (Welch) and ratio of variances to it (F). The
+    first way: the pooled packing's, then the one with the most runs."""
+    out = []
+    for arm in ARMS:
+        ways: dict[tuple[str, str, int | None], list[dict]] = {}
+        for run in (r for r in runs if r["arm"] == arm):
+            ways.setdefault((run.get("card", "?"), run["sharing"], run.get("runs_per_gpu")), []).append(run)
+        if len(ways) < 2:
+            continue
+        groups = sorted(ways.items(), key=lambda kv: (kv[0][1] != pooled, -len(kv[1])))
+        (first_way, first_runs), *others = groups
+        first = _values(first_runs, measures, "greedy")
+        rows = []
+        for way, group in groups:
+            values = _values(group, measures, "greedy")
+            mean, half = mean_interval(values)
+            row = {"card": way[0], "sharing": way[1], "runs_per_gpu": way[2], "seeds": [r["seed"] for r in group]}
+            row.update(mean=mean, ci95=half, sd=statistics.stdev(values) if len(values) > 1 else 0.0)
+            if way != first_way:
+                diff = welch(values, first)
+                ratio = variance_ratio(values, first)
+                row["minus_first"] = diff.as_dict() if diff else None
+                row["variance_ratio_to_first"] = {"ratio": ratio[0], "p": ratio[1]} if ratio else None
+            rows.append(row)
+        out.append({"arm": arm, "ways": rows})
+    return out
+
+
+def report(args) -> dict:
+    """report.json, report.md and the plot from the records in --results; prints the tables."""
+    records = load_records(args.results)
+    runs, same_experiment, chosen = select(records, getattr(args, "report_steps", None), getattr(args, "sharing", None))
+    measures = per_run_measures(same_experiment)
+    bases = {r["precision"]: r["evals"] for r in records if r["arm"] is None}
+    result = {
+        "results": str(args.results),
+        **chosen,
+        "margin": MARGIN,
+        "reward_level": measures.get("_level"),
+        "arms": arm_table(runs, measures),
+        "comparisons": comparisons(runs, measures),
+        "settings": setting_effects(same_experiment, measures, chosen["sharing"]),
+        "bases": bases,
+        "runs": {r["name"]: {k: v for k, v in measures[r["name"]].items()} for r in same_experiment},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "report.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = markdown(result)
+    (args.out / "report.md").write_text(text)
+    print(text)
+    if runs:
+        plot(runs, result, args.png)
+        print(f"report: {args.out / 'report.json'}, {args.out / 'report.md'}; plot: {args.png}")
+    return result
+
+
+NAMES = {
+    "bf16_lora": "BF16 + LoRA",
+    "nvfp4_lora": "NVFP4 + LoRA",
+    "nvfp4_lora_aqn": "NVFP4 + LoRA + AQN",
+    "bf16_lora_aqn": "BF16 + LoRA + AQN",
+}
+
+
+def _points(cell: dict | None, scale: float = 100, digits: int = 1) -> str:
+    if not cell:
+        return "-"
+    return f"{cell['mean'] * scale:.{digits}f} ± {cell['ci95'] * scale:.{digits}f}"
+
+
+def _verdict(c: dict) -> str:
+    if "difference" not in c:
+        return "too few runs"
+    differs = "differs" if c["p"] < 0.05 else "no difference shown"
+    if c.get("equivalent") is None:
+        return differs
+    return f"{differs}; {'equivalent' if c['equivalent'] else 'not shown equivalent'} at ±{c['margin'] * 100:g}"
+
+
+def markdown(result: dict) -> str:
+    """The report's tables as Markdown (what docs/benchmarks.md and the README take)."""
+    lines = [
+        f"Runs pooled: {result['steps']} steps"
+        + (f" with {' '.join(result['train_flags'])}" if result["train_flags"] else "")
+        + f", runs packed '{result['sharing']}' on their GPUs; left out: {', '.join(result['left_out']) or 'none'}.",
+        "",
+        "| arm | seeds | greedy % (mean ± 95% CI) | sd | reference % | reward first -> last tenth | entropy, first "
+        "tenth | steps to reward |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, row in result["arms"].items():
+        greedy = row.get("greedy")
+        reward = f"{_points(row.get('reward_first_tenth'), 1, 3)} -> {_points(row.get('reward_last_tenth'), 1, 3)}"
+        lines.append(
+            f"| {NAMES[arm]} | {len(row['seeds'])} | {_points(greedy)} | {greedy['sd'] * 100:.1f} | "
+            f"{_points(row.get('reference'))} | {reward} | {_points(row.get('entropy_first_tenth'), 1, 3)} | "
+            f"{_points(row.get('steps_to_reward'), 1, 1)} |"
+            if greedy
+            else f"| {NAMES[arm]} | {len(row['seeds'])} | - | - | - | {reward} | - | - |"
+        )
+    for precision, evals in sorted(result["bases"].items()):
+        cells = [f"{evals[p]['accuracy'] * 100:.1f}" if p in evals else "-" for p in ("greedy", "reference")]
+        lines.append(f"| base {precision.upper()}, no training | - | {cells[0]} | - | {cells[1]} | - | - | - |")
+    level = result.get("reward_level")
+    if level:
+        lines.append(
+            f"\nSteps to reward: the first step whose {level['window']}-step moving average reaches "
+            f"{level['reward']:.3f} ({REWARD_LEVEL_SHARE:.0%} of the lowest arm's mean last-tenth reward)."
+        )
+    lines += [
+        "",
+        "| comparison (a - b) | measure | difference | 95% CI | p | TOST p (±2) | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in result["comparisons"]:
+        scale, digits = (
+            (100, 1) if c["measure"] in PROTOCOLS else ((1, 1) if c["measure"] == "steps_to_reward" else (1, 3))
+        )
+        if "difference" not in c:
+            lines.append(f"| {c['question']} | {c['measure']} | - | - | - | - | too few runs |")
+            continue
+        tost = f"{c['p_equivalent']:.3f}" if c.get("p_equivalent") is not None else "-"
+        lines.append(
+            f"| {c['question']} | {c['measure']} | {c['difference'] * scale:+.{digits}f} | "
+            f"[{c['low'] * scale:+.{digits}f}, {c['high'] * scale:+.{digits}f}] | {c['p']:.3f} | {tost} | "
+            f"{_verdict(c)} |"
+        )
+    for effect in result["settings"]:
+        lines += [
+            "",
+            f"{NAMES[effect['arm']]}, greedy accuracy by the way it ran:",
+            "",
+            "| card | packing | seeds | mean ± 95% CI | sd | minus the first row (95% CI) | variance ratio (F p) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for way in effect["ways"]:
+            diff, ratio = way.get("minus_first"), way.get("variance_ratio_to_first")
+            packing = way["sharing"] + (f", {way['runs_per_gpu']} per GPU" if way["runs_per_gpu"] else "")
+            lines.append(
+                f"| {way['card']} | {packing} | {','.join(map(str, way['seeds']))} | "
+                f"{way['mean'] * 100:.1f} ± {way['ci95'] * 100:.1f} | {way['sd'] * 100:.1f} | "
+                + (
+                    f"{diff['difference'] * 100:+.1f} [{diff['low'] * 100:+.1f}, {diff['high'] * 100:+.1f}]"
+                    if diff
+                    else "-"
+                )
+                + " | "
+                + (f"{ratio['ratio']:.2f} ({ratio['p']:.2f})" if ratio else "-")
+                + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], result: dict, png: Path) -> None:
+    """Reward and entropy per step (mean over seeds, min-max band, a moving average; an x marks a run's first
+    non-finite gradient), greedy test accuracy per seed with each arm's mean and 95% interval, and the comparisons'
+    differences with their Welch intervals against the +-2-point margin."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward", "training reward"), ("entropy", "token entropy (nats)")]
-    window = max(1, max(len(rows) for seeds in runs.values() for rows in seeds) // 15)
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(15, 4.2))
-    colors = {}
-    for ax, (key, label) in zip(axes, panels, strict=False):
-        for arm, seeds in runs.items():
-            steps = min(len(rows) for rows in seeds)
-            curves = [plotting.smooth([_value(r, key) for r in rows[:steps]], window) for rows in seeds]
+    arms = list(result["arms"])
+    rows = {r["name"]: curve_rows(r) for r in runs}
+    window = max(1, max(len(v) for v in rows.values()) // 15)
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.6))
+    colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
+    for ax, (key, label) in zip(
+        axes, [("reward", "training reward"), ("entropy", "token entropy (nats)")], strict=False
+    ):
+        for arm in arms:
+            seeds = [rows[r["name"]] for r in runs if r["arm"] == arm]
+            steps = min(len(s) for s in seeds)
+            curves = [plotting.smooth([_value(r, key) for r in s[:steps]], window) for s in seeds]
             columns = [[c[i] for c in curves] for i in range(steps)]
             x = [r["step"] for r in seeds[0][:steps]]
-            (line,) = ax.plot(x, [statistics.fmean(c) for c in columns], label=f"{arm} ({len(seeds)} seeds)")
-            colors[arm] = line.get_color()
+            ax.plot(x, [statistics.fmean(c) for c in columns], color=colors[arm], label=f"{NAMES[arm]} ({len(seeds)})")
             ax.fill_between(
-                x, [min(c) for c in columns], [max(c) for c in columns], color=line.get_color(), alpha=0.2, linewidth=0
+                x, [min(c) for c in columns], [max(c) for c in columns], color=colors[arm], alpha=0.15, lw=0
             )
-            for rows in seeds:
-                bad = first_nonfinite_step(rows)
+            for s in seeds:
+                bad = first_nonfinite_step(s)
                 if bad is not None and key == "reward":
-                    ax.plot([bad], [0], marker="x", color=line.get_color(), markersize=9, linestyle="none")
+                    ax.plot([bad], [0], marker="x", color=colors[arm], markersize=9, linestyle="none")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    ax = axes[-1]
-    for arm in runs:
-        points = accuracy_curve(args, arm, table)
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", color=colors[arm], label=f"{arm} seed {args.seeds[0]}")
-        final = table[arm].get("greedy")
-        if final and points:
-            mean, half = final["accuracy"]
-            ax.errorbar([points[-1][0]], [mean], yerr=[half], color=colors[arm], capsize=4, marker="_", markersize=12)
-    ax.set_xlabel("step")
-    ax.set_ylabel("GSM8K test accuracy, greedy (strict)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
     axes[0].legend(fontsize=8)
+    ax = axes[2]
+    for i, arm in enumerate(arms):
+        values = [result["runs"][r["name"]]["greedy"] for r in runs if r["arm"] == arm]
+        values = [v * 100 for v in values if v is not None]
+        ax.plot([i + 0.15 * ((k % 5) - 2) / 2 for k in range(len(values))], values, "o", color=colors[arm], alpha=0.5)
+        cell = result["arms"][arm].get("greedy")
+        if cell:
+            ax.errorbar([i + 0.3], [cell["mean"] * 100], yerr=[cell["ci95"] * 100], color=colors[arm], capsize=5,
+                        marker="s")  # fmt: skip
+    for precision, evals in result["bases"].items():
+        if "greedy" in evals:
+            ax.axhline(
+                evals["greedy"]["accuracy"] * 100, color="gray", lw=0.8, ls=":" if precision == "nvfp4" else "--"
+            )
+    ax.set_xticks(range(len(arms)), [NAMES[a].replace(" + ", "\n+ ") for a in arms], fontsize=7)
+    ax.set_ylabel("GSM8K test accuracy %, greedy (strict)")
+    ax.set_title("per seed; mean ± 95% t interval; bases dashed (BF16) / dotted (NVFP4)", fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    ax = axes[3]
+    greedy = [c for c in result["comparisons"] if c["measure"] == "greedy" and "difference" in c]
+    for y, c in enumerate(greedy):
+        ax.errorbar([c["difference"] * 100], [y], xerr=[[(c["difference"] - c["low"]) * 100],
+                    [(c["high"] - c["difference"]) * 100]], fmt="o", color="k", capsize=4)  # fmt: skip
+    ax.axvspan(-MARGIN * 100, MARGIN * 100, color="green", alpha=0.12, label=f"±{MARGIN * 100:g} points")
+    ax.axvline(0, color="gray", lw=0.8)
+    ax.set_yticks(range(len(greedy)), [c["question"].split(" (")[0] for c in greedy], fontsize=7)
+    ax.set_xlabel("difference in greedy accuracy, points (Welch 95% CI)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="x")
     fig.suptitle(
-        f"{Path(args.model).name}, GSM8K ({args.format}), DAPO: mean over seeds (line), min-max (band), "
-        f"moving average of {window} steps; accuracy: first seed's checkpoints, bar = mean over seeds "
-        "with 95% t interval",
+        f"{runs[0]['model']}, GSM8K ({runs[0]['format']}), DAPO, {result['steps']} steps: training curves are the "
+        f"mean over seeds (line) and min-max (band), moving average of {window} steps",
         fontsize=9,
     )
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    fig.savefig(png, dpi=110)
     plt.close(fig)
-
-
-def report(args) -> dict:
-    """report.json, the PNG and a table: per arm the training reward (first and last tenth of steps, mean and sd
-    over seeds), early entropy, steps to a reward level, non-finite gradient steps, and GSM8K test accuracy per
-    protocol (per seed with its Wilson interval; mean over seeds with its t interval); the bases for reference."""
-    names = sorted(p.name for p in args.out.iterdir() if p.is_dir()) if args.out.is_dir() else []
-    curves: dict[str, list[list[dict]]] = {}
-    table: dict[str, dict] = {}
-    for precision in ("bf16", "nvfp4"):
-        folder = args.out / f"base-{precision}"
-        table[f"base-{precision}"] = {p: eval_summary(folder / f"eval-{p}.jsonl") for p in PROTOCOLS}
-    for arm in ARMS:
-        folders = [args.out / n for n in names if n.startswith(f"{arm}-seed")]
-        curves[arm] = [rows for rows in (metrics(f) for f in folders) if rows]
-        row = table[arm] = {"runs": [f.name for f in folders]}
-        if curves[arm]:
-            row["steps"] = [rows[-1]["step"] for rows in curves[arm]]
-            row["reward_first_tenth"] = _mean_sd([_tenth(rows, "reward") for rows in curves[arm]])
-            row["reward_last_tenth"] = _mean_sd([_tenth(rows, "reward", last=True) for rows in curves[arm]])
-            row["entropy_first_tenth"] = _mean_sd([_tenth(rows, "entropy") for rows in curves[arm]])
-            row["first_nonfinite_grad_step"] = [first_nonfinite_step(rows) for rows in curves[arm]]
-        for protocol in PROTOCOLS:
-            summaries = [s for s in (eval_summary(f / f"eval-{protocol}.jsonl") for f in folders) if s]
-            if summaries:
-                row[protocol] = {key: mean_interval([s[key] for s in summaries]) for key in ACCURACIES}
-                row[protocol]["per_seed"] = [
-                    {key: (s[key], *s[f"{key}_ci95"]) for key in ACCURACIES} for s in summaries
-                ]
-    trained = {arm: seeds for arm, seeds in curves.items() if seeds}
-    if trained:
-        # The reward level every arm's seeds end above on average (90% of the lowest arm's last tenth).
-        level = 0.9 * min(table[arm]["reward_last_tenth"][0] for arm in trained)
-        window = max(1, min(len(rows) for seeds in trained.values() for rows in seeds) // 15)
-        for arm, seeds in trained.items():
-            reached = [steps_to_reach(rows, level, window) for rows in seeds]
-            table[arm]["steps_to_reward"] = {"level": level, "window": window, "per_seed": reached}
-        for arm in trained:
-            table[arm]["accuracy_curve"] = accuracy_curve(args, arm, table)
-    with open(args.out / "report.json", "w") as f:
-        json.dump(table, f, indent=2)
-    if trained:
-        plot(args, trained, table, args.png)
-    _print_report(args, table, trained)
-    return table
-
-
-def _mean_sd(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def _print_report(args, table: dict, trained: dict) -> None:
-    print(
-        f"\n{'arm':<16} {'reward first -> last tenth':<28} {'entropy 1st':<12} {'steps to level':<16} "
-        + " ".join(f"{p + ' strict (mean ± t95)':<26}" for p in PROTOCOLS)
-    )
-    for arm in trained:
-        row = table[arm]
-        (f_mean, f_sd), (l_mean, l_sd) = row["reward_first_tenth"], row["reward_last_tenth"]
-        reach = ",".join("-" if s is None else str(s) for s in row["steps_to_reward"]["per_seed"])
-        cells = [f"{row[p]['accuracy'][0]:.2%} ± {row[p]['accuracy'][1]:.2%}" if p in row else "-" for p in PROTOCOLS]
-        print(
-            f"{arm:<16} {f'{f_mean:.3f}±{f_sd:.3f} -> {l_mean:.3f}±{l_sd:.3f}':<28} "
-            f"{row['entropy_first_tenth'][0]:<12.3f} {reach:<16} " + " ".join(f"{c:<26}" for c in cells)
-        )
-    for precision in ("bf16", "nvfp4"):
-        summaries = table[f"base-{precision}"]
-        cells = [
-            f"{s['accuracy']:.2%} [{s['accuracy_ci95'][0]:.1%}, {s['accuracy_ci95'][1]:.1%}]" if s else "-"
-            for s in summaries.values()
-        ]
-        print(f"{'base ' + precision:<16} {'(no training)':<58} " + " ".join(f"{c:<26}" for c in cells))
-    print(f"report: {args.out / 'report.json'}; plot: {args.png}")
