@@ -239,15 +239,13 @@ def train(args) -> None:
             runs.append(_run_tasks(args, name, bases[precision], trained, run, every, steps))
     if kept:
         say(f"train: {len(kept)} run(s) already recorded in {args.results}, not run again: {', '.join(kept)}")
-    # The bases go after the first runs at once (one per slot), before later seeds.
-    at_once = max(1, len(args.gpu_ids)) * args.per_gpu
-    tasks = [t for group in runs[:at_once] for t in group]
+    tasks = []  # the bases first: four short evaluations that delay only the first runs
     for precision, folder in bases.items() if args.bases else ():
         name = f"base-{precision}"
         if not record_path(args.results, name).exists():
             base = {**setting, "arm": None, "precision": precision, "seed": None}
             tasks += _eval_tasks(args, name, folder, None, args.out / name, None, base)
-    tasks += [t for group in runs[at_once:] for t in group]
+    tasks += [t for group in runs for t in group]
     with mps_daemon(args.out) if args.mps else contextlib.nullcontext({}) as env:
         run_tasks(tasks, args.gpu_ids, args.per_gpu, args.finish_by, env)
     report(args)

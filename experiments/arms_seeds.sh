@@ -5,11 +5,12 @@
 # Every exit packs the records written so far and the logs' tails into $OUT/arms-records.tar.gz: untar it in the
 # checkout's root and commit results/arms/ (a run recorded there is never run again).
 # The run: the model from $GGUF (converted, quantized), then two `experiments.arms train` at once:
-#   MPS_GPUS (default 1,2,3): PER_GPU runs each (default 5) sharing the GPU through CUDA MPS; every arm, SEEDS
-#   ALONE_GPU (default 0): one run at a time (no MPS), ALONE_ARM (bf16_lora) at ALONE_SEEDS, and the bases
+#   MPS_GPUS (default 1,2,3): PER_GPU runs each (default 4) sharing the GPU through CUDA MPS; the bases, then every
+#   arm at SEEDS (seed by seed)
+#   ALONE_GPU (default 0): one run at a time (no MPS), ALONE_ARM (bf16_lora) at ALONE_SEEDS
 # Neither starts a run that would end after FINISH_BY (unix time; RUN_MINUTES / ALONE_MINUTES per run).
 # Environment: GGUF (required), FINISH_BY (required), QERL_COMMIT (the commit the tree is), MODEL, STEPS (51), LR
-# (3e-4, the sweep's: docs/benchmarks.md), SEEDS (0-9), ALONE_SEEDS (0,1,2,3), DATA (../shared/data/gsm8k), WAIT_S.
+# (3e-4, the sweep's: docs/benchmarks.md), SEEDS (0-9), ALONE_SEEDS (0,1,2), DATA (../shared/data/gsm8k), WAIT_S.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 src=/tmp/qerl-arms-src
@@ -43,10 +44,10 @@ case "${1:-}" in
             --finish-by "$FINISH_BY")
     "$py" -m qerl.models fetch "$model" --output "$work/ckpt/$model" --gguf "$GGUF" || exit 1
     "$py" -m experiments.arms prepare "${common[@]}" || exit 1
-    "$py" -m experiments.arms train "${common[@]}" --gpu-ids "${MPS_GPUS:-1,2,3}" --per-gpu "${PER_GPU:-5}" --mps \
-      --seeds "${SEEDS:-0,1,2,3,4,5,6,7,8,9}" --run-minutes "${RUN_MINUTES:-15}" > "$work/mps.log" 2>&1 &
-    "$py" -m experiments.arms train "${common[@]}" --gpu-ids "${ALONE_GPU:-0}" --per-gpu 1 --bases \
-      --arms "${ALONE_ARM:-bf16_lora}" --seeds "${ALONE_SEEDS:-0,1,2,3}" --run-minutes "${ALONE_MINUTES:-6}" \
+    "$py" -m experiments.arms train "${common[@]}" --gpu-ids "${MPS_GPUS:-1,2,3}" --per-gpu "${PER_GPU:-4}" --mps \
+      --bases --seeds "${SEEDS:-0,1,2,3,4,5,6,7,8,9}" --run-minutes "${RUN_MINUTES:-15}" > "$work/mps.log" 2>&1 &
+    "$py" -m experiments.arms train "${common[@]}" --gpu-ids "${ALONE_GPU:-0}" --per-gpu 1 \
+      --arms "${ALONE_ARM:-bf16_lora}" --seeds "${ALONE_SEEDS:-0,1,2}" --run-minutes "${ALONE_MINUTES:-6}" \
       > "$work/alone.log" 2>&1 &
     wait
     echo "finished"
