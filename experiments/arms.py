@@ -45,6 +45,7 @@ from experiments.arms_runs import (
     EVAL_FORMATS,
     PROTOCOLS,
     REPO,
+    RunPace,
     eval_task,
     late_reward,
     metrics,
@@ -223,6 +224,7 @@ def train(args) -> None:
     setting = experiment_setting(args, steps)
     suffix = "" if setting["sharing"] == "mps" else f"-{setting['sharing']}"  # a run made otherwise is apart
     runs, kept = [], []
+    pace = RunPace(60 * args.run_minutes) if args.run_minutes else None
     for seed in args.seeds:
         for arm in args.arms:
             name = f"{arm}-seed{seed}{suffix}"
@@ -234,9 +236,9 @@ def train(args) -> None:
             first = seed == args.seeds[0]
             every = save_every if first else 0
             trained = train_task(args, name, bases[precision], aqn, lr, seed, steps, every)
-            trained.expected_seconds = 60 * args.run_minutes if args.run_minutes else None
+            trained.expected_seconds = pace.estimate if pace else None
             run = {**setting, "arm": arm, "precision": precision, "aqn": aqn, "seed": seed, "lr": lr}
-            runs.append(_run_tasks(args, name, bases[precision], trained, run, every, steps))
+            runs.append(_run_tasks(args, name, bases[precision], trained, run, every, steps, pace))
     if kept:
         say(f"train: {len(kept)} run(s) already recorded in {args.results}, not run again: {', '.join(kept)}")
     tasks = []  # the bases first: four short evaluations that delay only the first runs
@@ -244,7 +246,7 @@ def train(args) -> None:
         name = f"base-{precision}"
         if not record_path(args.results, name).exists():
             base = {**setting, "arm": None, "precision": precision, "seed": None}
-            tasks += _eval_tasks(args, name, folder, None, args.out / name, None, base)
+            tasks += _eval_tasks(args, name, folder, None, args.out / name, None, base, None)
     tasks += [t for group in runs for t in group]
     with mps_daemon(args.out) if args.mps else contextlib.nullcontext({}) as env:
         run_tasks(tasks, args.gpu_ids, args.per_gpu, args.finish_by, env)
@@ -269,10 +271,10 @@ def experiment_setting(args, steps: int) -> dict:
     }
 
 
-def _run_tasks(args, name, base, trained, run, save_every, steps) -> list:
+def _run_tasks(args, name, base, trained, run, save_every, steps, pace) -> list:
     """A run's training, then its evaluations, then its checkpoints': each evaluation rewrites the run's record."""
     folder = args.out / name
-    tasks = [trained, *_eval_tasks(args, name, base, folder, folder, trained, run)]
+    tasks = [trained, *_eval_tasks(args, name, base, folder, folder, trained, run, pace)]
     for step in range(save_every, steps, save_every) if save_every else ():
         out = folder / f"eval-greedy-step{step}.jsonl"
         task = eval_task(args, base, folder / f"checkpoint-{step}", "greedy", out, tasks[-1])
@@ -281,11 +283,12 @@ def _run_tasks(args, name, base, trained, run, save_every, steps) -> list:
     return tasks
 
 
-def _eval_tasks(args, name, base, adapter, folder, trained, setting) -> list:
+def _eval_tasks(args, name, base, adapter, folder, trained, setting, pace) -> list:
     """The evaluations of a run (or a base: no adapter) in protocol order, each after the one before, each writing
-    the record with what is evaluated so far (the first protocol, greedy, is the one the report needs most)."""
+    the record with what is evaluated so far (the first protocol, greedy, is the one the report needs most); the
+    last tells `pace` how long the run took."""
     tasks = []
-    write = functools.partial(_write_record, args, name, folder, setting, trained)
+    write = functools.partial(_write_record, args, name, folder, setting, trained, pace)
     for protocol in args.protocols:
         after = tasks[-1] if tasks else trained
         task = eval_task(args, base, adapter, protocol, folder / f"eval-{protocol}.jsonl", after)
@@ -294,12 +297,14 @@ def _eval_tasks(args, name, base, adapter, folder, trained, setting) -> list:
     return tasks
 
 
-def _write_record(args, name: str, folder: Path, setting: dict, trained, evaluated) -> None:
+def _write_record(args, name: str, folder: Path, setting: dict, trained, pace, evaluated) -> None:
     """The record of a run (or base) with the evaluations done so far; its card is the one it trained on (a base's:
     the one it was evaluated on)."""
     protocols = tuple(p for p in args.protocols if (folder / f"eval-{p}.jsonl").exists())
+    if pace is not None and trained.started is not None and len(protocols) == len(args.protocols):
+        pace.observe(time.time() - trained.started)
     gpu = (trained or evaluated).gpu
-    extra = {"card": gpu_name(gpu) if args.gpu_ids else "cpu"}
+    extra = {"card": gpu_name(gpu) if args.gpu_ids else "cpu", "gpu": gpu}
     if trained is not None and trained.seconds is not None:
         extra["train_seconds"] = round(trained.seconds, 1)
     write_record(record_path(args.results, name), run_record(folder, {**setting, **extra}, protocols))
@@ -405,8 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--run-minutes",
         type=float,
-        help="train with --finish-by: a run's expected minutes (training and evaluations); a run that would end "
-        "past the deadline is not started",
+        help="train with --finish-by: a run's expected minutes (training and evaluations) until one has finished, "
+        "then the longest finished run's; a run that would end past the deadline is not started",
     )
     parser.add_argument(
         "--bases", action="store_true", help="train: evaluate the bases without an adapter too (unless recorded)"

@@ -29,6 +29,9 @@ MARGIN = 0.02  # equivalence margin on accuracy: 2 points
 # Per-run measures compared between arms: accuracy under each protocol, then the training-side ones.
 TRAINING_MEASURES = ("reward_last_tenth", "entropy_first_tenth", "steps_to_reward")
 REWARD_LEVEL_SHARE = 0.9  # steps to reward: the step the moving average reaches 90% of the lowest arm's last tenth
+# A run stuck at the length cap: nearly every completion of its last tenth truncated. DAPO masks truncated
+# completions, so such a run gets (almost) no gradient and cannot leave the state.
+STUCK_TRUNCATED = 0.9
 
 
 def _value(row: dict, key: str) -> float:
@@ -88,6 +91,7 @@ def per_run_measures(runs: list[dict]) -> dict[str, dict[str, float | None]]:
         m["reward_first_tenth"] = tenth(steps, "reward")
         m["reward_last_tenth"] = tenth(steps, "reward", last=True)
         m["entropy_first_tenth"] = tenth(steps, "entropy")
+        m["truncated_last_tenth"] = tenth(steps, "completions/clipped_ratio", last=True)
         m["first_nonfinite_grad_step"] = first_nonfinite_step(steps)
         measures[run["name"]] = m
     if runs:
@@ -124,6 +128,9 @@ def arm_table(runs: list[dict], measures: dict) -> dict[str, dict]:
                 row[key] = {"mean": mean, "ci95": half, "sd": sd, "n": len(values)}
         row["not_reaching_reward_level"] = sum(measures[r["name"]].get("steps_to_reward") is None for r in mine)
         row["nonfinite_runs"] = [r["name"] for r in mine if measures[r["name"]]["first_nonfinite_grad_step"]]
+        row["stuck_at_length_cap"] = [
+            r["name"] for r in mine if measures[r["name"]]["truncated_last_tenth"] >= STUCK_TRUNCATED
+        ]
         table[arm] = row
     return table
 
@@ -161,6 +168,7 @@ def setting_effects(runs: list[dict], measures: dict, pooled: str | None) -> lis
             values = _values(group, measures, "greedy")
             mean, half = mean_interval(values)
             row = {"card": way[0], "sharing": way[1], "runs_per_gpu": way[2], "seeds": [r["seed"] for r in group]}
+            row["runs"] = [r["name"] for r in group]
             row.update(mean=mean, ci95=half, sd=statistics.stdev(values) if len(values) > 1 else 0.0)
             if way != first_way:
                 diff = welch(values, first)
@@ -231,27 +239,30 @@ def markdown(result: dict) -> str:
         + f", runs packed '{result['sharing']}' on their GPUs; left out: {', '.join(result['left_out']) or 'none'}.",
         "",
         "| arm | seeds | greedy % (mean ± 95% CI) | sd | reference % | reward first -> last tenth | entropy, first "
-        "tenth | steps to reward |",
-        "|---|---|---|---|---|---|---|---|",
+        "tenth | steps to reward | stuck at the cap |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, row in result["arms"].items():
         greedy = row.get("greedy")
         reward = f"{_points(row.get('reward_first_tenth'), 1, 3)} -> {_points(row.get('reward_last_tenth'), 1, 3)}"
+        stuck = f"{len(row['stuck_at_length_cap'])} of {len(row['seeds'])}"
         lines.append(
             f"| {NAMES[arm]} | {len(row['seeds'])} | {_points(greedy)} | {greedy['sd'] * 100:.1f} | "
             f"{_points(row.get('reference'))} | {reward} | {_points(row.get('entropy_first_tenth'), 1, 3)} | "
-            f"{_points(row.get('steps_to_reward'), 1, 1)} |"
+            f"{_points(row.get('steps_to_reward'), 1, 1)} | {stuck} |"
             if greedy
-            else f"| {NAMES[arm]} | {len(row['seeds'])} | - | - | - | {reward} | - | - |"
+            else f"| {NAMES[arm]} | {len(row['seeds'])} | - | - | - | {reward} | - | - | {stuck} |"
         )
     for precision, evals in sorted(result["bases"].items()):
         cells = [f"{evals[p]['accuracy'] * 100:.1f}" if p in evals else "-" for p in ("greedy", "reference")]
-        lines.append(f"| base {precision.upper()}, no training | - | {cells[0]} | - | {cells[1]} | - | - | - |")
+        lines.append(f"| base {precision.upper()}, no training | - | {cells[0]} | - | {cells[1]} | - | - | - | - |")
     level = result.get("reward_level")
     if level:
         lines.append(
             f"\nSteps to reward: the first step whose {level['window']}-step moving average reaches "
-            f"{level['reward']:.3f} ({REWARD_LEVEL_SHARE:.0%} of the lowest arm's mean last-tenth reward)."
+            f"{level['reward']:.3f} ({REWARD_LEVEL_SHARE:.0%} of the lowest arm's mean last-tenth reward). Stuck at "
+            f"the cap: runs whose last tenth of steps had >= {STUCK_TRUNCATED:.0%} of completions truncated (masked by "
+            "DAPO: no gradient left to leave that state)."
         )
     lines += [
         "",
@@ -297,10 +308,18 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+CURVES = (
+    ("reward", "training reward"),
+    ("entropy", "token entropy (nats)"),
+    ("completions/clipped_ratio", "share of completions at the length cap"),
+)
+
+
 def plot(runs: list[dict], result: dict, png: Path) -> None:
-    """Reward and entropy per step (mean over seeds, min-max band, a moving average; an x marks a run's first
-    non-finite gradient), greedy test accuracy per seed with each arm's mean and 95% interval, and the comparisons'
-    differences with their Welch intervals against the +-2-point margin."""
+    """Top: reward, entropy and the share of completions truncated at the cap per step (mean over seeds, min-max
+    band, a moving average; an x marks a run's first non-finite gradient). Bottom: greedy test accuracy per seed with
+    each arm's mean and 95% interval; the comparisons' differences with their Welch intervals against the +-2-point
+    margin; and, where an arm ran in several ways (card, packing), its seeds per way."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -309,11 +328,9 @@ def plot(runs: list[dict], result: dict, png: Path) -> None:
     arms = list(result["arms"])
     rows = {r["name"]: curve_rows(r) for r in runs}
     window = max(1, max(len(v) for v in rows.values()) // 15)
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.6))
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9))
     colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
-    for ax, (key, label) in zip(
-        axes, [("reward", "training reward"), ("entropy", "token entropy (nats)")], strict=False
-    ):
+    for ax, (key, label) in zip(axes[0], CURVES, strict=True):
         for arm in arms:
             seeds = [rows[r["name"]] for r in runs if r["arm"] == arm]
             steps = min(len(s) for s in seeds)
@@ -321,9 +338,8 @@ def plot(runs: list[dict], result: dict, png: Path) -> None:
             columns = [[c[i] for c in curves] for i in range(steps)]
             x = [r["step"] for r in seeds[0][:steps]]
             ax.plot(x, [statistics.fmean(c) for c in columns], color=colors[arm], label=f"{NAMES[arm]} ({len(seeds)})")
-            ax.fill_between(
-                x, [min(c) for c in columns], [max(c) for c in columns], color=colors[arm], alpha=0.15, lw=0
-            )
+            low, high = [min(c) for c in columns], [max(c) for c in columns]
+            ax.fill_between(x, low, high, color=colors[arm], alpha=0.12, lw=0)
             for s in seeds:
                 bad = first_nonfinite_step(s)
                 if bad is not None and key == "reward":
@@ -331,42 +347,66 @@ def plot(runs: list[dict], result: dict, png: Path) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    ax = axes[2]
-    for i, arm in enumerate(arms):
-        values = [result["runs"][r["name"]]["greedy"] for r in runs if r["arm"] == arm]
-        values = [v * 100 for v in values if v is not None]
-        ax.plot([i + 0.15 * ((k % 5) - 2) / 2 for k in range(len(values))], values, "o", color=colors[arm], alpha=0.5)
-        cell = result["arms"][arm].get("greedy")
-        if cell:
-            ax.errorbar([i + 0.3], [cell["mean"] * 100], yerr=[cell["ci95"] * 100], color=colors[arm], capsize=5,
-                        marker="s")  # fmt: skip
-    for precision, evals in result["bases"].items():
-        if "greedy" in evals:
-            ax.axhline(
-                evals["greedy"]["accuracy"] * 100, color="gray", lw=0.8, ls=":" if precision == "nvfp4" else "--"
-            )
-    ax.set_xticks(range(len(arms)), [NAMES[a].replace(" + ", "\n+ ") for a in arms], fontsize=7)
-    ax.set_ylabel("GSM8K test accuracy %, greedy (strict)")
-    ax.set_title("per seed; mean ± 95% t interval; bases dashed (BF16) / dotted (NVFP4)", fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
-    ax = axes[3]
-    greedy = [c for c in result["comparisons"] if c["measure"] == "greedy" and "difference" in c]
-    for y, c in enumerate(greedy):
-        ax.errorbar([c["difference"] * 100], [y], xerr=[[(c["difference"] - c["low"]) * 100],
-                    [(c["high"] - c["difference"]) * 100]], fmt="o", color="k", capsize=4)  # fmt: skip
-    ax.axvspan(-MARGIN * 100, MARGIN * 100, color="green", alpha=0.12, label=f"±{MARGIN * 100:g} points")
-    ax.axvline(0, color="gray", lw=0.8)
-    ax.set_yticks(range(len(greedy)), [c["question"].split(" (")[0] for c in greedy], fontsize=7)
-    ax.set_xlabel("difference in greedy accuracy, points (Welch 95% CI)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, axis="x")
+    axes[0][0].legend(fontsize=8)
+    _accuracy_panel(axes[1][0], arms, runs, result, colors)
+    _comparison_panel(axes[1][1], result)
+    _settings_panel(axes[1][2], result, colors)
     fig.suptitle(
-        f"{runs[0]['model']}, GSM8K ({runs[0]['format']}), DAPO, {result['steps']} steps: training curves are the "
-        f"mean over seeds (line) and min-max (band), moving average of {window} steps",
-        fontsize=9,
+        f"{runs[0]['model']}, GSM8K ({runs[0]['format']}), DAPO, {result['steps']} steps; curves: mean over seeds "
+        f"(line), min-max (band), moving average of {window} steps",
+        fontsize=10,
     )
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=90)
     plt.close(fig)
+
+
+def _strip(ax, x: float, values: list[float], color: str) -> None:
+    """Values as dots spread a little around x, and their mean with its 95% t interval beside them."""
+    ax.plot([x + 0.05 * ((k % 5) - 2) for k in range(len(values))], values, "o", color=color, alpha=0.55)
+    if values:
+        mean, half = mean_interval(values)
+        ax.errorbar([x + 0.25], [mean], yerr=[half], color=color, capsize=5, marker="s")
+
+
+def _accuracy_panel(ax, arms, runs, result, colors) -> None:
+    for i, arm in enumerate(arms):
+        values = [result["runs"][r["name"]]["greedy"] for r in runs if r["arm"] == arm]
+        _strip(ax, i, [v * 100 for v in values if v is not None], colors[arm])
+    for precision, evals in result["bases"].items():
+        if "greedy" in evals:
+            style = ":" if precision == "nvfp4" else "--"
+            ax.axhline(evals["greedy"]["accuracy"] * 100, color="gray", lw=0.8, ls=style)
+    ax.set_xticks(range(len(arms)), [NAMES[a].replace(" + ", "\n+ ") for a in arms], fontsize=8)
+    ax.set_ylabel("GSM8K test accuracy %, greedy (strict)")
+    ax.set_title("per seed; mean ± 95% t interval; bases: BF16 dashed, NVFP4 dotted", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _comparison_panel(ax, result) -> None:
+    greedy = [c for c in result["comparisons"] if c["measure"] == "greedy" and "difference" in c]
+    for y, c in enumerate(greedy):
+        below, above = (c["difference"] - c["low"]) * 100, (c["high"] - c["difference"]) * 100
+        ax.errorbar([c["difference"] * 100], [y], xerr=[[below], [above]], fmt="o", color="k", capsize=4)
+    ax.axvspan(-MARGIN * 100, MARGIN * 100, color="green", alpha=0.12, label=f"±{MARGIN * 100:g} points")
+    ax.axvline(0, color="gray", lw=0.8)
+    ax.set_yticks(range(len(greedy)), [c["question"].split(" (")[0] for c in greedy], fontsize=8)
+    ax.invert_yaxis()  # the comparisons top to bottom in their fixed order
+    ax.set_xlabel("a - b, greedy accuracy points (Welch 95% interval)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="x")
+
+
+def _settings_panel(ax, result, colors) -> None:
+    labels = []
+    for effect in result["settings"]:
+        for way in effect["ways"]:
+            values = [result["runs"][name]["greedy"] * 100 for name in way["runs"]]
+            _strip(ax, len(labels), values, colors[effect["arm"]])
+            per_gpu = f", {way['runs_per_gpu']}/GPU" if way["runs_per_gpu"] else ""
+            labels.append(f"{NAMES[effect['arm']]}\n{way['card'].removeprefix('NVIDIA ')}, {way['sharing']}{per_gpu}")
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("GSM8K test accuracy %, greedy (strict)")
+    ax.set_title("an arm's seeds by the way they ran", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")

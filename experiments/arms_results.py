@@ -115,11 +115,17 @@ def run_record(folder: Path, setting: dict, protocols: tuple[str, ...]) -> dict:
     return record
 
 
+def record_text(record: dict) -> str:
+    """Strict JSON, one top-level key per line (a curve's column on its line): readable in a diff, a few KB."""
+    lines = [f"{json.dumps(key)}: {json.dumps(value, allow_nan=False)}" for key, value in record.items()]
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 def write_record(path: Path, record: dict) -> None:
     """Written whole or not at all (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
+    tmp.write_text(record_text(record))
     os.replace(tmp, path)
 
 

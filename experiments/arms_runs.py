@@ -76,10 +76,11 @@ class Task:
     log: Path
     after: Task | None = None  # runs once that task succeeded; skipped if it failed
     optional: bool = False  # an evaluation: skipped when it would start after the deadline
-    expected_seconds: float | None = None  # a training: not started when it would end after the deadline
+    expected_seconds: Callable[[], float] | None = None  # a training: not started when it would end after the deadline
     on_done: Callable[[Task], None] | None = None  # called with it once its command succeeded (a run's record)
     state: str = "pending"  # pending | running | done | failed | skipped
     gpu: int | None = None  # the GPU it ran on
+    started: float | None = None  # when its command started (time.time())
     seconds: float | None = None  # how long its command ran
 
 
@@ -114,7 +115,7 @@ def run_tasks(
         if finish_by is None:
             return False
         if task.expected_seconds is not None:
-            return time.time() + task.expected_seconds > finish_by
+            return time.time() + task.expected_seconds() > finish_by
         return task.optional and time.time() > finish_by
 
     def worker(gpu: int | None) -> None:
@@ -130,6 +131,7 @@ def run_tasks(
                     say(f"{task.name}: skipped, it would end past the deadline")
                     state = "skipped"
                 elif task.command is not None:
+                    task.started = start
                     say(f"{task.name}: started" + (f" on GPU {gpu}" if gpu is not None else ""))
                     run_logged(task.command, task.log, task_env)
                     task.seconds = time.time() - start
@@ -152,6 +154,21 @@ def run_tasks(
     failed = [t for t in tasks if t.state == "failed"]
     if failed:
         raise SystemExit("failed: " + ", ".join(f"{t.name} ({t.log})" for t in failed))
+
+
+class RunPace:
+    """How long a run (its training and evaluations, waits between them included) takes on this machine: a guess until
+    one has finished, then the longest finished. A training that would end past the deadline is not started."""
+
+    def __init__(self, guess_seconds: float):
+        self.guess = guess_seconds
+        self.seen: list[float] = []
+
+    def observe(self, seconds: float) -> None:
+        self.seen.append(seconds)
+
+    def estimate(self) -> float:
+        return max(self.seen) if self.seen else self.guess
 
 
 @contextlib.contextmanager

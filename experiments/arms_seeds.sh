@@ -8,7 +8,8 @@
 #   MPS_GPUS (default 1,2,3): PER_GPU runs each (default 4) sharing the GPU through CUDA MPS; the bases, then every
 #   arm at SEEDS (seed by seed)
 #   ALONE_GPU (default 0): one run at a time (no MPS), ALONE_ARM (bf16_lora) at ALONE_SEEDS
-# Neither starts a run that would end after FINISH_BY (unix time; RUN_MINUTES / ALONE_MINUTES per run).
+# Neither starts a run that would end after FINISH_BY (unix time): a run is expected to take RUN_MINUTES (10) /
+# ALONE_MINUTES (6) until one has finished, then as long as the longest finished (on four H200s: 8-11 / 6 min).
 # Environment: GGUF (required), FINISH_BY (required), QERL_COMMIT (the commit the tree is), MODEL, STEPS (51), LR
 # (3e-4, the sweep's: docs/benchmarks.md), SEEDS (0-9), ALONE_SEEDS (0,1,2), DATA (../shared/data/gsm8k), WAIT_S.
 set -uo pipefail
@@ -45,7 +46,7 @@ case "${1:-}" in
     "$py" -m qerl.models fetch "$model" --output "$work/ckpt/$model" --gguf "$GGUF" || exit 1
     "$py" -m experiments.arms prepare "${common[@]}" || exit 1
     "$py" -m experiments.arms train "${common[@]}" --gpu-ids "${MPS_GPUS:-1,2,3}" --per-gpu "${PER_GPU:-4}" --mps \
-      --bases --seeds "${SEEDS:-0,1,2,3,4,5,6,7,8,9}" --run-minutes "${RUN_MINUTES:-15}" > "$work/mps.log" 2>&1 &
+      --bases --seeds "${SEEDS:-0,1,2,3,4,5,6,7,8,9}" --run-minutes "${RUN_MINUTES:-10}" > "$work/mps.log" 2>&1 &
     "$py" -m experiments.arms train "${common[@]}" --gpu-ids "${ALONE_GPU:-0}" --per-gpu 1 \
       --arms "${ALONE_ARM:-bf16_lora}" --seeds "${ALONE_SEEDS:-0,1,2}" --run-minutes "${ALONE_MINUTES:-6}" \
       > "$work/alone.log" 2>&1 &

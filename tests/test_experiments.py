@@ -20,10 +20,11 @@ from experiments import arms, arms_results, arms_runs
 DATA = Path(__file__).parent / "data" / "gsm8k"
 
 
-def _curve(rewards, nan_from=None, step_time=2.0):
+def _curve(rewards, nan_from=None, step_time=2.0, truncated_from=None):
     rows = []
     for step, reward in enumerate(rewards, 1):
         broken = nan_from is not None and step >= nan_from
+        truncated = truncated_from is not None and step >= truncated_from
         rows.append(
             {
                 "step": step,
@@ -32,17 +33,21 @@ def _curve(rewards, nan_from=None, step_time=2.0):
                 "step_time": step_time,
                 "grad_norm": math.nan if broken else 0.3,
                 "entropy": None if broken and step > nan_from else 0.7,
+                "completions/clipped_ratio": 1.0 if truncated else 0.05,
+                "rewards/format_reward/mean": 0.2,  # a logged key the record leaves out
             }
         )
     return rows
 
 
-def _run(folder, rewards, nan_from=None, accuracy=0.01, step_time=2.0, protocols=arms_runs.PROTOCOLS):
+def _run(
+    folder, rewards, nan_from=None, accuracy=0.01, step_time=2.0, protocols=arms_runs.PROTOCOLS, truncated_from=None
+):
     """A finished run's folder as qerl.train and eval.gsm8k leave it: metrics.jsonl (NaN as JSON's NaN, as json.dumps
     writes TRL's log lines) and each protocol's evaluation (summary line, then a sample)."""
     folder.mkdir(parents=True)
     with open(folder / "metrics.jsonl", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in _curve(rewards, nan_from, step_time))
+        f.writelines(json.dumps(row) + "\n" for row in _curve(rewards, nan_from, step_time, truncated_from))
     for protocol in protocols:
         summary = {
             "protocol": protocol,
@@ -57,10 +62,10 @@ def _run(folder, rewards, nan_from=None, accuracy=0.01, step_time=2.0, protocols
         (folder / f"eval-{protocol}.jsonl").write_text(json.dumps(summary) + "\n" + json.dumps(sample) + "\n")
 
 
-def _record(results, arm, seed, accuracy, rewards=(0.1,) * 10 + (0.5,) * 10, sharing="mps", steps=20, nan_from=None):
+def _record(results, arm, seed, accuracy, rewards=(0.1,) * 10 + (0.5,) * 10, sharing="mps", steps=20, **broken):
     """A committed record of a finished run, made from its folder as the runner makes it."""
     folder = results.parent / "runs" / f"{arm}-seed{seed}-{sharing}-{steps}"
-    _run(folder, list(rewards[:steps]), nan_from=nan_from, accuracy=accuracy)
+    _run(folder, list(rewards[:steps]), accuracy=accuracy, **broken)
     setting = {"arm": arm, "seed": seed, "steps": steps, "sharing": sharing, "model": "m", "format": "gsm8k_hash",
                "runs_per_gpu": 1 if sharing == "alone" else 5, "card": "NVIDIA H100"}  # fmt: skip
     record = arms_results.run_record(folder, setting, arms_runs.PROTOCOLS)
@@ -76,7 +81,7 @@ def test_a_record_keeps_the_curve_and_scores_not_the_samples(tmp_path):
     record = arms_results.run_record(folder, {"arm": "bf16_lora", "seed": 4, "sharing": "mps"}, ("greedy",))
     arms_results.write_record(tmp_path / "r" / "bf16_lora-seed4.json", record)
     text = (tmp_path / "r" / "bf16_lora-seed4.json").read_text()
-    assert "completion" not in text and "/tmp/x" not in text and "NaN" not in text  # strict JSON: NaN -> null
+    assert "#### 3" not in text and "/tmp/x" not in text and "NaN" not in text  # no samples, no paths; NaN -> null
     (loaded,) = arms_results.load_records(tmp_path / "r")
     assert loaded["evals"]["greedy"] == {"protocol": "greedy", "examples": 100, "accuracy": 0.01,
                                          "accuracy_ci95": [0.0, 0.02], "accuracy_flexible": 0.02,
@@ -84,7 +89,8 @@ def test_a_record_keeps_the_curve_and_scores_not_the_samples(tmp_path):
     assert loaded["checkpoint_greedy_accuracy"] == {"2": 0.25} and loaded["name"] == "run"
     rows = arms_results.curve_rows(loaded)
     assert [r["reward"] for r in rows] == [0.2, 0.4, 0.0] and rows[2]["grad_norm"] is None
-    assert rows[2]["entropy"] == 0.7 and set(rows[0]) == {"step", "loss", "reward", "step_time", "grad_norm", "entropy"}
+    kept = {"step", "loss", "reward", "step_time", "grad_norm", "entropy", "completions/clipped_ratio"}
+    assert rows[2]["entropy"] == 0.7 and set(rows[0]) == kept
     assert len(text) < 4000  # a few KB a run: committed as data
     with pytest.raises(FileNotFoundError, match="eval-reference.jsonl"):
         arms_results.run_record(folder, {"arm": "bf16_lora"}, ("greedy", "reference"))
@@ -119,7 +125,8 @@ def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
         _base(tmp_path / "runs" / "base-bf16"), {"arm": None, "precision": "bf16"}, ("greedy",)
     )
     arms_results.write_record(results / "base-bf16.json", base)
-    _record(results, "bf16_lora_aqn", 0, 0.5, nan_from=20)  # one seed, its last step's gradient not finite
+    # One seed: its completions all truncated from step 15 on, its last step's gradient not finite.
+    _record(results, "bf16_lora_aqn", 0, 0.5, nan_from=20, truncated_from=15)
     args = argparse.Namespace(results=results, out=tmp_path / "out", png=tmp_path / "out" / "arms.png")
     result = arms.report(args)
     assert (result["steps"], result["sharing"]) == (20, "mps")
@@ -131,6 +138,7 @@ def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
     assert bf16["reward_last_tenth"]["mean"] == pytest.approx(0.5)
     broken = result["arms"]["bf16_lora_aqn"]
     assert broken["nonfinite_runs"] == ["bf16_lora_aqn-seed0"] and broken["greedy"]["ci95"] == 0.0
+    assert broken["stuck_at_length_cap"] == ["bf16_lora_aqn-seed0"] and bf16["stuck_at_length_cap"] == []
     assert result["runs"]["bf16_lora_aqn-seed0"]["first_nonfinite_grad_step"] == 20
     # The level is 90% of the lowest arm's last-tenth reward (the broken run's (0.5 + 0) / 2): every run's average
     # reaches 0.225 at step 11 (window 1 at 20 steps), where its rewards jump.
@@ -157,6 +165,7 @@ def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
     assert "| BF16 + LoRA | 3 | 62.0 ± 5.0 | 2.0 |" in printed and "| base BF16, no training | - | 30.0 |" in printed
     assert "| NVFP4 + AQN vs BF16 LoRA (QeRL against 16-bit LoRA) | greedy | -1.0 |" in printed
     assert "| AQN within BF16 | greedy | - | - | - | - | too few runs |" in printed
+    assert "| BF16 + LoRA + AQN | 1 | 50.0 ± 0.0 | 0.0 |" in printed and "| 1 of 1 |" in printed
     assert (tmp_path / "out" / "report.md").read_text() in printed
 
 
@@ -245,7 +254,11 @@ def test_tasks_run_on_gpu_slots_after_what_they_need(tmp_path):
 
 def test_a_training_that_would_end_past_the_deadline_is_not_started(tmp_path):
     fits, too_long = _task(tmp_path, "fits"), _task(tmp_path, "too_long")
-    fits.expected_seconds, too_long.expected_seconds = 60, 600
+    fits.expected_seconds = arms_runs.RunPace(60).estimate  # the guess, until a run has finished
+    pace = arms_runs.RunPace(60)
+    pace.observe(30)
+    pace.observe(600)  # the longest run seen took 10 minutes: the next is expected to as well
+    too_long.expected_seconds = pace.estimate
     evaluation = _task(tmp_path, "eval", after=too_long, optional=True)
     done_before = arms_runs.Task("kept", None, tmp_path / "kept.txt", on_done=lambda _: (tmp_path / "rec").touch())
     arms_runs.run_tasks([fits, too_long, evaluation, done_before], gpus=[], per_gpu=2, finish_by=time.time() + 300)
