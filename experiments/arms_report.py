@@ -246,9 +246,11 @@ def markdown(result: dict) -> str:
         greedy = row.get("greedy")
         reward = f"{_points(row.get('reward_first_tenth'), 1, 3)} -> {_points(row.get('reward_last_tenth'), 1, 3)}"
         stuck = f"{len(row['stuck_at_length_cap'])} of {len(row['seeds'])}"
+        reference = row.get("reference")
+        fewer = f" ({reference['n']} seeds)" if reference and reference["n"] != len(row["seeds"]) else ""
         lines.append(
             f"| {NAMES[arm]} | {len(row['seeds'])} | {_points(greedy)} | {greedy['sd'] * 100:.1f} | "
-            f"{_points(row.get('reference'))} | {reward} | {_points(row.get('entropy_first_tenth'), 1, 3)} | "
+            f"{_points(reference)}{fewer} | {reward} | {_points(row.get('entropy_first_tenth'), 1, 3)} | "
             f"{_points(row.get('steps_to_reward'), 1, 1)} | {stuck} |"
             if greedy
             else f"| {NAMES[arm]} | {len(row['seeds'])} | - | - | - | {reward} | - | - | {stuck} |"
