@@ -34,7 +34,8 @@ import torch
 from transformers import GenerationConfig
 
 from benchmarks.random_models import SIZES, build, padded_tokenizer, with_lora
-from qerl.rollout import KV_CACHE_DTYPES, RolloutSetup, create_backend, no_noise
+from qerl.field_rules import KV_CACHE_DTYPES
+from qerl.rollout import RolloutSetup, create_backend, no_noise
 from qerl.rollout.native import kv_cache
 
 

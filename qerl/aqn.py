@@ -65,7 +65,7 @@ def sigma_at(step: int, total_steps: int, sigma_start: float, sigma_end: float, 
 # schedule survives (Eq. 10: w + Z). "bf16": the reference code's: the noise is cast to the BF16 scale's dtype and
 # added there, so noise below half a BF16 ulp of the scale rounds away (on scales near 1: sigma 1e-3 moves ~3%
 # of the entries, 1e-4 none).
-DTYPE_RULES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_RULES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # field_rules.AQN_DTYPES names them
 
 
 @dataclass

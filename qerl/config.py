@@ -11,10 +11,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from qerl import aqn, policy, rollout
-from qerl.rollout import KV_CACHE_DTYPES
-
-AQN_DTYPES = list(aqn.DTYPE_RULES)  # QeRLConfig's field `aqn` shadows the module inside the class body
+from qerl.field_rules import AQN_DTYPES, KV_CACHE_DTYPES, LORA_TARGETS, ROLLOUT_BACKENDS, check_choices, check_ranges
 
 
 def _also_as(name: str, *aliases: str):
@@ -66,7 +63,7 @@ class QeRLConfig(GRPOConfig):
             "bf16: the arithmetic of the reference's code, noise cast to the BF16 scale and added there (noise "
             "below half a BF16 ulp rounds away: on scales near 1, sigma 1e-4 changes nothing); as its scripts "
             "run, that code never fires (docs/reference.md).",
-            "choices": AQN_DTYPES,
+            "choices": list(AQN_DTYPES),
         },
     )
     aqn_log_shift: bool = field(
@@ -95,7 +92,7 @@ class QeRLConfig(GRPOConfig):
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
     lora_target_modules: list[str] = field(
-        default_factory=lambda: list(policy.LORA_TARGETS),
+        default_factory=lambda: list(LORA_TARGETS),
         metadata={"help": "Modules that get LoRA adapters.", "aliases": ["--target-modules"]},
     )
     trainable_norms: bool = field(
@@ -105,10 +102,11 @@ class QeRLConfig(GRPOConfig):
     rollout_backend: str = field(
         default="auto",
         metadata={
-            "help": f"Rollout engine: {', '.join(rollout.CHOICES)}. auto: native on a CUDA device (vllm or "
-            "transformers where native cannot run the model, or under DeepSpeed/FSDP), transformers on CPU. "
-            "native reads rollout_kv_cache_gib; vllm reads TRL's vllm_gpu_memory_utilization, "
-            "vllm_max_model_length and vllm_enable_sleep_mode."
+            "help": "Rollout engine. auto: native on a CUDA device (vllm or transformers where native cannot run "
+            "the model, or under DeepSpeed/FSDP), transformers on CPU. native reads rollout_kv_cache_gib and "
+            "rollout_kv_cache_dtype; vllm reads TRL's vllm_gpu_memory_utilization, vllm_max_model_length and "
+            "vllm_enable_sleep_mode.",
+            "choices": list(ROLLOUT_BACKENDS),
         },
     )
     rollout_kv_cache_gib: float | None = field(
@@ -181,19 +179,18 @@ class QeRLConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        rollout.resolve_backend(self.rollout_backend)  # validates the name
+        # A config built in Python gets the checks the command line makes on flags and recipes (qerl/field_rules.py),
+        # before TRL's __post_init__, which divides by some of these fields.
+        check_choices(vars(self), str)
+        check_ranges(vars(self), str)
         if self.use_vllm:
             # TRL's colocate path merges the adapter into the base and pushes full weights into vLLM: a packed
             # NVFP4 base cannot be merged into, and it would sample without AQN. rollout_backend=vllm pushes the
             # unmerged LoRA tensors instead.
             raise ValueError(
                 "use_vllm is TRL's own vLLM path, which would sample without AQN; QeRL picks its engine with "
-                f"rollout_backend (available: {', '.join(rollout.CHOICES)})"
+                f"rollout_backend (available: {', '.join(ROLLOUT_BACKENDS)})"
             )
-        if self.aqn_dtype not in aqn.DTYPE_RULES:
-            raise ValueError(f"unknown aqn_dtype {self.aqn_dtype!r}; available: {', '.join(aqn.DTYPE_RULES)}")
-        if self.aqn is not False:
-            aqn.sigma_trend(self.sigma_start, self.sigma_end, self.num_stages)  # validates the schedule
         try:
             super().__post_init__()
         except ValueError as err:

@@ -16,11 +16,9 @@ from peft import LoraConfig
 from torch import nn
 
 from qerl import norms
+from qerl.field_rules import LORA_TARGETS, PRECISIONS
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint, load_nvfp4_model
 from qerl.nvfp4.linear import NVFP4Linear
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PRECISIONS = ("auto", "nvfp4", "bf16")
 
 
 def is_nvfp4_model(model: nn.Module) -> bool:

@@ -1,13 +1,12 @@
 """How `python -m qerl.train` reads its settings before any config is built: the parser (TRL's TrlParser, with
-one-line errors), recipe files (YAML, extending other recipes through `base:`), the range of every numeric setting
-(RANGES, one table for flags and recipes alike), and the short --help (QUICK_HELP).
+one-line errors), recipe files (YAML, extending other recipes through `base:`) and the short --help (QUICK_HELP).
+What each setting accepts is in qerl/field_rules.py.
 """
 
 from __future__ import annotations
 
 import os
 import textwrap
-from collections.abc import Callable
 
 import yaml
 from trl import TrlParser
@@ -15,61 +14,6 @@ from trl import TrlParser
 from qerl import cli
 from qerl.errors import UsageError, nearest, one_line
 from qerl.input_checks import check_file
-
-# Every numeric field of QeRLScriptArguments and QeRLConfig (TRL's and transformers' included) and the values it
-# accepts (None: any), checked on the flags and recipe before the configs are built (TRL's __post_init__ divides by
-# some of them). tests/test_bad_input.py fails on a numeric field missing here, so a new one cannot be forgotten.
-RANGES: dict[str, cli.Range | None] = {
-    **dict.fromkeys((
-        "num_examples", "max_prompt_length", "max_completion_length", "per_device_train_batch_size",
-        "per_device_eval_batch_size", "gradient_accumulation_steps", "eval_accumulation_steps", "generation_batch_size",
-        "steps_per_generation", "num_iterations", "lora_rank", "lora_alpha", "save_total_limit", "pad_to_multiple_of",
-        "torch_empty_cache_steps", "dataloader_prefetch_factor", "ddp_bucket_cap_mb", "ddp_timeout",
-        "vllm_max_model_length", "vllm_tensor_parallel_size", "ref_model_sync_steps", "max_tool_calling_iterations",
-    ), cli.COUNT),
-    **dict.fromkeys(("soft_overlong_cache", "top_k", "dataloader_num_workers", "num_completions_to_print"),
-                    cli.COUNT_OR_ZERO),
-    **dict.fromkeys((
-        "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm", "beta", "epsilon", "epsilon_high",
-        "neftune_noise_alpha", "eval_delay", "router_aux_loss_coef", "entropy_coef", "entropy_coef_min",
-        "entropy_coef_max", "entropy_coef_delta", "entropy_target", "vllm_importance_sampling_clip_min",
-        "off_policy_mask_threshold", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
-    ), cli.NON_NEGATIVE),
-    **dict.fromkeys((
-        "temperature", "num_train_epochs", "logging_steps", "save_steps", "eval_steps", "adam_epsilon",
-        "repetition_penalty", "delta", "sapo_temperature_neg", "sapo_temperature_pos", "vllm_server_timeout",
-        "vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap", "rollout_kv_cache_gib",
-    ), cli.POSITIVE),
-    **dict.fromkeys(("min_p", "label_smoothing_factor", "ref_model_mixup_alpha", "top_entropy_quantile"), cli.FRACTION),
-    **dict.fromkeys(("top_p", "vllm_gpu_memory_utilization"), cli.Range(float, 0, 1, low_open=True)),
-    **dict.fromkeys(("adam_beta1", "adam_beta2", "lora_dropout"), cli.Range(float, 0, 1, high_open=True)),
-    **dict.fromkeys(("sigma_start", "sigma_end"), cli.Range(float, 0, low_open=True, why="AQN's geometric schedule")),
-    **dict.fromkeys(("seed", "data_seed"), cli.SEED),
-    **dict.fromkeys(("vllm_server_port", "vllm_group_port"), cli.Range(int, 1, 65535)),
-    **dict.fromkeys(("num_generations", "num_generations_eval"),
-                    cli.Range(int, 2, why="GRPO compares the completions of one prompt")),
-    "num_stages": cli.Range(int, 3, why="AQN: one noise-free stage and two noise levels"),
-    "max_steps": cli.Range(int, 1, special=(-1,), why="-1: --num-train-epochs decides"),
-    "local_rank": cli.Range(int, -1),  # set by launchers; -1: not distributed
-    "max_seq_length": None,  # ignored (train.IGNORED_FLAGS)
-}  # fmt: skip
-
-
-def check_ranges(settings: dict, named: Callable[[str], str]) -> None:
-    """The numeric settings against RANGES; `named(field)` says where a setting came from (a flag, a recipe)."""
-    for name, rule in RANGES.items():
-        value = settings.get(name)
-        if rule is None or value is None:
-            continue
-        if isinstance(value, str):  # a TRL setting that takes a number or a word (pad_to_multiple_of: auto)
-            try:
-                value = rule.kind(value)
-            except ValueError:
-                continue
-        problem = rule.problem(value)
-        if problem:
-            raise UsageError(f"{named(name)} {problem}")
-
 
 # `python -m qerl.train --help`: these first; `--help-all` lists every field of TRL and transformers.
 QUICK_HELP = {

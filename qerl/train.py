@@ -27,8 +27,9 @@ import torch
 from qerl import cli, data, input_checks, policy, rewards
 from qerl.config import QeRLConfig
 from qerl.errors import UsageError, nearest
+from qerl.field_rules import PRECISIONS, check_choices, check_ranges
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
-from qerl.recipes import RecipeParser, check_ranges, load_recipe, quick_help
+from qerl.recipes import RecipeParser, load_recipe, quick_help
 from qerl.run_dir import RunLock, prepare_output_dir, where_to_resume
 from qerl.trainer import QeRLTrainer
 
@@ -48,7 +49,8 @@ class QeRLScriptArguments:
         default=None, metadata={"help": "Checkpoint folder (NVFP4 compressed-tensors or BF16) or hub id."}
     )
     precision: str = field(
-        default="auto", metadata={"help": "Base precision: auto (from the checkpoint), nvfp4 or bf16."}
+        default="auto",
+        metadata={"help": "Base precision: auto (from the checkpoint), nvfp4 or bf16.", "choices": list(PRECISIONS)},
     )
     dtype: str = field(
         default="bfloat16", metadata={"help": "Compute dtype of the base (bfloat16; float32 for CPU runs)."}
@@ -121,7 +123,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
             return f"--config {recipe_path}: {name}"
         return f"--{name.replace('_', '-')}"
 
-    check_ranges(vars(parser.parse_known_args(argv)[0]), named)
+    settings = vars(parser.parse_known_args(argv)[0])
+    check_choices(settings, named)  # argparse checks the flags' choices, not a recipe's
+    check_ranges(settings, named)
+    if settings["vllm_max_model_length"] is None and settings["max_prompt_length"]:
+        # The rollout engine's context: the longest prompt kept plus a full completion (the reference's
+        # max_seq_length), rather than the model's whole context window.
+        context = settings["max_prompt_length"] + settings["max_completion_length"]
+        parser.set_defaults_with_config(vllm_max_model_length=context)
     try:
         script_args, config = parser.parse_args_and_config(args=argv)
     except ValueError as err:  # raised while building the configs from flags: the flags are at fault
@@ -152,8 +161,6 @@ def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
     if os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
         raise UsageError(f"--output-dir {config.output_dir}: is a file")
     input_checks.check_model(script_args.model_name, "--model-name")
-    if script_args.precision not in policy.PRECISIONS:
-        raise UsageError(f"--precision {script_args.precision!r}: use one of {', '.join(policy.PRECISIONS)}")
     # A folder quantized some other way than NVFP4A16 is refused here, by name.
     if is_nvfp4_checkpoint(script_args.model_name) and script_args.precision == "bf16":
         raise UsageError(f"--model-name {script_args.model_name} is an NVFP4 checkpoint; use --precision auto")
@@ -171,8 +178,8 @@ def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
 
 
 def prompts_and_rewards(script_args: QeRLScriptArguments, config: QeRLConfig, tokenizer):
-    """The run's training prompts (under the prompt cap) and reward functions; sets the rollout engine's context from
-    the prompt cap when the config leaves it open. Shared with benchmarks.trl_baseline, which runs the same task."""
+    """The run's training prompts (under the prompt cap) and reward functions. Shared with benchmarks.trl_baseline,
+    which runs the same task."""
     task = data.load_task(
         script_args.dataset,
         script_args.dataset_split,
@@ -183,10 +190,6 @@ def prompts_and_rewards(script_args: QeRLScriptArguments, config: QeRLConfig, to
     train_dataset = data.fit_prompts(task.train, tokenizer, script_args.max_prompt_length, script_args.long_prompts)
     if len(train_dataset) == 0:
         raise UsageError(f"no prompt of {script_args.dataset} fits --max-prompt-length {script_args.max_prompt_length}")
-    if config.vllm_max_model_length is None and script_args.max_prompt_length:
-        # The rollout engine's context: the longest prompt kept plus a full completion (the reference's
-        # max_seq_length), rather than the model's whole context window.
-        config.vllm_max_model_length = script_args.max_prompt_length + config.max_completion_length
     reward_funcs = list(task.reward_funcs)
     if script_args.soft_overlong_cache:
         reward_funcs.append(

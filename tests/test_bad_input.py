@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from eval import common, gsm8k
 from eval import math as eval_math
-from qerl import cli, policy, quantize, recipes, train
+from qerl import cli, field_rules, quantize, train
 from qerl.config import QeRLConfig
 from qerl.errors import UsageError, nearest, one_line
 from qerl.input_checks import FETCH_COMMAND
@@ -114,7 +114,7 @@ def save_lora(model, folder: Path, rank: int = 4) -> None:
     """A LoRA adapter of `model` as peft saves it."""
     from peft import LoraConfig, get_peft_model
 
-    get_peft_model(model, LoraConfig(r=rank, target_modules=list(policy.LORA_TARGETS))).save_pretrained(folder)
+    get_peft_model(model, LoraConfig(r=rank, target_modules=list(field_rules.LORA_TARGETS))).save_pretrained(folder)
 
 
 Q = ["--model", "ck/bf16", "--output", "out"]
@@ -336,17 +336,17 @@ def test_every_numeric_setting_has_a_range():
     """A numeric field of the training configs (ours, TRL's, transformers') or a numeric flag of eval and the quantizer
     without a range fails here: the table is the one place where the checks come from."""
     fields = numeric_fields(train.QeRLScriptArguments) + numeric_fields(QeRLConfig)
-    assert len(fields) > 70 and sorted(fields) == sorted(recipes.RANGES)  # stale entries too (a field TRL dropped)
+    assert len(fields) > 70 and sorted(fields) == sorted(field_rules.RANGES)  # stale entries too (a field TRL dropped)
     for parser, _ in NUMERIC_FLAGS.values():
         for action in parser._actions:
             assert action.type not in (int, float), f"{action.option_strings}: give it a cli.Range type"
 
 
-@pytest.mark.parametrize("name", sorted(recipes.RANGES))
+@pytest.mark.parametrize("name", sorted(field_rules.RANGES))
 def test_zero_and_minus_one_in_every_training_setting(tmp_path, name):
     """0 and -1 in each numeric field: refused in one line naming the flag where its range says so, and otherwise
     accepted all the way through TRL's and transformers' own config checks."""
-    rule, flag = recipes.RANGES[name], f"--{name.replace('_', '-')}"
+    rule, flag = field_rules.RANGES[name], f"--{name.replace('_', '-')}"
     for value in (0, -1):
         argv = ["--model-name", "m", "--output-dir", str(tmp_path), "--use-cpu", "True", flag, str(value)]
         with warnings.catch_warnings():

@@ -8,14 +8,14 @@ import torch
 from fakes import make_trainer, recipe_config
 from peft import LoraConfig, get_peft_model
 
-from qerl import dense_weights, policy
+from qerl import dense_weights, field_rules, policy
 from qerl.dense_weights import DenseWeights
 from qerl.nvfp4.linear import NVFP4Linear
 
 
 def _policy(nvfp4_dir):
     base = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(policy.LORA_TARGETS), init_lora_weights=False)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(field_rules.LORA_TARGETS), init_lora_weights=False)
     return get_peft_model(base, config)
 
 

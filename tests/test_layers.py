@@ -15,6 +15,7 @@ TOOLS = ("eval", "benchmarks", "experiments")
 LAYERS = [
     ["qerl", "qerl.errors", "qerl.device_facts", "qerl.plotting"],  # facts and one-line errors
     ["qerl.cli", "qerl.model_files", "qerl.pdl"],  # the command-line convention, file sniffing, launch flags
+    ["qerl.field_rules", "qerl.config"],  # what each setting accepts; the training config
     ["qerl.nvfp4", "qerl.nvfp4.*"],  # the format, its kernels, checkpoints
     [
         "qerl.input_checks",
@@ -29,7 +30,7 @@ LAYERS = [
         "qerl.dense_weights",
     ],
     ["qerl.aqn", "qerl.policy", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
-    ["qerl.config", "qerl.callbacks", "qerl.recipes"],
+    ["qerl.callbacks", "qerl.recipes"],
     ["qerl.trainer", "qerl.run_dir"],
     ["qerl.train", "qerl.demo"],
 ]

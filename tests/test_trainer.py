@@ -334,8 +334,13 @@ def test_bad_configs(checkpoints, tmp_path):
         recipe_config(tmp_path, per_device_train_batch_size=6, num_generations=4)
     with pytest.raises(ValueError, match="rollout_backend"):
         recipe_config(tmp_path, use_vllm=True)
-    with pytest.raises(ValueError, match="unknown rollout_backend 'sglang'"):
+    # A config built in Python is checked against the command line's rules (qerl/field_rules.py), by field name.
+    with pytest.raises(ValueError, match="rollout_backend 'sglang': use one of auto, transformers, vllm, native"):
         recipe_config(tmp_path, rollout_backend="sglang")
+    with pytest.raises(ValueError, match=r"aqn_dtype 'fp16' \(did you mean bf16\?\): use one of fp32, bf16"):
+        recipe_config(tmp_path, aqn_dtype="fp16")
+    with pytest.raises(ValueError, match="num_stages must be"):
+        recipe_config(tmp_path, num_stages=2)
     bf16_dir, _ = checkpoints
     with pytest.warns(UserWarning, match="AQN is on for a BF16 base"):
         trainer = make_trainer(bf16_dir, recipe_config(tmp_path, aqn=True))

@@ -37,13 +37,11 @@ from torch import nn
 from transformers import GenerationConfig
 
 from qerl.errors import UsageError
+from qerl.field_rules import ROLLOUT_BACKENDS
 
 logger = logging.getLogger(__name__)
 
 Perturb = Callable[[nn.Module], AbstractContextManager]
-# The native backend's kv_cache_dtype option, here so that the trainer's config offers the choices without importing
-# the engine. auto: the model's dtype; fp8: E4M3 with a scale per token and KV head (native/kv_cache.py).
-KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -114,13 +112,13 @@ class RolloutBackend(ABC):
     def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput: ...
 
 
-# name -> "module:Class", imported on first use so that a CPU machine never imports vLLM.
+# name -> "module:Class", imported on first use so that a CPU machine never imports vLLM. The names users choose
+# from (these and auto) are field_rules.ROLLOUT_BACKENDS.
 BACKENDS: dict[str, str] = {
     "transformers": "qerl.rollout.transformers:TransformersRollout",
     "vllm": "qerl.rollout.vllm:VLLMRollout",
     "native": "qerl.rollout.native:NativeRollout",
 }
-CHOICES = ("auto", *BACKENDS)
 
 
 def vllm_available() -> bool:
@@ -141,8 +139,8 @@ def serving_backend(device: torch.device | None = None) -> str:
 
 def resolve_backend(name: str, device: torch.device | None = None) -> str:
     """The backend `name` stands for first (see the module docstring for auto)."""
-    if name not in CHOICES:
-        raise ValueError(f"unknown rollout_backend {name!r}; available: {', '.join(CHOICES)}")
+    if name not in ROLLOUT_BACKENDS:
+        raise ValueError(f"unknown rollout_backend {name!r}; available: {', '.join(ROLLOUT_BACKENDS)}")
     if name == "auto":
         on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
         return "native" if on_gpu else serving_backend(device)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl.rollout import KV_CACHE_DTYPES
+from qerl.field_rules import KV_CACHE_DTYPES
 
 FP8 = torch.float8_e4m3fn
 SCALE_EXPONENT_OFFSET = 7  # value / scale < 2^8 = 256 <= E4M3's largest finite 448
