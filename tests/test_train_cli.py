@@ -57,6 +57,18 @@ def test_reference_flag_names(tmp_path):
     assert (config.seed, config.warmup_steps) == (42, 0)
 
 
+def test_the_rollout_engines_context_is_the_prompt_cap_plus_a_completion(tmp_path):
+    """vLLM's context (vllm_max_model_length) defaults to the prompt cap plus a full completion, set while parsing:
+    the config is built once with it (a recipe's or flag's own value wins)."""
+    common = ["--model-name", "m", "--output-dir", str(tmp_path), "--use-cpu", "True", "--max-completion-length", "50"]
+    _, config = train.parse_args([*common, "--max-prompt-length", "100"])
+    assert config.vllm_max_model_length == 150
+    _, config = train.parse_args([*common, "--max-prompt-length", "100", "--vllm-max-model-length", "999"])
+    assert config.vllm_max_model_length == 999
+    _, config = train.parse_args(common)
+    assert config.vllm_max_model_length is None  # no prompt cap: the engine's own default
+
+
 @pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(REPO_ROOT, "configs", "dapo_*.yaml"))))
 def test_yaml_recipes(recipe, tmp_path):
     script, config = train.parse_args(
