@@ -132,7 +132,7 @@ def worker(args) -> None:
     cuda = torch.cuda.is_available()
     mine = {
         "rank": trainer.accelerator.process_index, "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "backend": backend.name, "sharding": backend.setup.options.get("sharding"),
+        "backend": backend.name, "sharding": backend.setup.sharding,
         "step_seconds": steps.times, "phases": steps.phases, "comm_seconds": steps.comm,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "peak_driver_gib": timer.peak_gpu_gib if cuda else None, "adapters": digest.hexdigest(), "rounds": rounds,

@@ -35,7 +35,7 @@ from transformers import GenerationConfig
 
 from benchmarks.random_models import SIZES, build, padded_tokenizer, with_lora
 from qerl.field_rules import KV_CACHE_DTYPES
-from qerl.rollout import RolloutSetup, create_backend, no_noise
+from qerl.rollout import RolloutSetup, VLLMSettings, create_backend, no_noise
 from qerl.rollout.native import kv_cache
 
 
@@ -149,10 +149,10 @@ def free_share(reserve_bytes: int = 0) -> float:
     return round(max(0.05, min(0.9, 0.75 * (free - reserve_bytes) / total)), 3)
 
 
-def setup_for(model, new_tokens: int, model_path: str | None, options: dict) -> RolloutSetup:
+def setup_for(model, new_tokens: int, model_path: str | None, vllm: VLLMSettings) -> RolloutSetup:
     """Temperature 1 and nothing else, no EOS: every sequence samples `new_tokens`."""
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens)
-    return RolloutSetup.for_model(model, config, [], 0, model_path=model_path, options=options)
+    return RolloutSetup.for_model(model, config, [], 0, model_path=model_path, vllm=vllm)
 
 
 def time_batch(
@@ -209,16 +209,11 @@ def run(args, precision: str) -> list[dict]:
             tokenizer.save_pretrained(folder)
         model_path = str(folder)
     model = with_lora(base, args.lora_rank)
-    options = (
-        {
-            "gpu_memory_utilization": args.gpu_memory_utilization or free_share(),
-            "sleep": False,
-            "max_model_len": args.prompt_len + args.new_tokens,
-        }
-        if args.engine == "vllm"
-        else {}
-    )
-    backend = create_backend(args.engine, setup_for(model, args.new_tokens, model_path, options))
+    vllm = VLLMSettings()
+    if args.engine == "vllm":  # a share of what is free now, no sleep (nothing else runs between rounds)
+        share = args.gpu_memory_utilization or free_share()
+        vllm = VLLMSettings(gpu_memory_utilization=share, max_model_len=args.prompt_len + args.new_tokens, sleep=False)
+    backend = create_backend(args.engine, setup_for(model, args.new_tokens, model_path, vllm))
     gen = torch.Generator().manual_seed(1)
     rows = []
     kv_dtypes = args.kv_cache_dtypes if args.engine == "native" else ["auto"]

@@ -5,7 +5,7 @@
     python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 \
         --model runs/demo/checkpoints/nvfp4 --adapter runs/demo/adapter          (the demo's task and adapter)
 
-Protocols (eval/common.py): `reference` (default; the QeRL reference's eval: temperature 0.6, top-p 0.95, 1024 new
+Protocols (eval/protocols.py): `reference` (default; the QeRL reference's eval: temperature 0.6, top-p 0.95, 1024 new
 tokens, seeded) or `greedy`. Formats, as the training datasets pose GSM8K: `think_answer` (default; the reference
 eval's think/answer system prompt): a completion is correct when the training reward pays for it (the number inside
 <answer>...</answer> equals the gold one as a number); `gsm8k_hash` (the question with the "####" instruction): the
@@ -19,7 +19,8 @@ from __future__ import annotations
 import re
 import sys
 
-from eval import common
+from eval.benchmark import Benchmark, PromptFormat
+from eval.cli import run
 from qerl import cli, data, rewards
 
 _LAST_NUMBER = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?")
@@ -55,14 +56,14 @@ def _arithmetic(limit: int | None):
     return rows, lambda completion, gold: {"correct": rewards.exact_answer_reward([completion], [gold])[0] == 1.0}
 
 
-BENCHMARK = common.Benchmark(
+BENCHMARK = Benchmark(
     name="gsm8k",
     datasets={"gsm8k": ("openai/gsm8k", "main", "test")},
     columns=(("question",), "answer"),
     gold=rewards.gsm8k_gold,
     formats={
-        "think_answer": common.PromptFormat(data.think_answer_prompt, score),
-        "gsm8k_hash": common.PromptFormat(data.gsm8k_hash_prompt, score_hash),
+        "think_answer": PromptFormat(data.think_answer_prompt, score),
+        "gsm8k_hash": PromptFormat(data.gsm8k_hash_prompt, score_hash),
     },
     default_data="gsm8k",
     default_split="test",
@@ -71,7 +72,7 @@ BENCHMARK = common.Benchmark(
 
 
 def main(argv: list[str] | None = None) -> int:
-    common.run(BENCHMARK, argv if argv is not None else sys.argv[1:], __doc__)
+    run(BENCHMARK, argv if argv is not None else sys.argv[1:], __doc__)
     return 0
 
 

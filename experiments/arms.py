@@ -86,7 +86,8 @@ def probe(args) -> None:
     from prompt groups whose rewards differ, so the share of such groups is the first thing to compare; the other
     is whether a format's reward pays what the evaluation scores (the recipe says which was taken and why).
     Formats that pose the same prompt (gsm8k_hash, gsm8k_lenient) share one set of samples."""
-    from eval.common import GENERATORS, ModelSpec, Sampling
+    from eval.generate import ModelSpec, generate
+    from eval.protocols import Sampling
     from qerl import data
 
     bases = checkpoints(args)
@@ -94,7 +95,7 @@ def probe(args) -> None:
         rows = [json.loads(line) for line in f if line.strip()][-args.probe_prompts :]  # the file's end: any rows do
     group = 8
     device = "cuda" if _cuda() else "cpu"
-    spec = ModelSpec(bases["bf16"], "bf16", None, device, args.eval_kv_gib)
+    spec = ModelSpec(bases["bf16"], "bf16", None, device, args.eval_kv_gib, batch_size=args.probe_batch)
     samples: dict[tuple[str, float], list[str]] = {}  # (prompt of the first row, temperature) -> completions
     results = {}
     for fmt in args.formats:
@@ -107,7 +108,7 @@ def probe(args) -> None:
             if key not in samples:
                 say(f"probe: sampling {len(prompts)} completions at T {temperature:g} ({fmt} prompt)")
                 sampling = Sampling(True, temperature, 1.0, args.probe_tokens, args.sweep_seeds[0])
-                samples[key] = GENERATORS["auto"](spec, prompts, sampling, args.probe_batch)
+                samples[key] = generate(spec, prompts, sampling)
             texts = samples[key]
             per_func = {f.__name__: f(texts, answer=golds) for f in funcs}
             totals = [sum(v or 0.0 for v in values) for values in zip(*per_func.values(), strict=True)]

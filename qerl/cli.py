@@ -1,5 +1,5 @@
 """The convention of the command-line tools (`python -m qerl.quantize`, `python -m qerl.train`, `python -m eval.gsm8k`
-/ `eval.math`, `python -m qerl.models`, llm-compressor/quantize_nvfp4.py): a user's mistake (a UsageError,
+/ `eval.competition_math`, `python -m qerl.models`, llm-compressor/quantize_nvfp4.py): a user's mistake (a UsageError,
 qerl/errors.py) is one line on stderr and exit code 2, found before anything heavy loads; an error of the program
 itself keeps its traceback. `--debug` (or QERL_DEBUG=1) shows the traceback of user errors too. SIGINT and SIGTERM
 end a run in one line too, after the `finally` blocks on the way out.

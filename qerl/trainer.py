@@ -233,18 +233,16 @@ class QeRLTrainer(GRPOTrainer):
             device=self.accelerator.device,
             model_path=model_path,
             pad_to_multiple_of=self.pad_to_multiple_of,
-            options={
-                "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
-                "max_model_len": args.vllm_max_model_length,
-                "sleep": args.vllm_enable_sleep_mode,
-                "seed": args.seed,
+            sharding=self._sharding(),
+            native=rollout.NativeSettings(args.rollout_kv_cache_gib, args.rollout_kv_cache_dtype),
+            vllm=rollout.VLLMSettings(
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                max_model_len=args.vllm_max_model_length,
+                sleep=args.vllm_enable_sleep_mode,
                 # The fp32 noise rule needs FP32 scales in the engine's norms, or small noise rounds away.
-                "fp32_norms": args.aqn_dtype == "fp32",
-                "kv_cache_gib": args.rollout_kv_cache_gib,
-                "kv_cache_dtype": args.rollout_kv_cache_dtype,
-                # FSDP2 / ZeRO-3 shard the parameters: an engine that reads the policy's own tensors gathers them.
-                "sharding": self._sharding(),
-            },
+                fp32_norms=args.aqn_dtype == "fp32",
+                seed=args.seed,
+            ),
         )
 
     def _sharding(self) -> str | None:

@@ -24,8 +24,9 @@ import torch
 from clis import QUANTIZER, REPO, child_env, snapshot
 from safetensors.torch import load_file, save_file
 
-from eval import common, gsm8k
-from eval import math as eval_math
+from eval import cli as eval_cli
+from eval import competition_math, gsm8k
+from eval.statistics import wilson_interval
 from qerl import cli, field_rules, quantize, train
 from qerl.config import QeRLConfig
 from qerl.errors import UsageError, nearest, one_line
@@ -38,7 +39,7 @@ MAINS = {
     "qerl.quantize": quantize.main,
     "qerl.train": lambda argv: train.main(argv) and 0,
     "eval.gsm8k": gsm8k.main,
-    "eval.math": eval_math.main,
+    "eval.competition_math": competition_math.main,
 }
 
 
@@ -205,8 +206,8 @@ TRIALS = [
     ("eval.gsm8k", [*E, "--protocol", "greedyy"], "invalid choice: 'greedyy'"),
     ("eval.gsm8k", [*E, "--out", "ck"], "--out ck: is a folder"),
     ("eval.gsm8k", [*E, "--modle", "x"], "unknown flag --modle (did you mean --model?)"),
-    ("eval.math", [*E[:2], "--data", "nocolumn.jsonl"], "column(s) answer"),
-    ("eval.math", [*E[:2], "--data", "math501"], "--data math501: unknown dataset (did you mean math500?)"),
+    ("eval.competition_math", [*E[:2], "--data", "nocolumn.jsonl"], "column(s) answer"),
+    ("eval.competition_math", [*E[:2], "--data", "math501"], "--data math501: unknown dataset (did you mean math500?)"),
 ]
 
 
@@ -270,7 +271,7 @@ def test_each_cli_as_a_process(world, tmp_path):
          f"--output-dir busy is in use by another run (process {os.getpid()} on {socket.gethostname()}"),
         (["-m", "eval.gsm8k", *E, "--adapter", "no_adapter"], "eval.gsm8k", "adapter_config.json"),
         (["-m", "eval.gsm8k", *E, "--adapter", "other_base"], "eval.gsm8k", "down_proj is [64, 128] (out, in)"),
-        (["-m", "eval.math", *E[:2], "--limit", "0"], "eval.math", "--limit"),
+        (["-m", "eval.competition_math", *E[:2], "--limit", "0"], "eval.competition_math", "--limit"),
     ]  # fmt: skip
     warned = ["-m", "eval.gsm8k", "--model", "eos_elsewhere", "--data", "arithmetic", "--limit", "1", "--protocol",
               "greedy", "--max-new-tokens", "1", "--device", "cpu", "--out", str(tmp_path / "eos.jsonl")]  # fmt: skip
@@ -327,7 +328,7 @@ def numeric_fields(cls) -> list[str]:
 
 
 NUMERIC_FLAGS = {  # the numeric flags of eval and the quantizer: parser -> argv that is valid but for the flag
-    "eval.gsm8k": (common.build_parser(gsm8k.BENCHMARK, ""), ["--model", "m"]),
+    "eval.gsm8k": (eval_cli.build_parser(gsm8k.BENCHMARK, ""), ["--model", "m"]),
     "qerl.quantize": (quantize.build_parser(), ["--model", "m", "--output", "o"]),
 }
 
@@ -465,6 +466,6 @@ def test_cli_helpers():
     assert looks_like_path("./model") and looks_like_path("/abs/model") and looks_like_path("a/b/c")
     assert not looks_like_path("Qwen/Qwen2.5-7B-Instruct") and not looks_like_path("gpt2")
     assert nearest("--lora-rnak", ["--lora-rank", "--lora-alpha"]) == " (did you mean --lora-rank?)"
-    low, high = __import__("eval.common", fromlist=["x"]).wilson_interval(0, 10)
+    low, high = wilson_interval(0, 10)
     assert low == 0.0 and 0.27 < high < 0.29  # the rule of three, roughly
     assert torch.tensor(1.0)  # torch stays importable next to the CLI helpers

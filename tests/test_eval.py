@@ -1,4 +1,5 @@
-"""eval/gsm8k.py: whole-answer scoring on the real GSM8K gold solutions, and a run with and without a LoRA."""
+"""eval: GSM8K whole-answer scoring on the real gold solutions; runs with and without a LoRA through the rollout
+engines training uses (eval/generate.py); competition-math scoring (eval/competition_math.py); the Wilson interval."""
 
 import json
 from pathlib import Path
@@ -7,8 +8,9 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from eval import common, gsm8k
-from eval import math as eval_math
+from eval import cli as eval_cli
+from eval import competition_math, gsm8k
+from eval.statistics import wilson_interval
 from qerl import cli
 from qerl.policy import load_base_model
 from qerl.rewards import gsm8k_gold
@@ -74,42 +76,49 @@ def test_runs_on_nvfp4_base_applies_the_adapter_and_is_seeded(checkpoints, tmp_p
 def test_native_backend_runs_on_the_policy_and_auto_falls_back_as_training_does(
     checkpoints, tmp_path, monkeypatch, capsys
 ):
-    """--backend native samples with the rollout backend training uses (here on the CPU, seeded); auto falls back
-    where the engine refuses a model through the rule training uses (rollout.with_auto_fallback)."""
+    """--rollout-backend native samples with the engine training uses (here on the CPU, seeded) and greedy decodes
+    what transformers' generate decodes; auto falls back where the engine refuses a model through the rule training
+    uses (rollout.with_auto_fallback)."""
     from qerl import rollout
 
     _, nvfp4_dir = checkpoints
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a} + {a}?", "answer": f"#### {2 * a}"}) + "\n" for a in (1, 7)))
     argv = ["--model", nvfp4_dir, "--data", str(data), "--max-new-tokens", "5", "--device", "cpu"]
-    runs = [_eval(gsm8k, [*argv, "--backend", "native"], tmp_path / f"native{i}.jsonl")[1] for i in range(2)]
+    runs = [_eval(gsm8k, [*argv, "--rollout-backend", "native"], tmp_path / f"native{i}.jsonl")[1] for i in range(2)]
     assert [r["completion"] for r in runs[0]] == [r["completion"] for r in runs[1]] and len(runs[0]) == 2
+    greedy = {
+        name: [r["completion"] for r in _eval(gsm8k, [*argv, "--protocol", "greedy", "--rollout-backend", name],
+                                               tmp_path / f"greedy-{name}.jsonl")[1]]
+        for name in ("native", "transformers")
+    }  # fmt: skip
+    assert greedy["native"] == greedy["transformers"]
 
-    def refuse(*args):
-        raise rollout.Unsupported("the native engine cannot run this model")
+    build = rollout.build_backend
+
+    def refuse_native(name, setup):
+        if name == "native":
+            raise rollout.Unsupported("the native engine cannot run this model")
+        return build(name, setup)
 
     monkeypatch.setattr(rollout, "resolve_backend", lambda name, device=None: "native")  # as on a GPU
-    monkeypatch.setitem(common.GENERATORS, "native", refuse)
-    monkeypatch.setitem(common.GENERATORS, "transformers", lambda spec, prompts, sampling, batch: ["4"] * len(prompts))
-    _, rows = _eval(gsm8k, argv, tmp_path / "auto.jsonl")
-    assert [r["completion"] for r in rows] == ["4", "4"]
+    monkeypatch.setattr(rollout, "build_backend", refuse_native)
+    _, rows = _eval(gsm8k, [*argv, "--protocol", "greedy"], tmp_path / "auto.jsonl")
+    assert [r["completion"] for r in rows] == greedy["transformers"]
     assert "eval: the native engine cannot run this model; using transformers" in capsys.readouterr().out
 
 
 def test_math_eval_on_a_local_file_scores_boxed_answers(checkpoints, tmp_path, monkeypatch):
-    """eval.math reads problem/answer rows and scores through qerl.rewards' math-verify reward."""
+    """eval.competition_math reads problem/answer rows and scores through qerl.rewards' math-verify reward."""
     _, nvfp4_dir = checkpoints
     data = tmp_path / "math.jsonl"
     data.write_text(
         "".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in (("1+1?", "2"), ("x?", "\\frac{1}{2}")))
     )
     canned = ["<think>easy</think> <answer>\\boxed{2}</answer>", "so $\\boxed{0.5}$"]
-    monkeypatch.setitem(
-        common.GENERATORS, "transformers", lambda spec, prompts, sampling, batch: canned[: len(prompts)]
-    )
-    summary, rows = _eval(
-        eval_math, ["--model", nvfp4_dir, "--data", str(data), "--device", "cpu"], tmp_path / "m.jsonl"
-    )
+    monkeypatch.setattr(eval_cli, "generate", lambda spec, prompts, sampling: canned[: len(prompts)])
+    argv = ["--model", nvfp4_dir, "--data", str(data), "--device", "cpu"]
+    summary, rows = _eval(competition_math, argv, tmp_path / "m.jsonl")
     assert [r["correct"] for r in rows] == [True, True] and summary["accuracy"] == 1.0
     assert rows[0]["question"] == "1+1?"
 
@@ -145,8 +154,9 @@ def test_math_eval_named_competition_sets(checkpoints, tmp_path, monkeypatch, na
 
     monkeypatch.setattr(datasets, "load_dataset", hub)
     canned = [f"<think>...</think> <answer>$\\boxed{{{right}}}$</answer>", "so $\\boxed{7}$"]  # right, wrong
-    monkeypatch.setitem(common.GENERATORS, "transformers", lambda spec, prompts, sampling, batch: canned)
-    summary, scored = _eval(eval_math, ["--model", nvfp4_dir, "--data", name, "--device", "cpu"], tmp_path / "m.jsonl")
+    monkeypatch.setattr(eval_cli, "generate", lambda spec, prompts, sampling: canned)
+    argv = ["--model", nvfp4_dir, "--data", name, "--device", "cpu"]
+    summary, scored = _eval(competition_math, argv, tmp_path / "m.jsonl")
     assert asked == [(hub_id, None, split)] and summary["data"] == name
     assert [r["question"] for r in scored] == [row.get("question", row.get("problem")) for row in rows]
     assert [r["gold"] for r in scored] == [str(row["answer"]) for row in rows]
@@ -154,6 +164,6 @@ def test_math_eval_named_competition_sets(checkpoints, tmp_path, monkeypatch, na
 
 
 def test_wilson_interval():
-    assert common.wilson_interval(0, 0) == (0.0, 1.0)
-    low, high = common.wilson_interval(50, 100)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    low, high = wilson_interval(50, 100)
     assert abs(low - 0.4038) < 1e-3 and abs(high - 0.5962) < 1e-3

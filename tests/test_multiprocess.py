@@ -43,7 +43,7 @@ HARNESS = textwrap.dedent("""
     rank = trainer.accelerator.process_index
     shifts = [row["aqn/logprob_shift"] for row in trainer.state.log_history if "aqn/logprob_shift" in row]
     torch.save({"before": before, "after": trainable(), "prompts": seen, "world": trainer.accelerator.num_processes,
-                "backend": trainer.rollout.name, "sharding": trainer.rollout.setup.options["sharding"],
+                "backend": trainer.rollout.name, "sharding": trainer.rollout.setup.sharding,
                 "shifts": shifts}, os.path.join(trainer.args.output_dir, f"rank{rank}.pt"))
 """)
 

@@ -419,7 +419,7 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
         rollout.create_backend("native", setup)
     # Under FSDP2 / ZeRO-3 a BF16 base's weights are what is sharded: native refuses, auto takes the next engine.
     setup.open_policy = lambda: contextlib.nullcontext(build_tiny(num_layers=1)[0])
-    setup.options["sharding"] = "fsdp2"
+    setup.sharding = "fsdp2"
     with pytest.raises(rollout.Unsupported, match="BF16 base's weights are sharded"):
         rollout.create_backend("native", setup)
     assert rollout.create_backend("auto", setup).name == "transformers"

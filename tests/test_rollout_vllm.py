@@ -19,6 +19,7 @@ from qerl.config import QeRLConfig
 from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 from qerl.nvfp4.quantize import quantize_model
 from qerl.rollout import truncate_at_eos
+from qerl.rollout import vllm as rollout_vllm
 from qerl.rollout.vllm import (
     VLLMEngine,
     VLLMRollout,
@@ -123,7 +124,7 @@ class RecordingEngine:
 
 def test_round_order_with_a_recording_engine(trainer, tmp_path):
     setup = trainer._rollout_setup()
-    setup.options["sleep"] = True
+    assert setup.vllm.sleep  # the config's vllm_enable_sleep_mode (QeRL's default: on)
     backend = VLLMRollout(setup, engine_factory=RecordingEngine)
     engine = backend.engine
     assert engine.options["gpu_memory_utilization"] == trainer.args.vllm_gpu_memory_utilization
@@ -178,10 +179,12 @@ def test_auto_backend_on_a_machine_without_vllm_is_transformers(monkeypatch):
         rollout.resolve_backend("sglang")
 
 
-def test_eval_on_vllm_pushes_the_saved_adapter_and_samples_with_the_protocol(trainer, tmp_path):
-    """eval's vLLM path: the saved adapter's LoRA and trained norms reach the engine as in training, prompts are
-    the chat-templated ids, the protocol's sampling settings and the checkpoint's stop tokens go to vLLM."""
-    from eval.common import PROTOCOLS, ModelSpec, Sampling, vllm_generate
+def test_on_a_checkpoint_the_saved_adapter_is_pushed_and_the_protocol_sampled(trainer, tmp_path, monkeypatch):
+    """eval's vLLM road (RolloutSetup.for_checkpoint, no policy in memory): the saved adapter's LoRA and trained norms
+    reach the engine as the policy's do in training, every round; prompts are the chat-templated ids; the protocol's
+    sampling settings and the checkpoint's stop tokens go to vLLM; the other engines refuse such a setup."""
+    from eval import generate
+    from eval.protocols import PROTOCOLS, Sampling
     from qerl.data import think_answer_prompt
 
     adapter = tmp_path / "adapter"
@@ -200,19 +203,22 @@ def test_eval_on_vllm_pushes_the_saved_adapter_and_samples_with_the_protocol(tra
             self.calls.append(("generate", prompt_ids, sampling))
             return [(tokenizer.encode("42") + [tokenizer.eos_token_id], []) for _ in prompt_ids]
 
-    protocol = PROTOCOLS["reference"]
+    monkeypatch.setattr(rollout_vllm, "VLLMEngine", Engine)
     prompts = [think_answer_prompt("6*7?")]
-    sampling = Sampling(protocol.do_sample, protocol.temperature, protocol.top_p, 12, seed=5)
-    spec = ModelSpec(model_path, "auto", str(adapter), "cuda")
-    assert vllm_generate(spec, prompts, sampling, 1, engine_factory=Engine) == ["42"]
+    sampling = Sampling.of(PROTOCOLS["reference"], 12, seed=5)
+    spec = generate.ModelSpec(model_path, "auto", str(adapter), "cuda", rollout_backend="vllm")
+    assert generate.generate(spec, prompts, sampling) == ["42"]
     engine = engines[0]
     layers = trainer.model.config.num_hidden_layers
     assert engine.path == model_path and engine.options["lora_rank"] == 4 and engine.options["seed"] == 5
-    assert engine.calls[:2] == [("load_lora", 2 * 7 * layers, 4), ("load_norms", 2 * layers)]
-    _, prompt_ids, params = engine.calls[2]
+    assert engine.calls[:4] == ["sleep", "wake_up", ("load_lora", 2 * 7 * layers, 4), ("load_norms", 2 * layers)]
+    _, prompt_ids, params = engine.calls[4]
     assert prompt_ids == [tokenizer.apply_chat_template(prompts[0], add_generation_prompt=True)["input_ids"]]
-    assert (params["temperature"], params["top_p"], params["max_tokens"], params["seed"]) == (0.6, 0.95, 12, 5)
+    assert (params["temperature"], params["top_p"], params["max_tokens"]) == (0.6, 0.95, 12)
     assert tokenizer.eos_token_id in params["stop_token_ids"]
+    setup = rollout.RolloutSetup.for_checkpoint(model_path, str(adapter), trainer.generation_config, [2], 0)
+    with pytest.raises(rollout.Unsupported, match="the native backend samples from a policy in memory"):
+        rollout.build_backend("native", setup)
 
 
 def test_engine_asks_vllm_for_a_sampler_that_takes_token_ids(monkeypatch):

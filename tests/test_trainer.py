@@ -415,7 +415,7 @@ def test_a_tokenizer_eos_the_generation_config_lacks_is_named_and_the_model_keep
     """A GGUF's tokenizer metadata names the wrong EOS (SmolLM2's: <|im_start|>, where its turns end with <|im_end|>).
     The trainer and eval warn naming both; rollouts stop at both (TRL's rule); the model's EOS ids stay its own from
     the first rollout on (transformers' Trainer.train aligns them to the tokenizer's before the first step)."""
-    from eval import common
+    from eval import cli as eval_cli
     from qerl.tiny import build_tiny
 
     model, tokenizer = build_tiny()
@@ -427,7 +427,7 @@ def test_a_tokenizer_eos_the_generation_config_lacks_is_named_and_the_model_keep
         rf"\(id {end_of_turn}\)"
     )
     with pytest.warns(UserWarning, match=named):
-        common._warn_eos(nvfp4_dir)
+        eval_cli._warn_eos(nvfp4_dir)
     with pytest.warns(UserWarning, match=named + r"\. Rollouts end at any of them"):
         trainer = make_trainer(nvfp4_dir, recipe_config(tmp_path, max_steps=1, per_device_train_batch_size=4))
     assert trainer.eos_token_ids == [tokenizer.eos_token_id, end_of_turn]

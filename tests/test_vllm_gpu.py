@@ -30,7 +30,7 @@ def setup(tmp_path_factory):
     from qerl import policy
     from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
     from qerl.nvfp4.quantize import quantize_model
-    from qerl.rollout import RolloutSetup
+    from qerl.rollout import RolloutSetup, VLLMSettings
     from qerl.rollout.vllm import VLLMRollout
 
     root = tmp_path_factory.mktemp("vllm")
@@ -67,7 +67,7 @@ def setup(tmp_path_factory):
         open_policy=lambda: contextlib.nullcontext(peft_model),
         device=torch.device("cuda"),
         model_path=str(root / "nvfp4"),
-        options={"gpu_memory_utilization": 0.25, "max_model_len": 512, "sleep": True},
+        vllm=VLLMSettings(gpu_memory_utilization=0.25, max_model_len=512, sleep=True),
     )
     backend = VLLMRollout(rollout_setup)
     prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (17, 40, 64, 9)]

@@ -15,8 +15,9 @@ metrics consume) and the noise statistics that `perturb` yielded.
                   includes a BF16 base whose weights FSDP2 or ZeRO-3 shard); on CPU: transformers
 
 The trainer builds its backend with `create_backend`; evaluation and the benchmarks build theirs the same way on a
-model they hold (`RolloutSetup.for_model`, `build_backend`), and `with_auto_fallback` is auto's fallback for all of
-them (evaluation's own vLLM engine on a checkpoint folder: `vllm.checkpoint_engine`).
+model they hold (`RolloutSetup.for_model`, `build_backend`) or, for vLLM, on a checkpoint folder and a saved adapter
+(`RolloutSetup.for_checkpoint`), and `with_auto_fallback` is auto's fallback for all of them. Each engine's settings
+are a typed part of the setup (NativeSettings, TransformersSettings, VLLMSettings).
 """
 
 from __future__ import annotations
@@ -44,19 +45,55 @@ logger = logging.getLogger(__name__)
 Perturb = Callable[[nn.Module], AbstractContextManager]
 
 
+@dataclass(frozen=True)
+class NativeSettings:
+    """The native engine's settings (qerl/rollout/native)."""
+
+    kv_cache_gib: float | None = None  # KV-cache memory a round may take (None: 80% of what is free); waves past it
+    kv_cache_dtype: str = "auto"  # field_rules.KV_CACHE_DTYPES
+
+
+@dataclass(frozen=True)
+class TransformersSettings:
+    """The transformers backend's settings (qerl/rollout/transformers.py)."""
+
+    batch_size: int | None = None  # prompts per generate() call (None: the whole round at once)
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The vLLM engine's settings: qerl.rollout.vllm.VLLMEngine's keywords."""
+
+    gpu_memory_utilization: float = 0.3  # vLLM's share of the card (weights, KV cache, graphs)
+    max_model_len: int | None = None  # the engine's context (None: the model's)
+    max_num_seqs: int | None = None  # sequences per batch (None: vLLM's default)
+    sleep: bool = True  # sleep mode between rounds: the KV cache freed, weights parked in CPU memory
+    fp32_norms: bool = True  # FP32 norm scales, so that small AQN noise survives (the fp32 noise rule)
+    seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs
+
+
 @dataclass
 class RolloutSetup:
-    """Everything a backend needs from the trainer, once."""
+    """Everything a backend needs from the trainer (or from evaluation, a benchmark), once. The trainer fills every
+    engine's settings, since `auto` decides only when the backend is built."""
 
     generation_config: GenerationConfig  # max_new_tokens and the sampling settings (temperature, top-k/p, min-p)
     eos_token_ids: list[int]
     pad_token_id: int
-    # Opens the policy for sampling (unwrapped from DDP/FSDP/ZeRO, parameters gathered) and yields it.
-    open_policy: Callable[[], AbstractContextManager[nn.Module]]
+    # Opens the policy for sampling (unwrapped from DDP/FSDP/ZeRO, parameters gathered) and yields it. None: no
+    # policy in memory, only a checkpoint folder (and adapter) that an engine with its own copy loads (for_checkpoint).
+    open_policy: Callable[[], AbstractContextManager[nn.Module]] | None
     device: torch.device
     model_path: str | None = None  # checkpoint folder the base was loaded from, for engines with their own copy
+    adapter_path: str | None = None  # with no policy in memory: the saved adapter an engine loads once
     pad_to_multiple_of: int | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # backend-specific settings (see each backend)
+    # How the run shards the policy's parameters: "fsdp2", "zero3", or None (whole on every rank). An engine that
+    # reads the policy's own tensors gathers them every round.
+    sharding: str | None = None
+    native: NativeSettings = field(default_factory=NativeSettings)
+    transformers: TransformersSettings = field(default_factory=TransformersSettings)
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
     @classmethod
     def for_model(
@@ -75,6 +112,29 @@ class RolloutSetup:
             pad_token_id,
             open_policy=lambda: contextlib.nullcontext(model),
             device=next(model.parameters()).device,
+            **fields,
+        )
+
+    @classmethod
+    def for_checkpoint(
+        cls,
+        model_path: str,
+        adapter_path: str | None,
+        generation_config: GenerationConfig,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        **fields,
+    ) -> RolloutSetup:
+        """A setup on a checkpoint folder and a saved adapter, with no policy in memory: for an engine that loads its
+        own copy (vllm). Evaluation samples from a trained adapter this way."""
+        return cls(
+            generation_config,
+            eos_token_ids,
+            pad_token_id,
+            open_policy=None,
+            device=torch.device("cuda"),
+            model_path=model_path,
+            adapter_path=adapter_path,
             **fields,
         )
 
@@ -104,6 +164,7 @@ def truncate_at_eos(completion_ids: list[list[int]], logprobs: list[list[float]]
 
 class RolloutBackend(ABC):
     name: str
+    samples_from_checkpoint = False  # can run on a setup with no policy in memory (RolloutSetup.for_checkpoint)
 
     def __init__(self, setup: RolloutSetup):
         self.setup = setup
@@ -168,7 +229,10 @@ def build_backend(name: str, setup: RolloutSetup) -> RolloutBackend:
     """The backend registered as `name` (not auto), built on `setup`; Unsupported passes through as the engine
     worded it."""
     module_name, class_name = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)(setup)
+    backend = getattr(importlib.import_module(module_name), class_name)
+    if setup.open_policy is None and not backend.samples_from_checkpoint:
+        raise Unsupported(f"the {name} backend samples from a policy in memory, and this setup has only a checkpoint")
+    return backend(setup)
 
 
 def create_backend(name: str, setup: RolloutSetup) -> RolloutBackend:

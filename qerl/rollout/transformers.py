@@ -60,6 +60,21 @@ class TransformersRollout(RolloutBackend):
         self.generation_config = config
 
     def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
+        """The round's prompts, `setup.transformers.batch_size` per generate() call (all at once by default)."""
+        size = self.setup.transformers.batch_size or max(1, len(prompt_ids))
+        chunks = [prompt_ids[i : i + size] for i in range(0, len(prompt_ids), size)]
+        if len(chunks) == 1:
+            return self._generate(prompt_ids, perturb)
+        from tqdm.auto import tqdm
+
+        outputs = [self._generate(chunk, perturb) for chunk in tqdm(chunks, desc="generate", unit="batch")]
+        return RolloutOutput(
+            [ids for out in outputs for ids in out.completion_ids],
+            [lps for out in outputs for lps in out.logprobs],
+            outputs[-1].noise,
+        )
+
+    def _generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
         from trl.trainer.utils import pad
 
         setup = self.setup

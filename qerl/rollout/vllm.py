@@ -27,6 +27,7 @@ are tested on CPU; the engine itself is `VLLMEngine`, which the GPU tests exerci
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -276,21 +277,13 @@ class VLLMEngine:
         return result
 
 
-def checkpoint_engine(model_path: str, adapter: str | None, *, engine_factory=VLLMEngine, **options) -> VLLMEngine:
-    """A vLLM engine on a checkpoint folder with a saved adapter's LoRA (as in-memory tensors) and trained norms
-    pushed in, as the backend pushes the policy's every round: evaluation's engine. `options`: VLLMEngine's."""
+def saved_adapter(adapter_path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(vLLM's LoRA settings, LoRA tensors, trained norm scales) of an adapter folder peft saved."""
     from safetensors.torch import load_file
 
-    lora = norms = settings = None
-    if adapter:
-        with open(os.path.join(adapter, "adapter_config.json")) as f:
-            settings = vllm_lora_settings(json.load(f))
-        lora, norms = split_adapter_state(load_file(os.path.join(adapter, "adapter_model.safetensors")))
-    engine = engine_factory(model_path, lora_rank=settings["r"] if settings else None, **options)
-    if settings:
-        engine.load_lora(lora, settings)
-        engine.load_norms(norms)
-    return engine
+    with open(os.path.join(adapter_path, "adapter_config.json")) as f:
+        settings = vllm_lora_settings(json.load(f))
+    return settings, *split_adapter_state(load_file(os.path.join(adapter_path, "adapter_model.safetensors")))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -298,21 +291,14 @@ def checkpoint_engine(model_path: str, adapter: str | None, *, engine_factory=VL
 
 
 class VLLMRollout(RolloutBackend):
-    """Rollouts from a colocated vLLM engine; options (from the trainer's TRL fields): gpu_memory_utilization,
-    max_model_len, max_num_seqs (vLLM's default), sleep, seed, fp32_norms, enforce_eager."""
+    """Rollouts from a colocated vLLM engine; settings: RolloutSetup.vllm (the trainer fills them from TRL's vllm_*
+    fields). The policy's LoRA and norms are pushed every round; a setup without a policy in memory
+    (RolloutSetup.for_checkpoint) has its saved adapter's pushed instead."""
 
     name = "vllm"
-    ENGINE_OPTIONS = (
-        "gpu_memory_utilization",
-        "max_model_len",
-        "max_num_seqs",
-        "sleep",
-        "seed",
-        "fp32_norms",
-        "enforce_eager",
-    )
+    samples_from_checkpoint = True
 
-    def __init__(self, setup: RolloutSetup, engine_factory=VLLMEngine):
+    def __init__(self, setup: RolloutSetup, engine_factory=None):
         super().__init__(setup)
         if not setup.model_path or not os.path.isdir(setup.model_path):
             raise ValueError(
@@ -320,12 +306,17 @@ class VLLMRollout(RolloutBackend):
                 f"({setup.model_path!r}): load the policy from a local folder, or use rollout_backend transformers"
             )
         self.sampling = sampling_kwargs(setup.generation_config, setup.eos_token_ids)
-        with setup.open_policy() as policy:
-            self.lora_settings = lora_settings(policy) if hasattr(policy, "peft_config") else None
-        # The trainer's options serve every backend: each takes the ones it knows.
-        options = {k: v for k, v in setup.options.items() if v is not None and k in self.ENGINE_OPTIONS}
-        self.engine = engine_factory(
-            setup.model_path, lora_rank=self.lora_settings["r"] if self.lora_settings else None, **options
+        self.saved = None  # (settings, LoRA tensors, norms) of a saved adapter, for a setup without a policy
+        if setup.open_policy is None:
+            self.saved = saved_adapter(setup.adapter_path) if setup.adapter_path else None
+            self.lora_settings = self.saved[0] if self.saved else None
+        else:
+            with setup.open_policy() as policy:
+                self.lora_settings = lora_settings(policy) if hasattr(policy, "peft_config") else None
+        self.engine = (engine_factory or VLLMEngine)(  # looked up now: tests stand a recording engine in
+            setup.model_path,
+            lora_rank=self.lora_settings["r"] if self.lora_settings else None,
+            **dataclasses.asdict(setup.vllm),
         )
         self.engine.sleep()
 
@@ -333,11 +324,7 @@ class VLLMRollout(RolloutBackend):
         engine = self.engine
         engine.wake_up()
         try:
-            with self.setup.open_policy() as policy:
-                if self.lora_settings is not None:
-                    lora, norms = adapter_tensors(policy)
-                    engine.load_lora(lora, self.lora_settings)
-                    engine.load_norms(norms)
+            self._push_adapter()
             with perturb(engine.model) as noise:
                 samples = engine.generate(prompt_ids, self.sampling)
         finally:
@@ -346,3 +333,17 @@ class VLLMRollout(RolloutBackend):
         output = truncate_at_eos([ids for ids, _ in samples], [lps for _, lps in samples], self.setup.eos_token_ids)
         output.noise = noise
         return output
+
+    def _push_adapter(self) -> None:
+        """This round's LoRA tensors and trained norms into the awake engine: the policy's as they are now, or the
+        saved adapter's."""
+        if self.lora_settings is None:
+            return
+        if self.saved is not None:
+            self.engine.load_lora(self.saved[1], self.lora_settings)
+            self.engine.load_norms(self.saved[2])
+            return
+        with self.setup.open_policy() as policy:
+            lora, norms = adapter_tensors(policy)
+            self.engine.load_lora(lora, self.lora_settings)
+            self.engine.load_norms(norms)

@@ -21,10 +21,8 @@ from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, t
 
 
 class NativeRollout(RolloutBackend):
-    """Options (RolloutSetup.options): kv_cache_gib (KV budget per round; default 80% of the free memory),
-    kv_cache_dtype ("auto": the model's dtype, or "fp8": E4M3 with a scale per token and head), prefill_tokens
-    (rows per prefill chunk), cuda_graphs (default: on CUDA), sharding (FSDP2 / ZeRO-3: the
-    policy's parameters are gathered whole every round, see model.py)."""
+    """Settings: RolloutSetup.native (KV-cache budget and dtype); under FSDP2 / ZeRO-3 (RolloutSetup.sharding) the
+    policy's parameters are gathered whole every round (see model.py)."""
 
     name = "native"
 
@@ -44,18 +42,16 @@ class NativeRollout(RolloutBackend):
         from qerl.rollout.native.model import Decoder
 
         if self.engine is None or self._policy_id != id(policy):  # built once: the module tree never changes
-            options = self.setup.options
-            gib = options.get("kv_cache_gib")
-            decoder = Decoder(policy, gather_each_round=options.get("sharding") is not None)
+            settings = self.setup.native
+            gib = settings.kv_cache_gib
+            decoder = Decoder(policy, gather_each_round=self.setup.sharding is not None)
             self.engine = NativeEngine(
                 decoder,
                 self.sampler,
                 self.setup.eos_token_ids,
                 self.setup.pad_token_id,
                 kv_cache_bytes=None if gib is None else int(gib * 2**30),
-                prefill_tokens=options.get("prefill_tokens") or 8192,
-                cuda_graphs=options.get("cuda_graphs"),
-                kv_cache_dtype=options.get("kv_cache_dtype") or "auto",
+                kv_cache_dtype=settings.kv_cache_dtype,
             )
             self._policy_id = id(policy)
         return self.engine
