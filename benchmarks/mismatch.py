@@ -1,8 +1,8 @@
 """The rollout/trainer mismatch on real weights: how far each rollout engine's log-probs of the tokens it sampled are
 from the trainer's recomputation of them, BF16 and NVFP4, AQN off.
 
-    python -m benchmarks.mismatch --model smollm2-135m-instruct --backends native,vllm --steps 4
-    python -m benchmarks.mismatch --backends native --kv-cache-dtypes auto,fp8 --steps 4     (the FP8 KV cache's cost)
+    python -m benchmarks.mismatch --model smollm2-135m-instruct --rollout-backends native,vllm --steps 4
+    python -m benchmarks.mismatch --rollout-backends native --kv-cache-dtypes auto,fp8 --steps 4   (FP8 KV's cost)
 
 Each (backend, precision) pair is a short `python -m qerl.train` run of the SmolLM2 recipe (its own process, so one
 vLLM engine per process) with --aqn false; its metrics.jsonl holds TRL's sampling/* metrics of every step, computed
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from experiments.arms_runs import REPO, recipe_for, run_logged
 from qerl import plotting
+from qerl.field_rules import ROLLOUT_BACKENDS
 from qerl.models.fetch import bf16_and_nvfp4
 
 METRICS = {
@@ -51,11 +52,21 @@ def run(args, backend: str, precision: str, model: str, kv_dtype: str = "auto") 
     return {**result, "steps": len(rows), "seconds": time.time() - start}
 
 
+def _backends(text: str) -> list[str]:
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in ROLLOUT_BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown[0]!r}; choose from {', '.join(ROLLOUT_BACKENDS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="fetchable model name or BF16 folder")
     parser.add_argument("--checkpoint-dir", default="ckpt")
-    parser.add_argument("--backends", default="native,vllm")
+    parser.add_argument(
+        "--rollout-backends", type=_backends, default="native,vllm", help="rollout engines to compare, comma-separated"
+    )
     parser.add_argument("--precisions", default="bf16,nvfp4")
     parser.add_argument("--kv-cache-dtypes", default="auto", help="native: its KV-cache dtypes to run (auto,fp8)")
     parser.add_argument("--steps", type=int, default=4)
@@ -69,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     folders = dict(zip(("bf16", "nvfp4"), bf16_and_nvfp4(args.model, args.checkpoint_dir, device), strict=True))
     results = {}
-    for backend in args.backends.split(","):
+    for backend in args.rollout_backends:
         for kv_dtype in args.kv_cache_dtypes.split(",") if backend == "native" else ["auto"]:
             name = backend if kv_dtype == "auto" else f"{backend}+{kv_dtype} KV"
             for precision in args.precisions.split(","):

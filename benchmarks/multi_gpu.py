@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from benchmarks.multi_gpu_worker import worker
+from qerl.field_rules import ROLLOUT_BACKENDS
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ("ddp", "fsdp", "zero2", "zero3")
@@ -108,7 +109,7 @@ def child_env(dry_run: bool) -> dict[str, str]:
 def _worker_cmd(args, config: str, result: Path, run_dir: Path) -> list[str]:
     cmd = [
         "-m", "benchmarks.multi_gpu", "--worker", "--config", config, "--model", args.model, "--steps", str(args.steps),
-        "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--backend", args.backend,
+        "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--rollout-backend", args.rollout_backend,
         "--result", str(result), "--run-dir", str(run_dir),
     ]  # fmt: skip
     return cmd + (["--dry-run"] if args.dry_run else []) + (["--no-profile"] if args.no_profile else [])
@@ -260,9 +261,10 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=8, help="completions per GPU per step (one prompt's group)")
     parser.add_argument("--new-tokens", type=int, default=512, help="max completion length")
     parser.add_argument(
-        "--backend",
+        "--rollout-backend",
+        choices=ROLLOUT_BACKENDS,
         default=None,
-        help="rollout backend (default: auto, native on a GPU; --dry-run: native, eager on the CPU)",
+        help="rollout engine (default: auto, native on a GPU; --dry-run: native, eager on the CPU)",
     )
     parser.add_argument("--simulate-nodes", action="store_true", help="also DDP as 2 machines of 1 GPU each")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled last step (no comm column)")
@@ -287,7 +289,7 @@ def main(argv=None) -> None:
         return
     if args.dry_run:
         args.batch, args.new_tokens, args.steps = min(args.batch, 4), min(args.new_tokens, 8), min(args.steps, 3)
-    args.backend = args.backend or ("native" if args.dry_run else "auto")
+    args.rollout_backend = args.rollout_backend or ("native" if args.dry_run else "auto")
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     gpu_ids = [int(g) for g in args.gpu_ids.split(",")] if args.gpu_ids else None
     args.model = args.model or build_model(args, gpu_ids[0] if gpu_ids else None)

@@ -25,7 +25,7 @@ def _worker_flags(args) -> list[str]:
     flags = [
         "--config", str(REPO / "configs" / f"dapo_gsm8k_{precision}.yaml"), "--model-name", args.model,
         "--dataset", str(GSM8K), "--dataset-format", "gsm8k_hash", "--max-prompt-length", str(MAX_PROMPT_TOKENS),
-        "--output-dir", args.run_dir, "--rollout-backend", args.backend,
+        "--output-dir", args.run_dir, "--rollout-backend", args.rollout_backend,
         "--max-completion-length", str(args.new_tokens), "--per-device-train-batch-size", str(args.batch),
         "--num-generations", str(args.batch),
         "--gradient-accumulation-steps", "1", "--max-steps", str(args.steps), "--optim", "adamw_torch",

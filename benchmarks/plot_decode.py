@@ -1,6 +1,6 @@
 """Where a native decode step's time goes, as a picture: one stacked bar per (model, weights, batch) from the JSON
-files of `python -m benchmarks.rollout --engine native --profile`, with the timed run's graph step and the bytes
-floor marked beside each bar.
+files of `python -m benchmarks.rollout --rollout-backend native --profile`, with the timed run's graph step and
+the bytes floor marked beside each bar.
 
     python -m benchmarks.plot_decode runs/native7.json runs/native32_nvfp4.json runs/native32_bf16.json \
         --out docs/decode_step.png
@@ -28,7 +28,9 @@ def load_rows(paths: list[str]) -> tuple[dict[str, list[dict]], str]:
         devices.add(data.get("device", ""))
         rows = [r for r in data["rows"] if "kernels_us_per_step" in r]
         if not rows:
-            raise SystemExit(f"{path}: no profiled rows (run benchmarks.rollout with --engine native --profile)")
+            raise SystemExit(
+                f"{path}: no profiled rows (run benchmarks.rollout with --rollout-backend native --profile)"
+            )
         by_size.setdefault(data["args"]["size"], []).extend(rows)
     return by_size, " / ".join(sorted(d for d in devices if d))
 
@@ -96,7 +98,7 @@ def plot(by_size: dict[str, list[dict]], png: str, device: str = "") -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("json", nargs="+", help="benchmarks.rollout --engine native --profile outputs")
+    parser.add_argument("json", nargs="+", help="benchmarks.rollout --rollout-backend native --profile outputs")
     parser.add_argument("--out", default="runs/decode_step.png")
     args = parser.parse_args(argv)
     by_size, devices = load_rows(args.json)

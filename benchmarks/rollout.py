@@ -1,10 +1,10 @@
 """Rollout throughput of the backends side by side: native | transformers | vllm, NVFP4 and BF16, on one GPU.
 
-    python -m benchmarks.rollout --engine native --size 7b --batches 8,64 --new-tokens 2048 [--profile]
-    python -m benchmarks.rollout --engine vllm --size 7b --batches 8,64 --new-tokens 2048
-    python -m benchmarks.rollout --engine native --size 14b --precisions nvfp4 --batches 8,32,64 \
+    python -m benchmarks.rollout --rollout-backend native --size 7b --batches 8,64 --new-tokens 2048 [--profile]
+    python -m benchmarks.rollout --rollout-backend vllm --size 7b --batches 8,64 --new-tokens 2048
+    python -m benchmarks.rollout --rollout-backend native --size 14b --precisions nvfp4 --batches 8,32,64 \
         --kv-cache-dtypes auto,fp8
-    python -m benchmarks.rollout --engine native --size qwen3-8b --batches 8 --new-tokens 2048   (or gemma3-4b)
+    python -m benchmarks.rollout --rollout-backend native --size qwen3-8b --batches 8 --new-tokens 2048   (or gemma3-4b)
 
 Builds the model with random weights on the GPU (benchmarks/random_models.py; NVFP4: quantized layer by layer as
 it is built, so a 32B model never exists in BF16), wraps it in a rank-16 LoRA on every projection (B random, so the
@@ -34,7 +34,7 @@ import torch
 from transformers import GenerationConfig
 
 from benchmarks.random_models import SIZES, build, padded_tokenizer, with_lora
-from qerl.field_rules import KV_CACHE_DTYPES
+from qerl.field_rules import KV_CACHE_DTYPES, ROLLOUT_BACKENDS
 from qerl.rollout import RolloutSetup, VLLMSettings, create_backend, no_noise
 from qerl.rollout.native import kv_cache
 
@@ -159,7 +159,7 @@ def time_batch(
     args, backend, base, gb: float, precision: str, batch: int, gen: torch.Generator, kv_dtype: str = "auto"
 ) -> dict:
     """One timed rollout of `batch` random prompts (after a short warm-up at the same batch) as a result row."""
-    if args.engine == "native":
+    if args.rollout_backend == "native":
         backend.engine.kv_fp8 = kv_cache.resolve(kv_dtype)
     torch.cuda.reset_peak_memory_stats()
     prompts = torch.randint(10, base.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
@@ -172,10 +172,10 @@ def time_batch(
     seconds = time.perf_counter() - start
     tokens = sum(len(c) for c in out.completion_ids)
     steps = max(len(c) for c in out.completion_ids)
-    row = {"engine": args.engine, "precision": precision, "batch": batch, "tokens": tokens, "seconds": seconds,
+    row = {"engine": args.rollout_backend, "precision": precision, "batch": batch, "tokens": tokens, "seconds": seconds,
            "tokens_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / steps, "weights_gb": gb,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
-    if args.engine == "native":
+    if args.rollout_backend == "native":
         engine = backend.engine
         row["kv_cache"] = kv_dtype
         row["waves"] = engine.last_waves
@@ -197,7 +197,7 @@ def run(args, precision: str) -> list[dict]:
     base = build(args.size, precision)
     gb = weights_gb(base)
     model_path = None
-    if args.engine == "vllm":  # vLLM loads a folder: the same weights, written once per run
+    if args.rollout_backend == "vllm":  # vLLM loads a folder: the same weights, written once per run
         from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 
         folder = Path(args.workdir) / f"{args.size}-{precision}"
@@ -210,19 +210,19 @@ def run(args, precision: str) -> list[dict]:
         model_path = str(folder)
     model = with_lora(base, args.lora_rank)
     vllm = VLLMSettings()
-    if args.engine == "vllm":  # a share of what is free now, no sleep (nothing else runs between rounds)
+    if args.rollout_backend == "vllm":  # a share of what is free now, no sleep (nothing else runs between rounds)
         share = args.gpu_memory_utilization or free_share()
         vllm = VLLMSettings(gpu_memory_utilization=share, max_model_len=args.prompt_len + args.new_tokens, sleep=False)
-    backend = create_backend(args.engine, setup_for(model, args.new_tokens, model_path, vllm))
+    backend = create_backend(args.rollout_backend, setup_for(model, args.new_tokens, model_path, vllm))
     gen = torch.Generator().manual_seed(1)
     rows = []
-    kv_dtypes = args.kv_cache_dtypes if args.engine == "native" else ["auto"]
+    kv_dtypes = args.kv_cache_dtypes if args.rollout_backend == "native" else ["auto"]
     for batch in args.batches:
         for kv_dtype in kv_dtypes:
             try:
                 row = time_batch(args, backend, base, gb, precision, batch, gen, kv_dtype)
             except torch.OutOfMemoryError as exc:  # keep the batches that fitted
-                row = {"engine": args.engine, "precision": precision, "batch": batch, "kv_cache": kv_dtype,
+                row = {"engine": args.rollout_backend, "precision": precision, "batch": batch, "kv_cache": kv_dtype,
                        "error": str(exc).splitlines()[0]}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -234,7 +234,9 @@ def run(args, precision: str) -> list[dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engine", choices=("native", "transformers", "vllm"), default="native")
+    parser.add_argument(
+        "--rollout-backend", choices=ROLLOUT_BACKENDS, default="auto", help="the engine (auto: native on a GPU)"
+    )
     parser.add_argument("--size", choices=SIZES, default="7b")
     parser.add_argument("--precisions", default="nvfp4,bf16")
     parser.add_argument("--batches", default="8,64")
@@ -265,7 +267,7 @@ def main(argv=None) -> None:
 
     print(
         f"\n{args.size} shapes, random weights, LoRA r{args.lora_rank}, prompt {args.prompt_len}, "
-        f"{args.new_tokens} new tokens, {args.engine}, {torch.cuda.get_device_name()}, "
+        f"{args.new_tokens} new tokens, {args.rollout_backend}, {torch.cuda.get_device_name()}, "
         f"copy bandwidth {args.bw / 1e12:.2f} TB/s"
     )
     print(

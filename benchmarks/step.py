@@ -1,8 +1,8 @@
 """QeRL training on one GPU, timed: rollout throughput on the trainer's own path, and whole GRPO steps.
 
-    python -m benchmarks.step --size 7b --precision nvfp4 --backend vllm --steps 3 --out runs/step.json
+    python -m benchmarks.step --size 7b --precision nvfp4 --rollout-backend vllm --steps 3 --out runs/step.json
     python -m benchmarks.step --model ckpt/qwen2.5-coder-1.5b-instruct-nvfp4 \
-        --config configs/qwen2.5_coder_1.5b_gsm8k_hash.yaml --backend native --steps 22 --rollout-batches ""
+        --config configs/qwen2.5_coder_1.5b_gsm8k_hash.yaml --rollout-backend native --steps 22 --rollout-batches ""
 
 Builds a Qwen2.5-shaped model with random weights (no download) and writes it as a BF16 checkpoint, or as the
 NVFP4 checkpoint our quantizer makes (kept under --workdir, reused by later runs). The trainer is the real one
@@ -37,6 +37,7 @@ from benchmarks.random_models import QWEN25, build, padded_tokenizer
 from benchmarks.rollout import max_new_tokens
 from benchmarks.step_profile import StepProfile, print_summary
 from qerl import data, train
+from qerl.field_rules import ROLLOUT_BACKENDS
 from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 from qerl.nvfp4.quantize import quantize_model
 from qerl.recipes import load_recipe
@@ -232,7 +233,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dataset", default=str(GSM8K), help="--model: the training prompts (default: GSM8K rows)")
     parser.add_argument("--size", choices=sorted(QWEN25), default="7b")
     parser.add_argument("--precision", choices=("nvfp4", "bf16"), default="nvfp4")
-    parser.add_argument("--backend", default="vllm", help="rollout backend: native, vllm or transformers")
+    parser.add_argument(
+        "--rollout-backend", choices=ROLLOUT_BACKENDS, default="auto", help="rollout engine, as qerl.train's"
+    )
     parser.add_argument("--config", default=None, help="recipe YAML (default: configs/dapo_gsm8k_<precision>.yaml)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=2048, help="max completion length of the steps")
@@ -269,7 +272,7 @@ def main(argv=None) -> None:
     if args.model:
         if not args.config:
             raise SystemExit("--model needs --config: the recipe to run as written")
-        out_dir = Path(args.workdir) / f"run-{Path(args.model).name}-{args.backend}"
+        out_dir = Path(args.workdir) / f"run-{Path(args.model).name}-{args.rollout_backend}"
         flags = real_model_flags(args.config, args.model, out_dir, args.dataset)
     else:
         if args.in_memory:
@@ -277,11 +280,11 @@ def main(argv=None) -> None:
         else:
             model_path = checkpoint(args.size, args.precision, Path(args.workdir))
         recipe = args.config or f"configs/dapo_gsm8k_{args.precision}.yaml"
-        out_dir = Path(args.workdir) / f"run-{args.size}-{args.precision}-{args.backend}"
+        out_dir = Path(args.workdir) / f"run-{args.size}-{args.precision}-{args.rollout_backend}"
         # Random weights never sample EOS: with the recipe's masking every completion would drop out of the loss.
         flags = [*recipe_flags(recipe, model_path, out_dir, args.new_tokens), "--mask-truncated-completions", "false"]
     flags += [
-        "--rollout-backend", args.backend, "--max-steps", str(args.steps),
+        "--rollout-backend", args.rollout_backend, "--max-steps", str(args.steps),
         "--vllm-gpu-memory-utilization", str(args.gpu_memory_utilization),
         *args.extra,
     ]  # fmt: skip

@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))  # the worker runs as `accelerate launch -m experi
 
 from benchmarks.multi_gpu import _free_port, child_env, kill_session  # noqa: E402
 from benchmarks.multi_gpu_worker import DEEPSPEED_CONFIGS, MAX_PROMPT_TOKENS  # noqa: E402
+from qerl.field_rules import ROLLOUT_BACKENDS  # noqa: E402
 
 METRICS = ("loss", "reward", "grad_norm")
 
@@ -112,8 +113,8 @@ def train_flags(args, output_dir: Path, resume: bool) -> list[str]:
         # Random weights rarely sample EOS: with the recipe's masking every completion would drop out of the loss.
         "--mask-truncated-completions", "false",
     ]  # fmt: skip
-    if args.backend:
-        flags += ["--rollout-backend", args.backend]
+    if args.rollout_backend:
+        flags += ["--rollout-backend", args.rollout_backend]
     if resume:
         flags += ["--resume-from-checkpoint", "true"]
     if args.dry_run:
@@ -349,7 +350,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=8, help="completions per GPU per step (one prompt's group)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=2025)
-    parser.add_argument("--backend", default=None, help="rollout backend (default: the recipe's auto; dry run native)")
+    parser.add_argument(
+        "--rollout-backend",
+        choices=ROLLOUT_BACKENDS,
+        default=None,
+        help="rollout engine (default: the recipe's auto; dry run native)",
+    )
     parser.add_argument("--eval-problems", type=int, default=4, help="eval.gsm8k problems on the adapter (0: none)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one launch may take")
     parser.add_argument("--dry-run", action="store_true", help="CPU, gloo, the tests' tiny model, 8 tokens")
@@ -357,7 +363,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.dry_run:
         args.batch, args.new_tokens = min(args.batch, 4), min(args.new_tokens, 8)
-        args.backend = args.backend or "native"
+        args.rollout_backend = args.rollout_backend or "native"
         if args.model is None:
             from qerl.tiny import save_tiny_checkpoints
 

@@ -16,7 +16,7 @@ redoes only what was lost); a job whose inputs are still arriving waits for them
                steps: NVFP4 without / with the dense training weights, BF16, and both compiled (--compile-layers)
   trl-baseline benchmarks.trl_baseline on the BF16 checkpoint, the same recipe and steps
   gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
-  vllm-rollout benchmarks.rollout --engine vllm at 1.5B (vLLM's share sized from the free memory)   (needs --site)
+  vllm-rollout benchmarks.rollout --rollout-backend vllm at 1.5B (vLLM's share from the free memory)  (needs --site)
 Results: OUT/results/<job>.json (each benchmark's own JSON); logs: OUT/logs/. `summarize` writes OUT/summary.md
 (medians, longest completions, the phase splits, the GEMM tables); --bundle adds results.json and the logs' tails.
 """
@@ -136,13 +136,13 @@ def real_prepared(args) -> None:
 def jobs(args) -> list[Job]:
     steps = ["--steps", str(args.steps), "--warmup-steps", "1", "--rollout-batches", ""]
     rollout = [
-        (f"rollout-{size}", ["-m", "benchmarks.rollout", "--engine", "native", "--size", size, "--batches", "8,64",
-                             "--new-tokens", "512", *(["--profile"] if size == "1.5b" else [])])
+        (f"rollout-{size}", ["-m", "benchmarks.rollout", "--rollout-backend", "native", "--size", size, "--batches",
+                             "8,64", "--new-tokens", "512", *(["--profile"] if size == "1.5b" else [])])
         for size in SIZES
     ]  # fmt: skip
     step_7b = [
-        (key, ["-m", "benchmarks.step", "--size", "7b", "--precision", precision, "--backend", "native", "--in-memory",
-               "--profile", "--steps", "5", "--rollout-batches", "", "--", *flags])
+        (key, ["-m", "benchmarks.step", "--size", "7b", "--precision", precision, "--rollout-backend", "native",
+               "--in-memory", "--profile", "--steps", "5", "--rollout-batches", "", "--", *flags])
         for key, precision, flags in (
             ("step-7b-nvfp4", "nvfp4", ["--dense-training-weights", "false"]),
             ("step-7b-nvfp4-dense", "nvfp4", ["--dense-training-weights", "true"]),
@@ -160,15 +160,15 @@ def jobs(args) -> list[Job]:
     tests = ["-m", "pytest", "-q", "-m", "gpu", "tests/test_dense_weights.py", "tests/test_kernels.py",
              "tests/test_cuda_gemm.py", "tests/test_native_gpu.py", "tests/test_linear.py"]  # fmt: skip
     found.append(bench_job(args, "gpu-tests", [(None, tests)], site=True))
-    vllm = ["-m", "benchmarks.rollout", "--engine", "vllm", "--size", "1.5b", "--batches", "8,64", "--new-tokens",
-            "512"]  # fmt: skip
+    vllm = ["-m", "benchmarks.rollout", "--rollout-backend", "vllm", "--size", "1.5b", "--batches", "8,64",
+            "--new-tokens", "512"]  # fmt: skip
     found.append(bench_job(args, "vllm-rollout", [("vllm-rollout-1.5b", vllm)], site=True))
     if args.gguf:
         folders = checkpoints(args)
         found.append(real_prep_job(args, share=args.gpus - 1))
         for name, (precision, flags) in REAL_RUNS.items():
             command = ["-m", "benchmarks.step", "--model", folders[precision], "--config", str(REAL_RECIPE),
-                       "--backend", "native", "--profile", *steps, "--", *flags]  # fmt: skip
+                       "--rollout-backend", "native", "--profile", *steps, "--", *flags]  # fmt: skip
             found.append(bench_job(args, name, [(name, command)], site=True, after=lambda: real_prepared(args)))
             if name == "real-bf16":  # the anchor runs beside the first three
                 anchor = ["-m", "benchmarks.trl_baseline", "--model", folders["bf16"], "--config", str(REAL_RECIPE),

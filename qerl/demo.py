@@ -30,6 +30,7 @@ from transformers import PrinterCallback, TrainerCallback
 
 from qerl import data, plotting, policy
 from qerl.config import QeRLConfig
+from qerl.field_rules import ROLLOUT_BACKENDS
 from qerl.tiny import build_tiny, save_tiny_checkpoints
 from qerl.trainer import QeRLTrainer
 
@@ -250,9 +251,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--rollout-backend",
+        choices=ROLLOUT_BACKENDS,
         default=None,
-        help="transformers (the toy's default), native (our CUDA-graph engine; --model's default on "
-        "a GPU), or vllm (on a GPU; the toy with --hidden-size 128 or more)",
+        help="transformers (the toy's default), native (our CUDA-graph engine), vllm (on a GPU; the toy with "
+        "--hidden-size 128 or more), or auto (--model's default: native on a GPU)",
     )
     args = parser.parse_args(argv)
     real = args.model is not None

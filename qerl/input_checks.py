@@ -1,7 +1,7 @@
 """The checks of flags and input files that the command-line tools share (`python -m qerl.train`, `eval.gsm8k` /
-`eval.competition_math`, llm-compressor/quantize_nvfp4.py): a device, a model folder, a LoRA adapter (and whether it fits its
-base), a data file and its columns, a dataset name. Each refuses with a UsageError that names the flag and the file
-at fault, before anything heavy loads: nothing here imports torch at module level.
+`eval.competition_math`, llm-compressor/quantize_nvfp4.py): a device, a model folder, a LoRA adapter (and whether it
+fits its base), a data file and its columns, a dataset name. Each refuses with a UsageError that names the flag and the
+file at fault, before anything heavy loads: nothing here imports torch at module level.
 """
 
 from __future__ import annotations

@@ -331,7 +331,7 @@ def test_real_model_path_convert_quantize_two_dapo_steps_eval(converted, tmp_pat
     out = tmp_path / "eval.jsonl"
     argv = ["--model", str(nvfp4), "--adapter", str(adapter), "--data", str(GSM8K_SAMPLE), "--limit", "2",
             "--format", "gsm8k_hash", "--protocol", "greedy", "--max-new-tokens", "4", "--device", "cpu",
-            "--backend", "transformers", "--out", str(out)]  # fmt: skip
+            "--rollout-backend", "transformers", "--out", str(out)]  # fmt: skip
     assert cli.run_cli(gsm8k.main, "eval.gsm8k", argv) == 0
     summary = json.loads(out.read_text().splitlines()[0])
     assert summary["format"] == "gsm8k_hash" and summary["examples"] == 2 and summary["adapter"] == str(adapter)

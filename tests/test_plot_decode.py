@@ -1,4 +1,4 @@
-"""benchmarks/plot_decode.py on rows shaped as benchmarks.rollout --engine native --profile writes them."""
+"""benchmarks/plot_decode.py on rows shaped as benchmarks.rollout --rollout-backend native --profile writes them."""
 
 import json
 
