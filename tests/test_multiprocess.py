@@ -320,7 +320,7 @@ def test_zero3_checkpoint_resumes_exactly(checkpoints, tmp_path):
         batch=4,
         new_tokens=6,
         seed=2025,
-        backend="native",
+        rollout_backend="native",
         eval_problems=0,
         timeout=300,
         dry_run=True,
