@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(PYTHON) -m qerl.demo
 
 bench-kernels: $(STAMP)
-	$(PYTHON) -m benchmarks.kernels
+	$(PYTHON) -m benchmarks.probes.nvfp4_speed
 
 bench-memory: $(STAMP)
 	$(PYTHON) -m benchmarks.load_memory

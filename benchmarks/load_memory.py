@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.launch import REPO
 
 _MEASURE = """
 import sys, json, torch, transformers

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.arms_runs import REPO, recipe_for, run_logged
+from benchmarks.launch import SHARED_GSM8K, recipe_for, run_or_raise
 from qerl import plotting
 from qerl.field_rules import ROLLOUT_BACKENDS
 from qerl.models.fetch import bf16_and_nvfp4
@@ -44,7 +44,7 @@ def run(args, backend: str, precision: str, model: str, kv_dtype: str = "auto") 
                *args.train_flags]  # fmt: skip
     start = time.time()
     try:
-        run_logged(command, out / "log.txt")
+        run_or_raise(command, out / "log.txt")
     except RuntimeError as err:
         return {"error": str(err)}
     rows = plotting.read_metrics(str(out / "metrics.jsonl"))
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-cache-dtypes", default="auto", help="native: its KV-cache dtypes to run (auto,fp8)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl")
+    parser.add_argument("--data", type=Path, default=SHARED_GSM8K / "train.jsonl")
     parser.add_argument("--out", type=Path, default=Path("runs/mismatch"))
     parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[], help="passed to every qerl.train run")
     args = parser.parse_args(argv)

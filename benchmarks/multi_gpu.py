@@ -34,21 +34,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.launch import REPO, child_env, free_port, kill_session, last_error
 from benchmarks.multi_gpu_worker import worker
 from qerl.field_rules import ROLLOUT_BACKENDS
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ("ddp", "fsdp", "zero2", "zero3")
-# Kept off on the GPU machines of this project (their KINDS.md): NVLink multicast.
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 PHASES = ("rollout", "refresh", "log-prob forwards", "backward")
 
 
@@ -84,28 +79,6 @@ def summarize(config: str, gpus: int, batch: int, ranks: list[dict]) -> dict:
     }
 
 
-def kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL to the process group of `proc`, started with start_new_session (it and every child it made)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env(dry_run: bool) -> dict[str, str]:
-    env = dict(os.environ, **GPU_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    if dry_run:
-        env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _worker_cmd(args, config: str, result: Path, run_dir: Path) -> list[str]:
     cmd = [
         "-m", "benchmarks.multi_gpu", "--worker", "--config", config, "--model", args.model, "--steps", str(args.steps),
@@ -126,7 +99,7 @@ def launch(args, config: str, gpus: int, nodes: int = 1, gpu_ids: list[int] | No
     result, log = workdir / f"{name}.json", workdir / f"{name}.log"
     result.unlink(missing_ok=True)
     accelerate_config = "multinode" if nodes > 1 else config
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for node in range(nodes):
         cmd = [
@@ -134,7 +107,7 @@ def launch(args, config: str, gpus: int, nodes: int = 1, gpu_ids: list[int] | No
             str(REPO / "configs" / "accelerate" / f"{accelerate_config}.yaml"), "--num_processes", str(gpus),
             "--main_process_port", str(port),
         ]  # fmt: skip
-        env = child_env(args.dry_run)
+        env = child_env(threads=1 if args.dry_run else None)
         per_node = gpus // nodes
         if not args.dry_run:  # a simulated machine sees only its own GPUs
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids[node * per_node : (node + 1) * per_node])
@@ -161,9 +134,7 @@ def launch(args, config: str, gpus: int, nodes: int = 1, gpu_ids: list[int] | No
             f.close()
     elapsed = time.perf_counter() - start
     if any(codes) or not result.is_file():
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        error = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "no output")
-        return {"config": name, "gpus": gpus, "error": error.strip()[-300:], "log": str(log), "wall_s": elapsed}
+        return {"config": name, "gpus": gpus, "error": last_error(log).strip(), "log": str(log), "wall_s": elapsed}
     ranks = json.loads(result.read_text())
     if not ranks[0]["step_seconds"]:  # TRL found no full batch (too few prompts for the ranks): nothing measured
         return {
@@ -209,7 +180,7 @@ def build_model(args, gpu: int | None = None) -> str:
             f"from benchmarks.multi_gpu import random_nvfp4_checkpoint; from pathlib import Path; "
             f"print(random_nvfp4_checkpoint({args.size!r}, Path({str(workdir)!r})))"
         )
-    env = child_env(args.dry_run)
+    env = child_env(threads=1 if args.dry_run else None)
     if gpu is not None and not args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, check=True, capture_output=True, text=True)

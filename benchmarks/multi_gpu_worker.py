@@ -10,7 +10,8 @@ import hashlib
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.launch import GSM8K_SAMPLE, REPO
+
 DEEPSPEED_CONFIGS = ("zero2", "zero3")
 # Prompts longer than this many tokens of the character tokenizer are dropped: at 320 (benchmarks.step's cap) only 2 of
 # the sample's 256 GSM8K questions fit, too few for 4 ranks (TRL then finds no batch and trains 0 steps); 69 fit here.
@@ -18,13 +19,12 @@ MAX_PROMPT_TOKENS = 400
 
 
 def _worker_flags(args) -> list[str]:
-    from benchmarks.step import GSM8K
     from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 
     precision = "nvfp4" if is_nvfp4_checkpoint(args.model) else "bf16"
     flags = [
         "--config", str(REPO / "configs" / f"dapo_gsm8k_{precision}.yaml"), "--model-name", args.model,
-        "--dataset", str(GSM8K), "--dataset-format", "gsm8k_hash", "--max-prompt-length", str(MAX_PROMPT_TOKENS),
+        "--dataset", str(GSM8K_SAMPLE), "--dataset-format", "gsm8k_hash", "--max-prompt-length", str(MAX_PROMPT_TOKENS),
         "--output-dir", args.run_dir, "--rollout-backend", args.rollout_backend,
         "--max-completion-length", str(args.new_tokens), "--per-device-train-batch-size", str(args.batch),
         "--num-generations", str(args.batch),

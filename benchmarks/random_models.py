@@ -2,7 +2,7 @@
 configs, built on the GPU (NVFP4: quantized one decoder layer at a time, so a 32B model never exists in BF16), the
 character tokenizer padded to their vocabulary, and a rank-16 LoRA with random B on every projection.
 
-Used by benchmarks.rollout, benchmarks.step, benchmarks.step_costs and benchmarks.multi_gpu.
+Used by benchmarks.rollout, benchmarks.step, benchmarks.probes.step_costs and benchmarks.multi_gpu.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from benchmarks.launch import GSM8K_SAMPLE
 from benchmarks.random_models import QWEN25, build, padded_tokenizer
 from benchmarks.rollout import max_new_tokens
 from benchmarks.step_profile import StepProfile, print_summary
@@ -42,8 +43,6 @@ from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 from qerl.nvfp4.quantize import quantize_model
 from qerl.recipes import load_recipe
 from qerl.rollout import no_noise
-
-GSM8K = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "train_sample.jsonl"
 
 
 def checkpoint(size: str, precision: str, workdir: Path) -> str:
@@ -81,7 +80,7 @@ def recipe_flags(config: str, model_path: str, out_dir: Path, new_tokens: int) -
         "--model-name",
         model_path,
         "--dataset",
-        str(GSM8K),
+        str(GSM8K_SAMPLE),
         "--output-dir",
         str(out_dir),
         "--max-completion-length",
@@ -230,7 +229,9 @@ def main(argv=None) -> None:
         help="a real checkpoint folder (BF16 or NVFP4, with its tokenizer) instead of random weights: the recipe "
         "(--config, required) runs as written; --size, --precision, --new-tokens and --in-memory do not apply",
     )
-    parser.add_argument("--dataset", default=str(GSM8K), help="--model: the training prompts (default: GSM8K rows)")
+    parser.add_argument(
+        "--dataset", default=str(GSM8K_SAMPLE), help="--model: the training prompts (default: GSM8K rows)"
+    )
     parser.add_argument("--size", choices=sorted(QWEN25), default="7b")
     parser.add_argument("--precision", choices=("nvfp4", "bf16"), default="nvfp4")
     parser.add_argument(

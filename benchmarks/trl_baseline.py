@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from benchmarks.launch import GSM8K_SAMPLE
 from benchmarks.rollout import free_share
-from benchmarks.step import GSM8K, StepClock, completion_lengths, gpu_used_gib, print_steps, real_model_flags
+from benchmarks.step import StepClock, completion_lengths, gpu_used_gib, print_steps, real_model_flags
 from qerl import policy, train
 from qerl.config import QeRLConfig
 
@@ -77,7 +78,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", required=True, help="a BF16 checkpoint folder with its tokenizer")
     parser.add_argument("--config", required=True, help="the QeRL recipe YAML to run with TRL")
     parser.add_argument("--steps", type=int, default=22)
-    parser.add_argument("--dataset", default=str(GSM8K), help="the training prompts (default: GSM8K rows)")
+    parser.add_argument("--dataset", default=str(GSM8K_SAMPLE), help="the training prompts (default: GSM8K rows)")
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,

@@ -6,13 +6,13 @@
     python -m experiments.arms train --model M --seeds 0,1,2 --steps 51 --mps --bases     (arms x seeds, evaluated)
     python -m experiments.arms report --model M                           (tables, JSON and PNG from the records)
 
-Each run is `python -m qerl.train` with the model's recipe (RECIPES, or --recipe) on the GSM8K train file, then
-`python -m eval.gsm8k` of its adapter on the GSM8K test file (every problem, greedy and the reference protocol),
-each in its own process, `--per-gpu` at a time on each of the `--gpu-ids` GPUs (one run leaves most of a GPU idle;
-with --mps they share its SMs). Once evaluated, a run is recorded as data under --results (default
-results/arms/MODEL, committed: experiments/arms_results.py), and a recorded run is never run again, so seeds from
-several leases add up; `report` reads only the records. Outputs in --out are skipped too, so an interrupted
-experiment continues where it stopped.
+Each run is `python -m qerl.train` with the model's recipe (benchmarks.launch.RECIPES, or --recipe) on the GSM8K
+train file, then `python -m eval.gsm8k` of its adapter on the GSM8K test file (every problem, greedy and the
+reference protocol), each in its own process, `--per-gpu` at a time on each of the `--gpu-ids` GPUs (one run leaves
+most of a GPU idle; with --mps they share its SMs). Once evaluated, a run is recorded as data under --results
+(default results/arms/MODEL, committed: experiments/arms_results.py), and a recorded run is never run again, so
+seeds from several leases add up; `report` reads only the records. Outputs in --out are skipped too, so an
+interrupted experiment continues where it stopped.
 
 The format, the temperature and the learning rates are chosen on training prompts and training reward, never on
 the test set. `train --steps auto --finish-by T` sizes the runs from the sweep's seconds per step so that training
@@ -38,19 +38,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.launch import REPO, SHARED_GSM8K, recipe_for
 from experiments.arms_report import report
 from experiments.arms_results import RESULTS, current_commit, gpu_name, record_path, run_record, write_record
 from experiments.arms_runs import (
     ARMS,
     EVAL_FORMATS,
     PROTOCOLS,
-    REPO,
     RunPace,
     eval_task,
     late_reward,
     metrics,
     mps_daemon,
-    recipe_for,
     run_tasks,
     say,
     seconds_per_step,
@@ -341,11 +340,11 @@ def main(argv: list[str] | None = None) -> None:
         default="smollm2-135m-instruct",
         help="a fetchable model (python -m qerl.models list) or a BF16 checkpoint folder",
     )
-    parser.add_argument("--recipe", type=Path, help="training recipe (default: the model's, RECIPES)")
+    parser.add_argument("--recipe", type=Path, help="training recipe (default: the model's, benchmarks.launch.RECIPES)")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("ckpt"), help="where its BF16 and NVFP4 folders go")
     parser.add_argument("--out", type=Path, default=Path("runs/arms"))
     parser.add_argument("--png", type=Path, help="the report's plot (default: OUT/arms.png)")
-    shared = REPO.parent / "shared" / "data" / "gsm8k"
+    shared = SHARED_GSM8K
     parser.add_argument("--train-data", type=Path, default=shared / "train.jsonl")
     parser.add_argument("--test-data", type=Path, default=shared / "test.jsonl")
     parser.add_argument(

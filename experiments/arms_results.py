@@ -16,7 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from experiments.arms_runs import REPO, eval_summary, metrics
+from benchmarks.launch import REPO
+from experiments.arms_runs import eval_summary, metrics
 
 RESULTS = REPO / "results" / "arms"
 # The logged keys a record keeps per step (of TRL's ~40): what the report, the plot and a later question need.

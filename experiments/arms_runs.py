@@ -1,12 +1,13 @@
-"""The runs of experiments.arms: the arms (ARMS), each model's recipe (RECIPES), the evaluation protocols and
-formats; the command of each run (`python -m qerl.train`, then `python -m eval.gsm8k` of its adapter, or of a base
-without one); the runner that puts runs on GPU slots, each after the run it waits for; and the readers of what the
-runs wrote (metrics.jsonl, an evaluation's summary line).
+"""The runs of experiments.arms: the arms (ARMS), the evaluation protocols and formats; the command of each run
+(`python -m qerl.train`, then `python -m eval.gsm8k` of its adapter, or of a base without one); the runner that puts
+runs on GPU slots, each after the run it waits for; and the readers of what the runs wrote (metrics.jsonl, an
+evaluation's summary line).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -18,13 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import launch
+from benchmarks.launch import run_or_raise
 from qerl import plotting
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPES = {  # a fetchable model -> the recipe its arms run
-    "smollm2-135m-instruct": REPO / "configs" / "smollm2_gsm8k_hash.yaml",
-    "qwen2.5-coder-1.5b-instruct": REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml",
-}
 # arm -> (base checkpoint precision, AQN on). bf16_lora_aqn is the ablation the reference's users asked for
 # (NVlabs/QeRL#11): AQN's noise without the quantization it is meant to extend.
 ARMS = {
@@ -35,38 +33,11 @@ ARMS = {
 }
 PROTOCOLS = ("greedy", "reference")
 EVAL_FORMATS = {"gsm8k": "think_answer", "gsm8k_hash": "gsm8k_hash", "gsm8k_lenient": "gsm8k_hash"}
-_print_lock = threading.Lock()
-
-
-def say(message: str) -> None:
-    with _print_lock:
-        print(f"[arms {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def recipe_for(model: str, override: Path | None = None) -> Path:
-    """The recipe of a fetchable model (or its folder, named as fetch names it), unless one is given."""
-    if override:
-        return override
-    name = Path(model).name.removesuffix("-nvfp4")
-    if name not in RECIPES:
-        raise SystemExit(f"no recipe known for {model}; pass --recipe (known: {', '.join(RECIPES)})")
-    return RECIPES[name]
+say = functools.partial(launch.say, "arms")
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Running: tasks on GPU slots
-
-
-def run_logged(command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as f:
-        f.write(f"$ {' '.join(command)}\n")
-        f.flush()
-        code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
-        if code != 0:
-            f.write(f"exit code {code}\n")
-    if code != 0:
-        raise RuntimeError(f"exit code {code}: {' '.join(command[:4])} ... (log: {log})")
 
 
 @dataclass
@@ -133,7 +104,7 @@ def run_tasks(
                 elif task.command is not None:
                     task.started = start
                     say(f"{task.name}: started" + (f" on GPU {gpu}" if gpu is not None else ""))
-                    run_logged(task.command, task.log, task_env)
+                    run_or_raise(task.command, task.log, env=task_env, append=True)
                     task.seconds = time.time() - start
                     say(f"{task.name}: done in {task.seconds:.0f} s")
                 if state == "done" and task.on_done is not None:
@@ -192,7 +163,7 @@ def mps_daemon(folder: Path):
 
 def train_task(args, name: str, base: str, aqn: bool, lr: float, seed: int, steps: int, save_every: int = 0) -> Task:
     folder = args.out / name
-    config = recipe_for(args.model, args.recipe)
+    config = launch.recipe_for(args.model, args.recipe)
     command = [sys.executable, "-m", "qerl.train", "--config", str(config), "--model-name", base, "--dataset",
                str(args.train_data), "--dataset-format", args.format, "--aqn", str(aqn).lower(), "--learning-rate",
                str(lr), "--seed", str(seed), "--max-steps", str(steps), "--output-dir", str(folder), "--temperature",

@@ -6,12 +6,15 @@ takes from each job's guess.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from benchmarks import launch
 
 
 @dataclass
@@ -26,8 +29,7 @@ class Job:
     holds: Callable[[dict], bool] = lambda result: True
 
 
-def say(message: str) -> None:
-    print(f"[suite {time.strftime('%H:%M:%S')}] {message}", flush=True)
+say = functools.partial(launch.say, "suite")
 
 
 def result_path(args, job: Job) -> Path:

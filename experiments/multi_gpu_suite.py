@@ -38,13 +38,12 @@ import sys
 from pathlib import Path
 
 from benchmarks import multi_gpu
+from benchmarks.launch import GSM8K_SAMPLE, RECIPES, REPO, child_env, free_port, gpu_count, run_or_raise
 from experiments import resume_check
 from experiments.multi_gpu_runner import Job, estimate, run_phase, say
 from experiments.multi_gpu_summary import summarize
 
-REPO = Path(__file__).resolve().parents[1]
 REAL_MODEL = "qwen2.5-coder-1.5b-instruct"
-REAL_RECIPE = REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
 # Seconds each kind of job took or is guessed to take on 4 H100s (the estimate printed before the run).
 GUESS = {"build-7b": 60, "build-32b": 150, "bench-7b": 60, "bench-32b": 110, "resume": 200, "real-prep": 150,
          "real-run": 70}  # fmt: skip
@@ -131,13 +130,8 @@ def resume_job(args, config: str) -> Job:
 
 
 def logged(args, cmd: list[str], log: Path, gpu_ids: list[int], timeout: float) -> None:
-    env = multi_gpu.child_env(args.dry_run)
-    if not args.dry_run:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
-    log.parent.mkdir(parents=True, exist_ok=True)
-    code = resume_check.run_logged(cmd, env, log, timeout)
-    if code != 0:
-        raise RuntimeError(f"exit code {code} ({log}): {resume_check.last_error(log)}")
+    env = child_env(threads=1) if args.dry_run else child_env(CUDA_VISIBLE_DEVICES=",".join(map(str, gpu_ids)))
+    run_or_raise(cmd, log, env=env, timeout=timeout)
 
 
 def real_prep_job(args, share: int) -> Job:
@@ -171,8 +165,8 @@ def real_run_job(args, gpus: int) -> Job:
             raise RuntimeError(f"no real model: {prep['error']}")
         run_dir = Path(args.out) / f"real-{gpus}gpu"
         flags = [
-            "--config", str(REAL_RECIPE), "--model-name", prep["nvfp4"], "--dataset",
-            str(REPO / "tests" / "data" / "gsm8k" / "train_sample.jsonl"), "--dataset-format", "gsm8k_hash",
+            "--config", str(RECIPES[REAL_MODEL]), "--model-name", prep["nvfp4"], "--dataset",
+            str(GSM8K_SAMPLE), "--dataset-format", "gsm8k_hash",
             "--max-steps", str(args.d_steps), "--seed", str(args.d_seed), "--output-dir", str(run_dir),
             "--overwrite-output-dir", "true", "--save-strategy", "no", "--logging-steps", "1", *args.d_flags,
         ]  # fmt: skip
@@ -183,7 +177,7 @@ def real_run_job(args, gpus: int) -> Job:
             per_gpu = 64 // gpus
             cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                    str(REPO / "configs" / "accelerate" / "ddp.yaml"), "--num_processes", str(gpus),
-                   "--main_process_port", str(multi_gpu._free_port()), *(["--mixed_precision", "no"] if args.dry_run
+                   "--main_process_port", str(free_port()), *(["--mixed_precision", "no"] if args.dry_run
                    else []), "-m", "experiments.resume_check", "--worker", *flags,
                    "--per-device-train-batch-size", str(per_gpu), "--gradient-accumulation-steps", "1"]  # fmt: skip
         logged(args, cmd, Path(args.out) / "logs" / f"real-{gpus}gpu.log", gpu_ids, args.timeout_real)
@@ -315,13 +309,6 @@ def main(argv=None) -> None:
         run(args)
     else:
         summarize(args)
-
-
-def gpu_count() -> int:
-    """GPUs visible, counted by a child process (the driver keeps CUDA uninitialised: no context on GPU 0)."""
-    code = "import torch; print(torch.cuda.device_count())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return int(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

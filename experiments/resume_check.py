@@ -30,17 +30,13 @@ import hashlib
 import json
 import math
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the worker runs as `accelerate launch -m experiments.resume_check`
-
-from benchmarks.multi_gpu import _free_port, child_env, kill_session  # noqa: E402
-from benchmarks.multi_gpu_worker import DEEPSPEED_CONFIGS, MAX_PROMPT_TOKENS  # noqa: E402
-from qerl.field_rules import ROLLOUT_BACKENDS  # noqa: E402
+from benchmarks.launch import GSM8K_SAMPLE, REPO, child_env, free_port, last_error, run_logged, run_or_raise
+from benchmarks.multi_gpu_worker import DEEPSPEED_CONFIGS, MAX_PROMPT_TOKENS
+from qerl.field_rules import ROLLOUT_BACKENDS
 
 METRICS = ("loss", "reward", "grad_norm")
 
@@ -100,11 +96,9 @@ def worker(argv: list[str]) -> None:
 
 
 def train_flags(args, output_dir: Path, resume: bool) -> list[str]:
-    from benchmarks.step import GSM8K
-
     flags = [
         "--config", str(REPO / "configs" / "dapo_gsm8k_nvfp4.yaml"), "--model-name", args.model,
-        "--dataset", str(GSM8K), "--dataset-format", "gsm8k_hash", "--max-prompt-length", str(MAX_PROMPT_TOKENS),
+        "--dataset", str(GSM8K_SAMPLE), "--dataset-format", "gsm8k_hash", "--max-prompt-length", str(MAX_PROMPT_TOKENS),
         "--output-dir", str(output_dir), "--max-completion-length", str(args.new_tokens),
         "--per-device-train-batch-size", str(args.batch), "--num-generations", str(args.batch),
         "--gradient-accumulation-steps", "1", "--max-steps", str(args.steps + 1), "--optim", "adamw_torch",
@@ -130,39 +124,17 @@ def launch(args, output_dir: Path, resume: bool, log: Path) -> float:
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file",
         str(REPO / "configs" / "accelerate" / f"{args.config}.yaml"), "--num_processes", str(len(gpu_ids)),
-        "--main_process_port", str(_free_port()),
+        "--main_process_port", str(free_port()),
     ]  # fmt: skip
-    env = child_env(args.dry_run)
+    env = child_env(threads=1 if args.dry_run else None)
     if args.dry_run:
         cmd += ["--mixed_precision", "no"]
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
     cmd += ["-m", "experiments.resume_check", "--worker", "--varied-reward", *train_flags(args, output_dir, resume)]
     start = time.perf_counter()
-    code = run_logged(cmd, env, log, args.timeout)
-    if code != 0:
-        raise RuntimeError(f"exit code {code} ({log}): {last_error(log)}")
+    run_or_raise(cmd, log, env=env, timeout=args.timeout)
     return time.perf_counter() - start
-
-
-def run_logged(cmd: list[str], env: dict, log: Path, timeout: float) -> int:
-    """Run `cmd` in a session of its own, output to `log`; past `timeout` seconds it and its children are killed."""
-    with open(log, "w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_session(proc)
-            proc.wait()
-            f.write(f"\nkilled after {timeout} s\n")
-            return -9
-
-
-def last_error(log: Path) -> str:
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    return next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "no output")[-300:]
 
 
 def step_metrics(run: Path, step: int) -> dict:
@@ -254,11 +226,11 @@ def eval_adapter(args, run: Path, log: Path) -> dict:
         str(REPO / "tests" / "data" / "gsm8k" / "test_sample.jsonl"), "--format", "gsm8k_hash", "--protocol", "greedy",
         "--limit", str(args.eval_problems), "--max-new-tokens", "32", "--out", str(out),
     ]  # fmt: skip
-    env = child_env(args.dry_run)
+    env = child_env(threads=1 if args.dry_run else None)
     if not args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = args.gpu_ids.split(",")[0]
     start = time.perf_counter()
-    code = run_logged(cmd, env, log, args.timeout)
+    code = run_logged(cmd, log, env=env, timeout=args.timeout)
     result = {"exit_code": code, "wall_s": time.perf_counter() - start, "log": str(log)}
     if code == 0 and out.is_file():
         result["summary"] = json.loads(out.read_text().splitlines()[0])

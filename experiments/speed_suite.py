@@ -5,8 +5,8 @@
 
 Jobs, started in list order on the first free GPU (a job whose result file exists is skipped, so a second start
 redoes only what was lost); a job whose inputs are still arriving waits for them on its GPU:
-  kernels      benchmarks.kernels on the 0.5B and 1.5B layers (each GEMM at 1-64 rows against its bytes and cuBLAS),
-               then probe_gemm small (the same GEMMs with the engine's LoRA, every CUDA config of a grid)
+  kernels      benchmarks.probes.nvfp4_speed on the 0.5B and 1.5B layers (each GEMM at 1-64 rows against its bytes
+               and cuBLAS), then probes.gemm small (the same GEMMs with the engine's LoRA, every CUDA config of a grid)
   rollout      benchmarks.rollout, native engine, NVFP4 and BF16 at 0.5B, 1.5B, 3B, 7B, batch 8 and 64, 512 new
                tokens (the 1.5B with --profile: GPU time per kernel family)
   step-7b      benchmarks.step --profile on the random 7B (the default recipe, 2048 tokens): NVFP4 with and without
@@ -30,15 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.multi_gpu import child_env
+from benchmarks.launch import RECIPES, child_env, gpu_count, last_error, run_logged
 from experiments.multi_gpu_runner import Job, run_phase, say
-from experiments.multi_gpu_suite import gpu_count
 from experiments.multi_gpu_summary import bundle, load_results
-from experiments.resume_check import last_error, run_logged
 
-REPO = Path(__file__).resolve().parents[1]
 REAL_MODEL = "qwen2.5-coder-1.5b-instruct"
-REAL_RECIPE = REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
+REAL_RECIPE = RECIPES[REAL_MODEL]
 SIZES = ("1.5b", "7b", "3b", "0.5b")  # the recipe's size first: a job's later commands run after a failure too
 # name: (NVFP4 or BF16 checkpoint, qerl.train flags) of the real-model step runs
 REAL_RUNS = {
@@ -61,8 +58,7 @@ def wait_for(path: Path, what: str, timeout: float) -> None:
 def run_commands(args, name: str, commands: list[list[str]], gpu_ids: list[int], site: bool) -> list[str]:
     """Each command (python -m ... arguments) on the job's GPUs, one log each, all of them whatever fails; returns
     what failed, one line each."""
-    env = child_env(False)
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(args.gpu_ids[i]) if args.gpu_ids else str(i) for i in gpu_ids)
+    env = child_env(CUDA_VISIBLE_DEVICES=",".join(str(args.gpu_ids[i]) if args.gpu_ids else str(i) for i in gpu_ids))
     if site:
         wait_for(Path(args.site) / ".complete", "the gpu-site packages", args.timeout)
         env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{args.site}"
@@ -70,8 +66,7 @@ def run_commands(args, name: str, commands: list[list[str]], gpu_ids: list[int],
     failed = []
     for i, command in enumerate(commands):
         log = Path(args.out) / "logs" / (f"{name}.log" if len(commands) == 1 else f"{name}-{i}.log")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        code = run_logged([sys.executable, *command], env, log, args.timeout)
+        code = run_logged([sys.executable, *command], log, env=env, timeout=args.timeout)
         if code != 0:
             failed.append(f"exit code {code} ({log}): {last_error(log)}")
     return failed
@@ -150,9 +145,9 @@ def jobs(args) -> list[Job]:
         )
     ]  # fmt: skip
     found = [
-        bench_job(args, "kernels", [("kernels-small", ["-m", "benchmarks.kernels", "--models", "0.5B,1.5B",
+        bench_job(args, "kernels", [("kernels-small", ["-m", "benchmarks.probes.nvfp4_speed", "--models", "0.5B,1.5B",
                                                        "--no-large"]),
-                                    (None, ["-m", "benchmarks.probe_gemm", "small"])]),
+                                    (None, ["-m", "benchmarks.probes.gemm", "small"])]),
         bench_job(args, "rollout", rollout),
         bench_job(args, "step-7b", step_7b, site=True),
     ]  # fmt: skip

@@ -1,11 +1,8 @@
-"""What the tests of the command-line tools share: the quantizer script loaded as a module, the environment of a
-child process that runs this checkout, and a snapshot of a folder (to show that a refused run changed nothing)."""
+"""What the tests of the command-line tools share: the quantizer script loaded as a module and a snapshot of a folder
+(to show that a refused run changed nothing). A child process's environment is benchmarks.launch.child_env."""
 
 import importlib.util
-import os
 from pathlib import Path
-
-from qerl import cli
 
 REPO = Path(__file__).resolve().parents[1]
 QUANTIZER = REPO / "llm-compressor" / "quantize_nvfp4.py"
@@ -19,12 +16,6 @@ def _load_quantizer():
 
 
 quantize_nvfp4 = _load_quantizer()
-
-
-def child_env(**extra) -> dict[str, str]:
-    """This environment for a child that imports this checkout's qerl, without --debug's variable."""
-    env = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
-    return {**env, "PYTHONPATH": str(REPO), **extra}
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.launch import child_env
 
 
 def run_under_interpreter(test_file: str) -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, os.path.abspath(test_file)], env=env, capture_output=True, text=True, timeout=300
     )

@@ -1,8 +1,8 @@
-"""benchmarks/attention.py's --configs: the launch shapes it times are named as its table labels them."""
+"""benchmarks/probes/decode_attention.py's --configs: the launch shapes it times are named as its table labels them."""
 
 import pytest
 
-from benchmarks import attention as bench
+from benchmarks.probes import decode_attention as bench
 
 
 def test_configs_round_trip_the_table_labels_and_bad_ones_name_the_flag():

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from clis import QUANTIZER, REPO, child_env, snapshot
+from clis import QUANTIZER, REPO, snapshot
 from safetensors.torch import load_file, save_file
 
+from benchmarks.launch import child_env
 from eval import cli as eval_cli
 from eval import competition_math, gsm8k
 from eval.statistics import wilson_interval

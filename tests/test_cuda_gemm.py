@@ -105,11 +105,11 @@ def test_wgmma_kernel_builds_unserialized(sm90a_build):
 
 
 def test_wgmma_ceiling_probe_builds_unserialized(tmp_path):
-    """benchmarks/probe_gemm.cu's wgmma-ceiling kernels time the wgmma kernel's chunk loop: they must build the way it
+    """benchmarks/probes/gemm.cu's wgmma-ceiling kernels time the wgmma kernel's chunk loop: they must build the way it
     does, with no wgmma serialized and no spills, or they would time something else."""
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc here (NVRTC builds the kernel on the GPU)")
-    from benchmarks.probe_gemm_cuda import CEILING_LDG_SOURCES, CEILING_SOURCE, CEILING_STAGES
+    from benchmarks.probes.gemm_cuda import CEILING_LDG_SOURCES, CEILING_SOURCE, CEILING_STAGES
 
     for instances, params in (
         ([f"wgmma_ceiling<{s}, {w}>" for s in range(len(CEILING_STAGES)) for w in (1, 2, 3, 4)], "CeilingArgs"),

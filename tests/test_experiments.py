@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
+from benchmarks import launch
 from experiments import arms, arms_results, arms_runs
 
 DATA = Path(__file__).parent / "data" / "gsm8k"
@@ -207,7 +208,7 @@ def test_each_run_is_qerl_train_then_eval_gsm8k(tmp_path):
     assert train[1:3] == ["-m", "qerl.train"] and train[-1] == "--x"
     assert task.log == tmp_path / "nvfp4_lora_aqn-seed2" / "log.txt"
     flags = dict(zip(train[3::2], train[4::2], strict=False))
-    assert Path(flags["--config"]) == arms_runs.REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
+    assert Path(flags["--config"]) == launch.REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml"
     arm = (flags["--aqn"], flags["--learning-rate"], flags["--seed"], flags["--max-steps"])
     assert arm == ("true", "0.0001", "2", "80")
     assert (flags["--save-strategy"], flags["--save-steps"]) == ("steps", "27")
@@ -223,7 +224,7 @@ def test_each_run_is_qerl_train_then_eval_gsm8k(tmp_path):
     assert arms_runs.train_task(args, "nvfp4_lora_aqn-seed2", "b", True, 1e-4, 2, 80).command is None
     assert arms_runs.eval_task(args, "b", None, "greedy", tmp_path / "run" / "e.jsonl", None).command is None
     with pytest.raises(SystemExit, match="no recipe known for other-model"):
-        arms_runs.recipe_for("other-model")
+        launch.recipe_for("other-model")
 
 
 def _task(tmp_path, name, code="pass", after=None, optional=False):
@@ -282,7 +283,7 @@ def test_sweep_train_report_on_the_tiny_model(checkpoints, tmp_path, capsys):
     """The road the GPU experiment takes, on CPU: the 1.5B recipe with its rollouts and batches shrunk (BF16, its
     learning rates), two arms, sweep -> train (first seed's checkpoint evaluated) -> report."""
     bf16, _ = checkpoints
-    common = ["--model", bf16, "--recipe", str(arms_runs.RECIPES["qwen2.5-coder-1.5b-instruct"]), "--checkpoint-dir",
+    common = ["--model", bf16, "--recipe", str(launch.RECIPES["qwen2.5-coder-1.5b-instruct"]), "--checkpoint-dir",
               str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--train-data", str(DATA / "train_sample.jsonl"),
               "--test-data", str(DATA / "test_sample.jsonl"), "--per-gpu", "2", "--eval-limit", "2", "--eval-tokens",
               "4", "--protocols", "greedy", "--results", str(tmp_path / "results")]  # fmt: skip

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from clis import child_env, snapshot
+from clis import snapshot
 from fakes import train_argv
 
+from benchmarks.launch import child_env
 from qerl import cli, quantize, train
 from qerl.run_dir import LOCK_FILE
 

@@ -8,7 +8,6 @@ without one, so the FSDP2 test shards the policy with accelerate's own `fsdp2_pr
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,8 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+
+from benchmarks.launch import child_env, free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE_CONFIGS = os.path.join(REPO_ROOT, "configs", "accelerate")
@@ -46,16 +47,6 @@ HARNESS = textwrap.dedent("""
                 "backend": trainer.rollout.name, "sharding": trainer.rollout.setup.sharding,
                 "shifts": shifts}, os.path.join(trainer.args.output_dir, f"rank{rank}.pt"))
 """)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def _zero3_config(tmp_path) -> str:
@@ -100,7 +91,7 @@ def test_two_processes_end_with_identical_lora(setup, checkpoints, tmp_path):
     out = tmp_path / "out"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", config(tmp_path), "--num_processes", "2",
-        "--mixed_precision", "no", "--main_process_port", str(_free_port()), str(harness),
+        "--mixed_precision", "no", "--main_process_port", str(free_port()), str(harness),
         "--model-name", nvfp4_dir, "--dataset", "arithmetic", "--num-examples", "64", "--dtype", "float32",
         "--output-dir", str(out), "--per-device-train-batch-size", "4", "--num-generations", "4",
         "--max-completion-length", "6", "--max-steps", "3", "--save-strategy", "no", "--report-to", "none",
@@ -108,7 +99,7 @@ def test_two_processes_end_with_identical_lora(setup, checkpoints, tmp_path):
         "--ln", "True", "--learning-rate", "5e-3", "--sigma-start", "0.1", "--sigma-end", "0.01",
         "--num-stages", "3", "--aqn-log-shift", "True", "--logging-steps", "1", *flags,
     ]  # fmt: skip
-    result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    result = subprocess.run(cmd, env=child_env(threads=1), capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     assert all(r["world"] == 2 and r["backend"] == backend and r["sharding"] == sharding for r in ranks)
@@ -281,9 +272,9 @@ def test_fsdp2_shards_aqn_and_native_engine(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
     harness = tmp_path / "fsdp2.py"
     harness.write_text(FSDP2_HARNESS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(harness), nvfp4_dir, str(tmp_path)]  # fmt: skip
-    result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    result = subprocess.run(cmd, env=child_env(threads=1), capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")

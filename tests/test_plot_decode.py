@@ -1,10 +1,11 @@
-"""benchmarks/plot_decode.py on rows shaped as benchmarks.rollout --rollout-backend native --profile writes them."""
+"""benchmarks/probes/plot_decode.py on rows shaped as `benchmarks.rollout --rollout-backend native --profile`
+writes them."""
 
 import json
 
 import pytest
 
-from benchmarks import plot_decode
+from benchmarks.probes import plot_decode
 from benchmarks.rollout import kernel_family
 
 

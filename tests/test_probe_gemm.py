@@ -1,15 +1,15 @@
-"""benchmarks/probe_gemm.py's command line, on CPU: one subcommand per probe, a mistyped one refused (it used to run
+"""benchmarks/probes/gemm.py's command line, on CPU: one subcommand per probe, a mistyped one refused (it used to run
 the default probe)."""
 
 import re
 
 import pytest
 
-from benchmarks import probe_gemm
+from benchmarks.probes import gemm as probe_gemm
 
 
 def test_the_docstrings_modes_are_the_subcommands():
-    assert re.findall(r"python -m benchmarks\.probe_gemm (\S+)", probe_gemm.__doc__) == list(probe_gemm.MODES)
+    assert re.findall(r"python -m benchmarks\.probes\.gemm (\S+)", probe_gemm.__doc__) == list(probe_gemm.MODES)
 
 
 def test_help_lists_every_mode_with_what_it_measures(capsys, monkeypatch):

@@ -1,11 +1,11 @@
-"""benchmarks/step_costs.py's stand-ins (CPU, a tiny BF16 Qwen2 with a LoRA adapter): each one really replaces its
-kernel family in the engine's step, and leaves the engine as it was."""
+"""benchmarks/probes/step_costs.py's stand-ins (CPU, a tiny BF16 Qwen2 with a LoRA adapter): each one really replaces
+its kernel family in the engine's step, and leaves the engine as it was."""
 
 import torch
 from peft import get_peft_model
 from transformers import GenerationConfig
 
-from benchmarks.step_costs import STAND_INS, step_costs, without
+from benchmarks.probes.step_costs import STAND_INS, step_costs, without
 from qerl import policy
 from qerl.rollout.native.engine import NativeEngine
 from qerl.rollout.native.model import Decoder

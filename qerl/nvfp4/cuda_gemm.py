@@ -133,7 +133,7 @@ def _wgmma_shared_bytes(mt: int, warpgroups: int) -> int:
 @functools.cache
 def _kernel(name: str, arch: str, shared_bytes: int, device_index: int, extra_source: str = ""):
     """The compiled kernel (a driver function handle) for one template instance on one device. `extra_source` is
-    appended to decode_gemm.cu: probe kernels of benchmarks/probe_gemm.cu that reuse its helpers."""
+    appended to decode_gemm.cu: probe kernels of benchmarks/probes/gemm.cu that reuse its helpers."""
     from torch.cuda._utils import _cuda_load_module, _nvrtc_compile  # torch's NVRTC wrapper (private, no copy)
 
     with torch.cuda.device(device_index):

@@ -41,9 +41,9 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape of the split kernel (benchmarks/attention.py times the alternatives; docs/benchmarks.md has
-    the H100 figures: 8 warps at 8 programs per SM is faster at 7B batch 8, 12.7 vs 14.9 us, and no faster in the
-    decode step's graph; at batch 64 the runs so far do not rank the shapes).
+    """Launch shape of the split kernel (benchmarks/probes/decode_attention.py times the alternatives;
+    docs/benchmarks.md has the H100 figures: 8 warps at 8 programs per SM is faster at 7B batch 8, 12.7 vs 14.9 us, and
+    no faster in the decode step's graph; at batch 64 the runs so far do not rank the shapes).
 
     block_s: keys per tile (one [block_s, D] K and V tile per step). num_splits rule (see _splits): enough
     programs for programs_per_sm per SM when every sequence is S_max long (shorter ones leave their tail splits
@@ -58,8 +58,9 @@ class DecodeConfig:
 
 DEFAULT_CONFIG = DecodeConfig()
 # FP8 caches hold half the bytes per tile. Where batch x KV heads fills the GPU (>= 256 programs before splitting),
-# 128-key tiles in a 3-deep pipeline read faster; below, they lose. H100, context 1280 (benchmarks.attention
-# --kv-dtype fp8): 7B batch 64 48.2 vs 54.3 us, 32B batch 64 80.7 vs 102.2; 32B batch 8 19.8 vs 16.6.
+# 128-key tiles in a 3-deep pipeline read faster; below, they lose. H100, context 1280
+# (benchmarks.probes.decode_attention --kv-dtype fp8): 7B batch 64 48.2 vs 54.3 us, 32B batch 64 80.7 vs 102.2; 32B
+# batch 8 19.8 vs 16.6.
 FP8_WIDE_CONFIG = DecodeConfig(block_s=128, num_stages=3)
 FP8_WIDE_MIN_PROGRAMS = 256
 MIN_TILES_PER_SPLIT = 2

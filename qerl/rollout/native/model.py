@@ -56,7 +56,7 @@ SUPPORTED = (
     "self_attn.{q,k}_norm, mlp.{gate,up,down}_proj, RMSNorms) and Gemma-3 text"
 )
 # The MLP's activation -> its gate in kernels (by name, looked up per call as the other kernels are, so that
-# benchmarks.step_costs can swap one out)
+# benchmarks.probes.step_costs can swap one out)
 GATES = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 # Per-layer norm roles: (before attention, on the attention's output, before the MLP, on the MLP's output).
 PRE_NORM_ROLES = ("input_layernorm", None, "post_attention_layernorm", None)

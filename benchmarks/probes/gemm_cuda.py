@@ -1,6 +1,6 @@
-"""The CUDA GEMMs' probes for benchmarks.probe_gemm (`cuda`, `wgmma`, `wgmma-lora`, `wgmma-ceiling`, `wgmma-by-k`):
+"""The CUDA GEMMs' probes for benchmarks.probes.gemm (`cuda`, `wgmma`, `wgmma-lora`, `wgmma-ceiling`, `wgmma-by-k`):
 the decode and wgmma GEMMs (qerl/nvfp4/cuda_gemm.py) against the Triton one and cuBLAS BF16, and the wgmma loop's
-ceilings from the kernels of probe_gemm.cu.
+ceilings from the kernels of gemm.cu.
 
 `wgmma-ceiling` runs the chunk loop of nvfp4_wgmma_gemm with no global memory at all: how many weight bytes per second
 its tensor-core and decode work could keep up with (docs/kernel_notes.md, "Ninth session"); then the same loop fed
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.measure import Copies, graph_time_us, measure_ceilings, nvfp4_bytes, shapes
+from benchmarks.probes.measure import Copies, graph_time_us, measure_ceilings, nvfp4_bytes, shapes
 from qerl.device_facts import sm_count
 from qerl.nvfp4 import ops
 from qerl.nvfp4 import triton_kernels as tk
@@ -126,7 +126,7 @@ def wgmma_vs_triton(lora: bool = False):
             torch.cuda.empty_cache()
 
 
-CEILING_SOURCE = Path(__file__).with_name("probe_gemm.cu")  # the ceiling kernels, appended to decode_gemm.cu
+CEILING_SOURCE = Path(__file__).with_name("gemm.cu")  # the ceiling kernels, appended to decode_gemm.cu
 CEILING_STAGES = (  # wgmma_ceiling's STAGE 0-4, labelled
     "A in registers (bare wgmma)",
     "+ codes and scales from shared memory",
@@ -145,11 +145,11 @@ CEILING_LDG_SOURCES = (  # wgmma_ceiling_ldg's (SRC, RING), labelled
 LDG_SHARED_BYTES = 32768 + 6 * 512 * 48  # x buffers, then the deepest cp.async ring of 4 warpgroups
 
 
-class _CeilingArgs(ctypes.Structure):  # probe_gemm.cu's CeilingArgs, field for field
+class _CeilingArgs(ctypes.Structure):  # gemm.cu's CeilingArgs, field for field
     _fields_ = [("out", ctypes.c_void_p), ("iters", ctypes.c_int)]
 
 
-class _CeilingLdgArgs(ctypes.Structure):  # probe_gemm.cu's CeilingLdgArgs, field for field
+class _CeilingLdgArgs(ctypes.Structure):  # gemm.cu's CeilingLdgArgs, field for field
     _fields_ = [
         ("out", ctypes.c_void_p),
         ("iters", ctypes.c_int),

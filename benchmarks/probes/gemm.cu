@@ -1,4 +1,4 @@
-// The chunk loop of nvfp4_wgmma_gemm without the GEMM around it, for `python -m benchmarks.probe_gemm wgmma-ceiling`.
+// The chunk loop of nvfp4_wgmma_gemm without the GEMM around it, for `python -m benchmarks.probes.gemm wgmma-ceiling`.
 // Not a file to build alone: cuda_gemm._kernel appends it to qerl/nvfp4/decode_gemm.cu and builds both with NVRTC,
 // so these kernels use that file's types and helpers (u32, smem_addr, decode8, wgmma_step, Stage, ...) as they are.
 //

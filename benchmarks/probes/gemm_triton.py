@@ -1,4 +1,4 @@
-"""The Triton GEMM's probes for benchmarks.probe_gemm (`stream`, `splits`, `host`, `ncu`): a pure-streaming kernel
+"""The Triton GEMM's probes for benchmarks.probes.gemm (`stream`, `splits`, `host`, `ncu`): a pure-streaming kernel
 with the GEMM's access pattern, every split-K, the host time of an eager call, and the calls for Nsight Compute.
 
 `stream` runs a kernel with the GEMM's grid, tiles, split-K and TMA ring that only XORs the bytes it receives: the
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from benchmarks.measure import Copies, graph_time_us, nvfp4_bytes, shapes
+from benchmarks.probes.measure import Copies, graph_time_us, nvfp4_bytes, shapes
 from qerl.nvfp4 import ops
 from qerl.nvfp4 import triton_kernels as tk
 

@@ -1,7 +1,7 @@
 """What the GPU benchmarks share to time a kernel: the Qwen2.5 layer shapes, an NVFP4 weight's bytes, CUDA-graph
 timing, weight copies that defeat the L2, and the device's copy-bandwidth and BF16 matmul ceilings.
 
-Used by benchmarks.kernels, benchmarks.probe_gemm's probes and benchmarks.attention.
+Used by benchmarks.probes.nvfp4_speed, benchmarks.probes.gemm's probes and benchmarks.probes.decode_attention.
 """
 
 from __future__ import annotations
