@@ -84,14 +84,7 @@ class QeRLTrainer(GRPOTrainer):
         if args.compile_layers:
             for layer in policy.decoder_layers(self.model):
                 layer.compile(dynamic=True)
-        mismatch = policy.eos_mismatch(self._tokenizer, self.model.generation_config)
-        if mismatch:
-            warnings.warn(
-                f"{mismatch}. Rollouts end at any of them (TRL adds the tokenizer's EOS); the model's own "
-                'EOS ids are kept (transformers\' "Updated tokens" notice as training starts is undone '
-                "before the first step).",
-                stacklevel=2,
-            )
+        self._warn_eos_mismatch()
         self.add_callback(KeepModelEos(self.model))
         self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup())
         # The training passes' BF16 copy of the frozen NVFP4 weights: made after each rollout, dropped before the next.
@@ -182,7 +175,8 @@ class QeRLTrainer(GRPOTrainer):
     #       that correction (the old_per_token_logps forward, the ratio, its loss factor, the sampling/* metrics),
     #       in _generate_single_turn (overridden) and on the tools / rollout_func paths (refused in __init__).
     #   _metrics[mode][name]: the lists TRL averages and logs; aqn/* and sampling/* values go there.
-    #   _tokenizer, eos_token_ids, pad_to_multiple_of, generation_config: the rollout's settings, as TRL made them.
+    #   _tokenizer, eos_token_ids, pad_to_multiple_of, generation_config: the rollout's settings, as TRL made them
+    #       (_tokenizer also for the EOS warning, _warn_eos_mismatch).
     #   _tag_names, _name: the model card's tags and trainer name.
     # TRL's helpers: profiling_context, unwrap_model_for_generation.
     # Copied: the sampling/* metric names and formulas (_log_rollout_mismatch), from TRL's correction block,
@@ -216,6 +210,16 @@ class QeRLTrainer(GRPOTrainer):
         ]
         if packed:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, packed)
+
+    def _warn_eos_mismatch(self):
+        mismatch = policy.eos_mismatch(self._tokenizer, self.model.generation_config)
+        if mismatch:
+            warnings.warn(
+                f"{mismatch}. Rollouts end at any of them (TRL adds the tokenizer's EOS); the model's own "
+                'EOS ids are kept (transformers\' "Updated tokens" notice as training starts is undone '
+                "before the first step).",
+                stacklevel=3,
+            )
 
     def _save_checkpoint(self, model, trial):
         with cli.signals_deferred():

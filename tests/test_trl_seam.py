@@ -183,3 +183,18 @@ def test_transformers_trainer_internals():
     train = _source(Trainer.train)
     assert train.index("align_special_tokens(self.model, self.processing_class)") < train.index("inner_training_loop(")
     assert "self.callback_handler.on_train_begin(" in _source(Trainer._inner_training_loop)
+
+
+# The TRL internals the seam lists: no line of qerl/trainer.py above the seam touches one.
+TRL_INTERNALS = ("_generate_single_turn", "_generate_and_score_completions", "_get_per_token_logps_and_entropies",
+                 "_compute_loss", "use_vllm", "_metrics", "_tokenizer", "eos_token_ids", "pad_to_multiple_of",
+                 "generation_config", "_tag_names", "_name")  # fmt: skip
+
+
+def test_every_trl_internal_is_used_in_the_seam_and_nowhere_above():
+    source = inspect.getsource(inspect.getmodule(QeRLTrainer))
+    above, seam = source.split("# THE TRL SEAM", 1)
+    used_above = sorted({name for name in TRL_INTERNALS if re.search(rf"\bself\.{name}\b", above)})
+    helpers_above = [h for h in ("profiling_context(", "unwrap_model_for_generation(") if h in above]
+    assert not used_above and not helpers_above, f"above THE TRL SEAM: {used_above + helpers_above}"
+    assert all(re.search(rf"\bself\.{name}\b|def {name}\b|^\s+{name} = ", seam, re.M) for name in TRL_INTERNALS)
