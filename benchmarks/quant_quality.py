@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qerl import aqn, data, policy, rewards
+from qerl import aqn, base_model, data, rewards
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -186,10 +186,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     bf16_dir, nvfp4_dir = resolve_checkpoints(args)
     dtype = getattr(torch, args.dtype)
-    tokenizer = policy.load_tokenizer(bf16_dir)
+    tokenizer = base_model.load_tokenizer(bf16_dir)
     models = {
-        "bf16": policy.load_base_model(bf16_dir, "bf16", dtype, args.device).eval(),
-        "nvfp4": policy.load_base_model(nvfp4_dir, "nvfp4", dtype, args.device).eval(),
+        "bf16": base_model.load_base_model(bf16_dir, "bf16", dtype, args.device).eval(),
+        "nvfp4": base_model.load_base_model(nvfp4_dir, "nvfp4", dtype, args.device).eval(),
     }
     forced = teacher_forced(
         models["bf16"], models["nvfp4"], tokenizer, read_gsm8k(args.data, args.solutions), args.batch_size

@@ -11,7 +11,7 @@ import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-from qerl import policy as qpolicy
+from qerl import lora
 from qerl.nvfp4.quantize import quantize_model
 from qerl.tiny import build_tiny_tokenizer
 
@@ -148,7 +148,7 @@ def padded_tokenizer(vocab_size: int):
 
 
 def with_lora(model, rank: int = 16):
-    peft_model = get_peft_model(model, qpolicy.lora_config(model, rank=rank, alpha=rank))  # as TRL wraps the base
+    peft_model = get_peft_model(model, lora.lora_config(model, rank=rank, alpha=rank))  # as TRL wraps the base
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:

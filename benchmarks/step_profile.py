@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import TrainerCallback
 
-from qerl import policy
+from qerl import base_model
 
 # Dense BF16 tensor-core peaks (TFLOP/s) by device-name fragment, first match wins.
 BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0))
@@ -111,7 +111,7 @@ class StepProfile(TrainerCallback):
         self._wrap(t.accelerator, "backward", "backward")
         self._wrap(t, "_clip_grad_norm", "grad clip")
         self._wrap(t, "log", "logging")
-        policy.decoder_layers(t.accelerator.unwrap_model(t.model))[0].register_forward_pre_hook(self._count_forward)
+        base_model.decoder_layers(t.accelerator.unwrap_model(t.model))[0].register_forward_pre_hook(self._count_forward)
 
     def _count_tokens(self, trainer):
         """Real tokens (and the sum of squared row lengths, for attention FLOPs) of each training forward."""

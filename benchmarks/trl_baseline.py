@@ -5,7 +5,7 @@
 
 What it shares with `python -m benchmarks.step --model ... --config ...` (and `python -m qerl.train`) on the same
 recipe: every GRPOConfig field the recipe sets (loss, batch, lengths, optimizer, schedule, sampling, seed), the
-prompts (qerl.data: the same task, format and length filter), the reward functions and the LoRA (policy.lora_config:
+prompts (qerl.data: the same task, format and length filter), the reward functions and the LoRA (lora.lora_config:
 rank, alpha, targets, trainable norms). What is TRL's own: the trainer, its colocated vLLM engine (the adapter merged
 into the weights and pushed every step), its padded training forwards, TRL's vLLM defaults (no sleep mode). No AQN
 (TRL has none) and a BF16 base only (TRL's vLLM path merges the adapter into the base, which NVFP4 cannot take).
@@ -27,7 +27,7 @@ from trl import GRPOConfig, GRPOTrainer
 from benchmarks.launch import GSM8K_SAMPLE
 from benchmarks.rollout import free_share
 from benchmarks.step import StepClock, completion_lengths, gpu_used_gib, print_steps, real_model_flags
-from qerl import policy, train
+from qerl import base_model, lora, train
 from qerl.config import QeRLConfig
 
 # Left to TRL: QeRLConfig's own default where TRL's differs (a field the recipes do not set), and the field that
@@ -52,14 +52,14 @@ def build(args) -> GRPOTrainer:
     flags += ["--max-steps", str(args.steps), *args.extra]
     script_args, config = train.parse_args(flags)
     train.validate(script_args, config)
-    tokenizer = policy.load_tokenizer(script_args.model_name)
-    model = policy.load_base_model(script_args.model_name, "bf16", getattr(torch, script_args.dtype), config.device)
+    tokenizer = base_model.load_tokenizer(script_args.model_name)
+    model = base_model.load_base_model(script_args.model_name, "bf16", getattr(torch, script_args.dtype), config.device)
     prompts, reward_funcs = train.prompts_and_rewards(script_args, config, tokenizer)
     share = None if args.no_vllm else args.gpu_memory_utilization
     if not args.no_vllm and share is None:
         # Room for the training passes: the model again (its activations' and gradients' order of size) and 8 GiB.
         share = free_share(reserve_bytes=sum(p.numel() * p.element_size() for p in model.parameters()) + 8 * 2**30)
-    lora = policy.lora_config(
+    adapter = lora.lora_config(
         model, config.lora_rank, config.lora_alpha, config.lora_target_modules, config.lora_dropout,
         config.trainable_norms,
     )  # fmt: skip
@@ -69,7 +69,7 @@ def build(args) -> GRPOTrainer:
         args=trl_config(config, share),
         train_dataset=prompts,
         processing_class=tokenizer,
-        peft_config=lora,
+        peft_config=adapter,
     )
 
 

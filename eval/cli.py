@@ -84,7 +84,7 @@ def _warn_eos(model: str) -> None:
         return
     from transformers import GenerationConfig
 
-    from qerl.policy import eos_mismatch, load_tokenizer
+    from qerl.base_model import eos_mismatch, load_tokenizer
 
     mismatch = eos_mismatch(load_tokenizer(model), GenerationConfig.from_pretrained(model))
     if mismatch:

@@ -30,7 +30,7 @@ def generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling) -> 
     import torch
 
     from qerl import rollout
-    from qerl.policy import load_tokenizer
+    from qerl.base_model import load_tokenizer
 
     tokenizer = load_tokenizer(spec.model)
     build = functools.partial(_backend, spec, sampling, tokenizer, functools.cache(lambda: _policy(spec)))
@@ -79,7 +79,7 @@ def _policy(spec: ModelSpec):
     """Base + adapter in eval mode, as training loads them."""
     from peft import PeftModel
 
-    from qerl.policy import load_base_model
+    from qerl.base_model import load_base_model
 
     model = load_base_model(spec.model, precision=spec.load, device=spec.device)
     if spec.adapter:

@@ -40,16 +40,16 @@ def build_policy(base: str, dump: dict, attn: str, head: str, device: str) -> nn
     from peft import get_peft_model
     from trl.trainer.utils import add_fused_lm_head
 
-    from qerl import policy
+    from qerl import base_model, lora
 
-    model = policy.load_base_model(base, device=device)
+    model = base_model.load_base_model(base, device=device)
     model.config._attn_implementation = "eager" if attn == "eager" else "sdpa"
     if head == "fused":
         add_fused_lm_head(model, temperature=dump["temperature"], outputs=("log_probs", "entropy"))
-    lora = dump["lora"]
-    config = policy.lora_config(model, lora["rank"], lora["alpha"], lora["targets"], 0.0, lora["trainable_norms"])
+    saved = dump["lora"]
+    config = lora.lora_config(model, saved["rank"], saved["alpha"], saved["targets"], 0.0, saved["trainable_norms"])
     model = get_peft_model(model, config)
-    policy.keep_fp32_masters(model)
+    lora.keep_fp32_masters(model)
     params = dict(model.named_parameters())
     missing = [n for n in dump["trainable"] if n not in params]
     if missing:
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
 
     dump = torch.load(args.dump, map_location="cpu", weights_only=False)
     batch = {k: v.to(args.device) if torch.is_tensor(v) else v for k, v in dump["batch"].items()}
-    from qerl.policy import load_tokenizer
+    from qerl.base_model import load_tokenizer
 
     report = {
         "dump": args.dump,

@@ -80,7 +80,7 @@ class QeRLConfig(GRPOConfig):
         metadata={
             "help": "Run the training forwards on each row's real tokens from column 0 (left padding removed, "
             "the micro-batch cut at its longest row, rows with nothing to score left out) under a causal mask "
-            "alone, so that no compute goes to padding and attention runs FlashAttention (qerl/unpadded.py). "
+            "alone, so that no compute goes to padding and attention runs FlashAttention (qerl/unpadded_forward.py). "
             "false: TRL's padded layout with a padding mask. Text-only models."
         },
     )

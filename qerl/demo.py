@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import PrinterCallback, TrainerCallback
 
-from qerl import data, plotting, policy
+from qerl import base_model, data, plotting
 from qerl.config import QeRLConfig
 from qerl.field_rules import ROLLOUT_BACKENDS
 from qerl.tiny import build_tiny, save_tiny_checkpoints
@@ -182,7 +182,7 @@ def toy_setup(args, device, cuda: bool) -> DemoSetup:
     )
     _, nvfp4_dir = save_tiny_checkpoints(os.path.join(args.output_dir, "checkpoints"), model.cpu(), tokenizer)
     # fp32 compute on the CPU (bf16 matmuls are slow there); the weights stay packed NVFP4 either way.
-    base = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    base = base_model.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
     print(
         f"[demo] NVFP4 checkpoint: {nvfp4_dir}; sampled accuracy of the NVFP4 base "
         f"{sample_accuracy(base, tokenizer):.1%}"
@@ -205,8 +205,8 @@ def real_model_setup(args, device, cuda: bool) -> DemoSetup:
     from qerl.models.fetch import bf16_and_nvfp4
 
     _, nvfp4_dir = bf16_and_nvfp4(args.model, args.checkpoint_dir, "cuda" if cuda else "cpu")
-    tokenizer = policy.load_tokenizer(nvfp4_dir)
-    base = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    tokenizer = base_model.load_tokenizer(nvfp4_dir)
+    base = base_model.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
     task = data.load_task(str(GSM8K_SAMPLE), "train", "gsm8k_lenient", seed=args.seed)
     config = rl_config(
         args,

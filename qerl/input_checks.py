@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from qerl.errors import UsageError, nearest, one_line
-from qerl.model_files import check_safetensors, looks_like_path
+from qerl.sniff import check_safetensors, looks_like_path
 
 
 def check_device(text: str, flag: str = "--device") -> str:

@@ -1,6 +1,6 @@
 """The RMSNorms of a model: finding them by what they are, and running one in FP32.
 
-AQN perturbs these scales (qerl.aqn) and `ln` trains them (qerl.policy); both need the same answer to "which
+AQN perturbs these scales (qerl.aqn) and `ln` trains them (qerl.lora); both need the same answer to "which
 modules are the per-layer RMSNorms", in a transformers model, a peft-wrapped one or a rollout engine's own.
 """
 

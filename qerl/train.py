@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qerl import cli, data, input_checks, policy, rewards
+from qerl import base_model, cli, data, input_checks, rewards
 from qerl.config import QeRLConfig
 from qerl.errors import UsageError, nearest
 from qerl.field_rules import PRECISIONS, check_choices, check_ranges
@@ -208,9 +208,9 @@ def prompts_and_rewards(script_args: QeRLScriptArguments, config: QeRLConfig, to
 def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=None) -> QeRLTrainer:
     """The trainer of a run; `model`: a base already built in memory (benchmarks), instead of loading model_name."""
     dtype = getattr(torch, script_args.dtype)
-    tokenizer = policy.load_tokenizer(script_args.model_name)
+    tokenizer = base_model.load_tokenizer(script_args.model_name)
     if model is None:
-        model = policy.load_base_model(script_args.model_name, script_args.precision, dtype, device=config.device)
+        model = base_model.load_base_model(script_args.model_name, script_args.precision, dtype, device=config.device)
     train_dataset, reward_funcs = prompts_and_rewards(script_args, config, tokenizer)
     return QeRLTrainer(model, reward_funcs, args=config, train_dataset=train_dataset, processing_class=tokenizer)
 

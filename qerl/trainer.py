@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
-from qerl import aqn, cli, norms, policy, rollout, sharding, unpadded
+from qerl import aqn, base_model, cli, lora, norms, rollout, sharding, unpadded_forward
 from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
 from qerl.dense_weights import DenseWeights
@@ -41,7 +41,7 @@ TRAINING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTEN
 class QeRLTrainer(GRPOTrainer):
     """GRPOTrainer whose rollouts come from the AQN-perturbed policy through a rollout backend.
 
-    `model` is the frozen base as policy.load_base_model loads it (or a peft model). Without a peft model or
+    `model` is the frozen base as base_model.load_base_model loads it (or a peft model). Without a peft model or
     `peft_config`, LoRA is applied from the config's lora_* fields (and trainable_norms).
     """
 
@@ -54,8 +54,10 @@ class QeRLTrainer(GRPOTrainer):
         if not isinstance(args, QeRLConfig):
             raise TypeError(f"QeRLTrainer needs a QeRLConfig, got {type(args).__name__}")
         if isinstance(model, (str, os.PathLike)):  # TRL would load it with transformers, blind to NVFP4
-            raise TypeError("QeRLTrainer takes a loaded model: policy.load_base_model(path, precision, dtype, device)")
-        self.is_nvfp4 = policy.is_nvfp4_model(model)
+            raise TypeError(
+                "QeRLTrainer takes a loaded model: base_model.load_base_model(path, precision, dtype, device)"
+            )
+        self.is_nvfp4 = base_model.is_nvfp4_model(model)
         self.aqn_enabled = self.is_nvfp4 if args.aqn is None else args.aqn
         if self.aqn_enabled and not self.is_nvfp4:
             warnings.warn(
@@ -64,7 +66,7 @@ class QeRLTrainer(GRPOTrainer):
                 stacklevel=2,
             )
         if peft_config is None and not is_peft_model(model):
-            peft_config = policy.lora_config(
+            peft_config = lora.lora_config(
                 model,
                 args.lora_rank,
                 args.lora_alpha,
@@ -76,13 +78,13 @@ class QeRLTrainer(GRPOTrainer):
         # ZeRO keeps FP32 masters of its own (and gathers parameters of one dtype); accelerate's FSDP2 upcasts the
         # trainable parameters to FP32 masters itself and all-gathers them in its mixed precision's dtype.
         if args.deepspeed_plugin is None and not self.is_fsdp_enabled:
-            policy.keep_fp32_masters(self.model)
+            lora.keep_fp32_masters(self.model)
         else:  # their checkpoints save every persistent buffer: the frozen NVFP4 base too
             sharding.keep_base_out_of_checkpoints(self.model)
 
         self._adapt_trl_internals()
         if args.compile_layers:
-            for layer in policy.decoder_layers(self.model):
+            for layer in base_model.decoder_layers(self.model):
                 layer.compile(dynamic=True)
         self._warn_eos_mismatch()
         self.add_callback(KeepModelEos(self.model))
@@ -212,7 +214,7 @@ class QeRLTrainer(GRPOTrainer):
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, packed)
 
     def _warn_eos_mismatch(self):
-        mismatch = policy.eos_mismatch(self._tokenizer, self.model.generation_config)
+        mismatch = base_model.eos_mismatch(self._tokenizer, self.model.generation_config)
         if mismatch:
             warnings.warn(
                 f"{mismatch}. Rollouts end at any of them (TRL adds the tokenizer's EOS); the model's own "
@@ -362,18 +364,18 @@ class QeRLTrainer(GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
     ):
         """TRL's per-token log-probs (and entropies) of the completion tokens, in TRL's layout, from forwards over
-        the rows' real tokens only (qerl/unpadded.py), through the fused LM head TRL puts on the model."""
+        the rows' real tokens only (qerl/unpadded_forward.py), through the fused LM head TRL puts on the model."""
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
-            chunk = unpadded.unpad(
+            chunk = unpadded_forward.unpad(
                 input_ids[start : start + batch_size], attention_mask[start : start + batch_size], logits_to_keep
             )
             with self.accelerator.autocast():
                 out = model(input_ids=chunk.input_ids, labels=chunk.labels, fused_lm_head=True)
-            logps.append(unpadded.to_completion_layout(out.log_probs, chunk))
+            logps.append(unpadded_forward.to_completion_layout(out.log_probs, chunk))
             if compute_entropy:
-                entropies.append(unpadded.to_completion_layout(out.entropy, chunk))
+                entropies.append(unpadded_forward.to_completion_layout(out.entropy, chunk))
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     def _compute_loss(self, model, inputs):

@@ -32,8 +32,8 @@ from qerl import cli, field_rules, quantize, train
 from qerl.config import QeRLConfig
 from qerl.errors import UsageError, nearest, one_line
 from qerl.input_checks import FETCH_COMMAND
-from qerl.model_files import looks_like_path
 from qerl.run_dir import RunLock
+from qerl.sniff import looks_like_path
 from qerl.tiny import build_tiny, build_tiny_tokenizer, save_tiny_checkpoints
 
 MAINS = {

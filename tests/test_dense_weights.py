@@ -8,13 +8,13 @@ import torch
 from fakes import make_trainer, recipe_config
 from peft import LoraConfig, get_peft_model
 
-from qerl import dense_weights, field_rules, policy
+from qerl import base_model, dense_weights, field_rules
 from qerl.dense_weights import DenseWeights
 from qerl.nvfp4.linear import NVFP4Linear
 
 
 def _policy(nvfp4_dir):
-    base = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
+    base = base_model.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
     config = LoraConfig(r=4, lora_alpha=8, target_modules=list(field_rules.LORA_TARGETS), init_lora_weights=False)
     return get_peft_model(base, config)
 
@@ -57,7 +57,7 @@ def test_passes_through_the_copy_equal_decoding_per_call(checkpoints, seed):
 
 def test_auto_takes_the_copy_where_it_fits_its_share_of_the_free_memory(checkpoints, monkeypatch):
     _, nvfp4_dir = checkpoints
-    model = policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
+    model = base_model.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
     nbytes = DenseWeights(model).nbytes
     enough = math.ceil(nbytes / dense_weights.AUTO_SHARE)
     for available, expected in ((enough, True), (enough - 3, False), (0, False)):
@@ -65,7 +65,7 @@ def test_auto_takes_the_copy_where_it_fits_its_share_of_the_free_memory(checkpoi
         assert DenseWeights(model).wanted() is expected
         assert DenseWeights(model, enabled=True).wanted() and not DenseWeights(model, enabled=False).wanted()
     bf16_dir, _ = checkpoints
-    bf16 = policy.load_base_model(bf16_dir, dtype=torch.bfloat16, device="cpu")
+    bf16 = base_model.load_base_model(bf16_dir, dtype=torch.bfloat16, device="cpu")
     assert not DenseWeights(bf16, enabled=True).wanted()  # nothing to decode
 
 

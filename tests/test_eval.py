@@ -12,7 +12,7 @@ from eval import cli as eval_cli
 from eval import competition_math, gsm8k
 from eval.statistics import wilson_interval
 from qerl import cli
-from qerl.policy import load_base_model
+from qerl.base_model import load_base_model
 from qerl.rewards import gsm8k_gold
 
 GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"

@@ -23,7 +23,7 @@ TOOL_BASES = {
 # Lowest first; a module may import its own layer and those below it (patterns: fnmatch on the dotted name).
 LAYERS = [
     ["qerl", "qerl.errors", "qerl.device_facts", "qerl.plotting"],  # facts and one-line errors
-    ["qerl.cli", "qerl.model_files", "qerl.pdl"],  # the command-line convention, file sniffing, launch flags
+    ["qerl.cli", "qerl.sniff", "qerl.dependent_launch"],  # the command-line convention, file sniffing, launch flags
     ["qerl.field_rules", "qerl.config"],  # what each setting accepts; the training config
     ["qerl.nvfp4", "qerl.nvfp4.*"],  # the format, its kernels, checkpoints
     [
@@ -33,12 +33,12 @@ LAYERS = [
         "qerl.tiny",
         "qerl.sharding",
         "qerl.norms",
-        "qerl.unpadded",
+        "qerl.unpadded_forward",
         "qerl.rewards",
         "qerl.nonfinite_dump",
         "qerl.dense_weights",
     ],
-    ["qerl.aqn", "qerl.policy", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
+    ["qerl.aqn", "qerl.base_model", "qerl.lora", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
     ["qerl.callbacks", "qerl.recipes"],
     ["qerl.trainer", "qerl.run_dir"],
     ["qerl.train", "qerl.demo"],

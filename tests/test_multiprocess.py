@@ -127,9 +127,9 @@ FSDP2_HARNESS = textwrap.dedent("""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
     from peft import get_peft_model
     from transformers import GenerationConfig
-    from qerl import aqn, norms, policy, sharding
+    from qerl import aqn, base_model, lora, norms, sharding
     from qerl.rollout.native.engine import NativeEngine
-    from qerl.rollout.native.model import Decoder
+    from qerl.rollout.native.decoder import Decoder
     from qerl.rollout.native.sampling import Sampler
 
     checkpoint, out = sys.argv[1:]
@@ -138,9 +138,9 @@ FSDP2_HARNESS = textwrap.dedent("""
     def make_policy():
         # The trainer's policy before accelerate prepares it: BF16 base, FP32 LoRA, trainable BF16 norm copies,
         # here with a trained look (LoRA B is zero at initialisation), the same on every rank.
-        base = policy.load_base_model(checkpoint, dtype=torch.bfloat16, device="cpu")
+        base = base_model.load_base_model(checkpoint, dtype=torch.bfloat16, device="cpu")
         torch.manual_seed(0)  # peft draws LoRA A from torch's generator
-        model = get_peft_model(base, policy.lora_config(base, 4, 8, trainable_norms=True))
+        model = get_peft_model(base, lora.lora_config(base, 4, 8, trainable_norms=True))
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -7,11 +7,11 @@ import torch
 from peft import get_peft_model
 from transformers import GenerationConfig
 
-from qerl import aqn, policy
+from qerl import aqn, lora
 from qerl.nvfp4.quantize import quantize_model
-from qerl.rollout.native import kernels, kv_cache
+from qerl.rollout.native import elementwise, kv_cache
+from qerl.rollout.native.decoder import Decoder
 from qerl.rollout.native.engine import NativeEngine
-from qerl.rollout.native.model import Decoder
 from qerl.rollout.native.sampling import Sampler
 from qerl.tiny import build_tiny
 
@@ -31,8 +31,8 @@ def _policy(precision, hidden_size=512, intermediate_size=1024, num_layers=4, nu
     model = model.cuda()
     if precision == "nvfp4":
         quantize_model(model)
-    peft_model = get_peft_model(model, policy.lora_config(model, rank=8, alpha=16, trainable_norms=True))
-    policy.keep_fp32_masters(peft_model)
+    peft_model = get_peft_model(model, lora.lora_config(model, rank=8, alpha=16, trainable_norms=True))
+    lora.keep_fp32_masters(peft_model)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -141,8 +141,10 @@ def test_fp8_cache_write_on_the_gpu_matches_the_torch_rule():
     positions = torch.randperm(cap, device="cuda")[:m].to(torch.int32)  # distinct slots
     caches = [torch.zeros((batch, cap, hkv, d), dtype=kv_cache.FP8, device="cuda") for _ in range(4)]
     scales = [torch.zeros((batch, cap, hkv), device="cuda") for _ in range(4)]
-    kernels.rope_cache(qkv, cos, sin, batch_idx, positions, caches[0], caches[1], hq, hkv, scales[0], scales[1])
-    kernels.rope_cache_torch(qkv, cos, sin, batch_idx, positions, caches[2], caches[3], hq, hkv, scales[2], scales[3])
+    elementwise.rope_cache(qkv, cos, sin, batch_idx, positions, caches[0], caches[1], hq, hkv, scales[0], scales[1])
+    elementwise.rope_cache_torch(
+        qkv, cos, sin, batch_idx, positions, caches[2], caches[3], hq, hkv, scales[2], scales[3]
+    )
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8)) and torch.equal(scales[1], scales[3])
     ours, ref = (kv_cache.dequantize_reference(caches[i], scales[i], torch.float64) for i in (0, 2))
     assert ((ours - ref).abs() <= ref.abs() * 2.0**-3 + scales[2].double()[..., None] * 2.0**-9).all()
@@ -191,8 +193,8 @@ def test_aqn_on_head_norms_reaches_the_graph():
 
 
 def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):
-    """Each decode kernel waits for its predecessor before touching memory (qerl/pdl.py): the graph's samples and
-    log-probs with PDL are those without it, bit for bit."""
+    """Each decode kernel waits for its predecessor before touching memory (qerl/dependent_launch.py): the graph's
+    samples and log-probs with PDL are those without it, bit for bit."""
     model, tokenizer = _policy("nvfp4")
     prompts = _prompts(len(tokenizer))
     decoder = Decoder(model)

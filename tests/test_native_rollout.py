@@ -15,10 +15,10 @@ import torch
 from peft import get_peft_model
 from transformers import GenerationConfig
 
-from qerl import aqn, norms, policy
+from qerl import aqn, lora, norms
 from qerl.nvfp4.quantize import quantize_model
+from qerl.rollout.native.decoder import Decoder
 from qerl.rollout.native.engine import NativeEngine
-from qerl.rollout.native.model import Decoder
 from qerl.rollout.native.sampling import Sampler
 from qerl.tiny import build_tiny, build_tiny_tokenizer
 
@@ -36,8 +36,8 @@ def _with_lora(model, nvfp4=False):
     """The model with a LoRA adapter and trainable norms, all moved off their initial values."""
     if nvfp4:
         quantize_model(model)
-    peft_model = get_peft_model(model, policy.lora_config(model, rank=4, alpha=8, trainable_norms=True))
-    policy.keep_fp32_masters(peft_model)
+    peft_model = get_peft_model(model, lora.lora_config(model, rank=4, alpha=8, trainable_norms=True))
+    lora.keep_fp32_masters(peft_model)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:

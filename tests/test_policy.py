@@ -1,10 +1,11 @@
-"""The road from a checkpoint to a trainable policy (policy.load_base_model, then QeRLTrainer), as training takes it."""
+"""The road from a checkpoint to a trainable policy (base_model.load_base_model, then QeRLTrainer with
+lora.lora_config), as training takes it."""
 
 import pytest
 import torch
 from fakes import make_trainer
 
-from qerl import policy
+from qerl import base_model
 from qerl.config import QeRLConfig
 from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 from qerl.nvfp4.linear import NVFP4Linear
@@ -32,16 +33,16 @@ def _batch(tokenizer):
 def test_nvfp4_checkpoint_loads_as_nvfp4_linear(checkpoints):
     bf16_dir, nvfp4_dir = checkpoints
     assert is_nvfp4_checkpoint(nvfp4_dir) and not is_nvfp4_checkpoint(bf16_dir)
-    base = policy.load_base_model(nvfp4_dir, dtype=torch.float32, device="cpu")
+    base = base_model.load_base_model(nvfp4_dir, dtype=torch.float32, device="cpu")
     quantized = [n for n, m in base.named_modules() if isinstance(m, NVFP4Linear)]
     assert len(quantized) == 2 * 7 and not isinstance(base.lm_head, NVFP4Linear)
     assert not any(p.requires_grad for p in base.parameters())
-    bf16 = policy.load_base_model(bf16_dir, dtype=torch.float32, device="cpu")
-    assert not policy.is_nvfp4_model(bf16) and policy.is_nvfp4_model(base)
+    bf16 = base_model.load_base_model(bf16_dir, dtype=torch.float32, device="cpu")
+    assert not base_model.is_nvfp4_model(bf16) and base_model.is_nvfp4_model(base)
     with pytest.raises(ValueError, match="quantized checkpoint"):
-        policy.load_base_model(nvfp4_dir, precision="bf16")
+        base_model.load_base_model(nvfp4_dir, precision="bf16")
     with pytest.raises(ValueError, match="not a quantized checkpoint"):
-        policy.load_base_model(bf16_dir, precision="nvfp4")
+        base_model.load_base_model(bf16_dir, precision="nvfp4")
 
 
 @pytest.mark.parametrize("trainable_norms", [False, True])
@@ -60,7 +61,7 @@ def test_only_lora_and_asked_norms_train(checkpoints, tmp_path, trainable_norms)
 
 def test_training_step_moves_adapters_only(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    tokenizer = policy.load_tokenizer(nvfp4_dir)
+    tokenizer = base_model.load_tokenizer(nvfp4_dir)
     model = _policy(nvfp4_dir, tmp_path, trainable_norms=True)
     frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k and "modules_to_save" not in k}
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -85,7 +86,7 @@ def test_training_step_moves_adapters_only(checkpoints, tmp_path):
 
 def test_gradient_checkpointing_gives_the_same_gradients(checkpoints, tmp_path):
     _, nvfp4_dir = checkpoints
-    tokenizer = policy.load_tokenizer(nvfp4_dir)
+    tokenizer = base_model.load_tokenizer(nvfp4_dir)
     input_ids, mask = _batch(tokenizer)
     grads = []
     for checkpointing in (False, True):
@@ -108,9 +109,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(checkpoints, tmp_path):
 def test_bf16_policy_and_tokenizer_roundtrip(checkpoints, tmp_path):
     bf16_dir, _ = checkpoints
     model = _policy(bf16_dir, tmp_path, dtype=torch.bfloat16)
-    assert not policy.is_nvfp4_model(model)
+    assert not base_model.is_nvfp4_model(model)
     assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if "lora_" not in n)
-    tokenizer = policy.load_tokenizer(bf16_dir)
+    tokenizer = base_model.load_tokenizer(bf16_dir)
     _, reference = build_tiny()
     assert tokenizer("a b\n7")["input_ids"] == reference("a b\n7")["input_ids"]
     assert tokenizer.eos_token == reference.eos_token and tokenizer.padding_side == "left"

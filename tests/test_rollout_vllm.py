@@ -14,7 +14,7 @@ import torch
 from fakes import make_trainer
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig, Qwen3Config
 
-from qerl import aqn, policy, rollout
+from qerl import aqn, base_model, rollout
 from qerl.config import QeRLConfig
 from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
 from qerl.nvfp4.quantize import quantize_model
@@ -60,7 +60,7 @@ def test_adapter_tensors_use_peft_names_and_vllm_norm_names(trainer):
     layers = model.config.num_hidden_layers
     assert len(lora) == 2 * 7 * layers  # A and B of q, k, v, o, gate, up, down in every layer
     # Parameter names of the checkpoint's own model: vLLM's Qwen2 uses the same names.
-    checkpoint_names = set(policy.load_base_model(trainer._rollout_setup().model_path, device="cpu").state_dict())
+    checkpoint_names = set(base_model.load_base_model(trainer._rollout_setup().model_path, device="cpu").state_dict())
     base_modules = dict(model.get_base_model().named_modules())
     for name, tensor in lora.items():
         # The format vLLM's parse_fine_tuned_lora_name reads: base_model.model.<module>.lora_{A,B}.weight

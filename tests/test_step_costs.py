@@ -6,16 +6,16 @@ from peft import get_peft_model
 from transformers import GenerationConfig
 
 from benchmarks.probes.step_costs import STAND_INS, step_costs, without
-from qerl import policy
+from qerl import lora
+from qerl.rollout.native.decoder import Decoder
 from qerl.rollout.native.engine import NativeEngine
-from qerl.rollout.native.model import Decoder
 from qerl.rollout.native.sampling import Sampler
 from qerl.tiny import build_tiny
 
 
 def _engine():
     model, tokenizer = build_tiny(dtype=torch.bfloat16, num_layers=2)
-    model = get_peft_model(model, policy.lora_config(model, rank=4, alpha=8))
+    model = get_peft_model(model, lora.lora_config(model, rank=4, alpha=8))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

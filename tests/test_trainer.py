@@ -7,7 +7,7 @@ import pytest
 import torch
 from fakes import digit_share_reward, make_trainer, recipe_config
 
-from qerl import aqn, norms, policy
+from qerl import aqn, base_model, norms
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.rollout.transformers import SampledTokenLogprobs
 from qerl.rollout.warpers import sampling_warpers
@@ -83,7 +83,8 @@ def test_grpo_steps_on_nvfp4_policy(checkpoints, tmp_path):
 
     trainer.save_model(os.path.join(args.output_dir, "adapter"))
     reloaded = PeftModel.from_pretrained(
-        policy.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu"), os.path.join(args.output_dir, "adapter")
+        base_model.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu"),
+        os.path.join(args.output_dir, "adapter"),
     )
     for n, p in reloaded.named_parameters():
         if "modules_to_save" in n or "lora_" in n:
@@ -346,7 +347,7 @@ def test_bad_configs(checkpoints, tmp_path):
         trainer = make_trainer(bf16_dir, recipe_config(tmp_path, aqn=True))
     assert trainer.aqn_enabled and not trainer.is_nvfp4
     assert not make_trainer(bf16_dir, recipe_config(tmp_path)).aqn_enabled  # default: off for BF16
-    with pytest.raises(TypeError, match="policy.load_base_model"):  # one road from a folder: the base loader
+    with pytest.raises(TypeError, match="base_model.load_base_model"):  # one road from a folder: the base loader
         QeRLTrainer(bf16_dir, [digit_share_reward], args=recipe_config(tmp_path))
 
 

@@ -1,6 +1,6 @@
-"""The unpadded training forward (qerl/unpadded.py, QeRLConfig.unpadded_forward) against TRL's own padded path, on
-real GSM8K rows in BF16: per-token log-probs, entropies, TRL's DAPO loss and the LoRA gradients. The tolerances come
-from the BF16 spread measured in the test: each path's distance to the same policy in FP32."""
+"""The unpadded training forward (qerl/unpadded_forward.py, QeRLConfig.unpadded_forward) against TRL's own padded path,
+on real GSM8K rows in BF16: per-token log-probs, entropies, TRL's DAPO loss and the LoRA gradients. The tolerances
+come from the BF16 spread measured in the test: each path's distance to the same policy in FP32."""
 
 import json
 from pathlib import Path
@@ -9,7 +9,7 @@ import pytest
 import torch
 from fakes import make_trainer
 
-from qerl import unpadded
+from qerl import unpadded_forward
 from qerl.config import QeRLConfig
 
 GSM8K = Path(__file__).parent / "data" / "gsm8k" / "train_sample.jsonl"
@@ -40,7 +40,7 @@ def test_unpad_moves_real_tokens_to_the_front_and_maps_log_probs_back(seed):
     rows.append((rows[0][0], rows[0][1], True))  # at least one row is scored
     prompt_ids, prompt_mask, completion_ids, completion_mask = _padded_batch(rows, pad=0)
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-    batch = unpadded.unpad(ids, mask, completion_ids.size(1))
+    batch = unpadded_forward.unpad(ids, mask, completion_ids.size(1))
 
     kept = [i for i, (_, _, k) in enumerate(rows) if k]
     assert batch.rows.tolist() == kept
@@ -48,19 +48,21 @@ def test_unpad_moves_real_tokens_to_the_front_and_maps_log_probs_back(seed):
     for r, i in enumerate(kept):
         p, c, _ = rows[i]
         assert batch.input_ids[r, : len(p) + len(c)].tolist() == p + c
-        scored = batch.labels[r] != unpadded.IGNORE
+        scored = batch.labels[r] != unpadded_forward.IGNORE
         assert batch.labels[r, scored].tolist() == c and scored.nonzero().min() == len(p)
     # A stand-in head that "scores" each position with the next token's id: mapped back, it is the completion.
     next_token = batch.labels[:, 1:].clamp(min=0).float()
-    assert torch.equal(unpadded.to_completion_layout(next_token, batch), (completion_ids * completion_mask).float())
+    assert torch.equal(
+        unpadded_forward.to_completion_layout(next_token, batch), (completion_ids * completion_mask).float()
+    )
 
 
 def test_unpad_keeps_one_row_when_no_row_is_scored():
     prompt_ids, prompt_mask, completion_ids, completion_mask = _padded_batch([([5, 6], [7], False)] * 2, pad=0)
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-    batch = unpadded.unpad(ids, mask, 1)
+    batch = unpadded_forward.unpad(ids, mask, 1)
     assert batch.rows.tolist() == [0] and batch.input_ids.tolist() == [[5, 6]]
-    assert unpadded.to_completion_layout(torch.ones(1, 1), batch).tolist() == [[0.0], [0.0]]
+    assert unpadded_forward.to_completion_layout(torch.ones(1, 1), batch).tolist() == [[0.0], [0.0]]
 
 
 def _gsm8k_rows(tokenizer, count: int, gen: torch.Generator):

@@ -27,7 +27,7 @@ def setup(tmp_path_factory):
     from peft import get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from qerl import policy
+    from qerl import base_model, lora
     from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
     from qerl.nvfp4.quantize import quantize_model
     from qerl.rollout import RolloutSetup, VLLMSettings
@@ -48,8 +48,8 @@ def setup(tmp_path_factory):
     )
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     save_nvfp4_checkpoint(quantize_model(model), root / "nvfp4")
-    base = policy.load_base_model(str(root / "nvfp4"), device="cuda")
-    peft_model = get_peft_model(base, policy.lora_config(base, rank=16, alpha=16, trainable_norms=True))
+    base = base_model.load_base_model(str(root / "nvfp4"), device="cuda")
+    peft_model = get_peft_model(base, lora.lora_config(base, rank=16, alpha=16, trainable_norms=True))
     with torch.no_grad():  # a trained-looking adapter: B and the norm scales moved away from their init
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:

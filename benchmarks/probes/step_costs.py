@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from qerl.rollout import create_backend
+from qerl.rollout.native import elementwise
 from qerl.rollout.native import engine as engine_module
-from qerl.rollout.native import kernels
 from qerl.rollout.native.engine import NativeEngine
 
 
@@ -75,9 +75,9 @@ def _without_lora(engine: NativeEngine) -> Iterator[None]:
 
 # family -> (engine -> context manager in which the family's kernels are replaced by their stand-in)
 STAND_INS: dict[str, Callable[[NativeEngine], contextlib.AbstractContextManager]] = {
-    "add+RMSNorm": lambda engine: _replaced(kernels, "rmsnorm", _skip_norm),
-    "SiLU gate": lambda engine: _replaced(kernels, "silu_mul", _skip_silu_mul),
-    "rotary+KV write": lambda engine: _replaced(kernels, "rope_cache", _skip_rope_cache),
+    "add+RMSNorm": lambda engine: _replaced(elementwise, "rmsnorm", _skip_norm),
+    "SiLU gate": lambda engine: _replaced(elementwise, "silu_mul", _skip_silu_mul),
+    "rotary+KV write": lambda engine: _replaced(elementwise, "rope_cache", _skip_rope_cache),
     "attention": lambda engine: _replaced(engine_module, "decode_attention", _skip_attention),
     "sampling (all but an argmax)": lambda engine: _replaced(engine, "sampler", _argmax_sampler),
     "LoRA (in the NVFP4 GEMMs)": _without_lora,

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from qerl.dependent_launch import pdl_enabled
 from qerl.device_facts import compute_capability, sm_count
-from qerl.pdl import pdl_enabled
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 ENABLED = os.environ.get("QERL_CUDA_GEMM", "1") != "0"  # "0": the Triton kernel at every row count

@@ -11,7 +11,7 @@ Two kernels, both reading compressed-tensors' standard layout as it sits in the 
     the wgmma operand layout (low and high nibbles as two dots against the even and odd K of x). Given a LoRA
     adapter (the rollout engine's projections), the same launch computes it too: programs first in the grid
     do the shrink x @ A^T, the N tiles' epilogues add the up-projection.
-  Both launch with programmatic dependent launch where the GPU has it (qerl/pdl.py).
+  Both launch with programmatic dependent launch where the GPU has it (qerl/dependent_launch.py).
 
 The GEMM multiplies code values by the FP8 scale in BF16 (exact: a 2-bit times a 4-bit significand) and
 divides by the global scale once on the FP32 accumulator: this skips one rounding of the weight to BF16
@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from qerl.dependent_launch import let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 from qerl.device_facts import INTERPRET, sm_count
-from qerl.pdl import let_next_kernel_launch, pdl_enabled, wait_for_previous_kernel
 
 
 @triton.jit

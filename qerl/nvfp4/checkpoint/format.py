@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 
 from qerl.errors import UsageError
-from qerl.model_files import check_safetensors, looks_like_path
 from qerl.nvfp4 import codec
 from qerl.nvfp4.quantize import DEFAULT_IGNORE
+from qerl.sniff import check_safetensors, looks_like_path
 
 FORMAT = "nvfp4-pack-quantized"
 QUANT_METHOD = "compressed-tensors"

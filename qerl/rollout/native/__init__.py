@@ -1,12 +1,13 @@
 """The `native` rollout backend: batched sampling on the policy's own modules and memory, no second copy of any
 weight, the whole decode step in one CUDA graph.
 
-    model.py      the policy's decoder as fused steps over its own tensors (q/k/v and gate/up as one GEMM each,
-                  LoRA unmerged in fixed BF16 buffers, FP32 norm scales that AQN perturbs in place)
-    kernels.py    fused elementwise kernels: residual + RMSNorm, rotary + KV-cache write, SiLU / GELU-tanh gate
-    attention.py  decode attention over each sequence's valid keys only (Triton, split-K)
-    sampling.py   temperature / top-k / top-p / min-p and the sampled token's log-prob, on the GPU
-    engine.py     KV cache sized from the round's lengths (waves when it does not fit), prefill, graph, EOS
+    decoder.py      the policy's decoder as fused steps over its own tensors (q/k/v and gate/up as one GEMM each,
+                    LoRA unmerged in fixed BF16 buffers, FP32 norm scales that AQN perturbs in place)
+    elementwise.py  fused elementwise kernels: residual + RMSNorm, rotary + KV-cache write, SiLU / GELU-tanh gate
+    attention.py    decode attention over each sequence's valid keys only (Triton, split-K)
+    sampling.py     temperature / top-k / top-p / min-p and the sampled token's log-prob, on the GPU
+    kv_cache.py     the cache's layout and its FP8 format
+    engine.py       KV cache sized from the round's lengths (waves when it does not fit), prefill, graph, EOS
 
 Every round: refresh the decoder's LoRA buffers and norm scales from the policy (gathered whole where FSDP2 or
 ZeRO-3 shard it) -> AQN noise on those scales -> prefill + decode -> clean scales back. Runs on CPU too (eager,
@@ -38,8 +39,8 @@ class NativeRollout(RolloutBackend):
             self._engine_for(policy)
 
     def _engine_for(self, policy):
+        from qerl.rollout.native.decoder import Decoder
         from qerl.rollout.native.engine import NativeEngine
-        from qerl.rollout.native.model import Decoder
 
         if self.engine is None or self._policy_id != id(policy):  # built once: the module tree never changes
             settings = self.setup.native

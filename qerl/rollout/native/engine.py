@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from qerl.rollout.native import kv_cache
 from qerl.rollout.native.attention import decode_attention
-from qerl.rollout.native.model import Decoder
+from qerl.rollout.native.decoder import Decoder
 from qerl.rollout.native.sampling import Sampler
 
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from qerl.dependent_launch import pdl_enabled
 from qerl.device_facts import INTERPRET, triton_runs_on
-from qerl.pdl import pdl_enabled
 from qerl.rollout.native import kv_cache
 
 try:  # Triton is Linux-only; the torch twins keep the engine working without it.
     import triton
     import triton.language as tl
 
-    from qerl.pdl import let_next_kernel_launch, wait_for_previous_kernel
+    from qerl.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 except ImportError:  # pragma: no cover - depends on the platform
     triton = None
 

@@ -41,7 +41,7 @@ from qerl.norms import find_norms
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.nvfp4.ops import nvfp4_linear, nvfp4_linear_lora, splitk_counters
 from qerl.rollout import Unsupported
-from qerl.rollout.native import kernels
+from qerl.rollout.native import elementwise
 from qerl.rollout.native.kv_cache import KVCache
 from qerl.sharding import whole
 
@@ -216,7 +216,7 @@ class NormScales(nn.Module):
 class HeadNorms:
     """A layer's per-head query and key RMSNorm scales (Qwen3, Gemma-3), laid out at every round from their FP32
     holders in NormScales (refreshed from the policy's, perturbed there when AQN includes them) into one fixed
-    buffer [Hq + Hkv, D]: a scale row per query head, then per key head, as kernels.qk_rmsnorm applies them. Qwen3's
+    buffer [Hq + Hkv, D]: a scale row per query head, then per key head, as elementwise.qk_rmsnorm applies them. Qwen3's
     in the policy's dtype (transformers multiplies in it); Gemma-3's as 1 + w in FP32 (transformers' order)."""
 
     def __init__(
@@ -472,13 +472,13 @@ class Decoder:
         if self.embed_scale is not None:
             residual = residual * self.embed_scale
         unit = self.unit_offset
-        h = kernels.rmsnorm(residual, self.layers[0].input_norm, self.eps, unit_offset=unit)
+        h = elementwise.rmsnorm(residual, self.layers[0].input_norm, self.eps, unit_offset=unit)
         for i, layer in enumerate(self.layers):
             k, v, k_scale, v_scale = cache.layer(i)
             qkv = layer.qkv(h)
             if layer.head_norms is not None:
-                qkv = kernels.qk_rmsnorm(qkv, layer.head_norms.scale, self.eps)
-            q = kernels.rope_cache(
+                qkv = elementwise.qk_rmsnorm(qkv, layer.head_norms.scale, self.eps)
+            q = elementwise.rope_cache(
                 qkv,
                 self.cos[layer.rope],
                 self.sin[layer.rope],
@@ -493,13 +493,13 @@ class Decoder:
             )
             out = layer.o(attend(i, q))
             if layer.attn_out_norm is not None:
-                out = kernels.rmsnorm(out, layer.attn_out_norm, self.eps, unit_offset=unit)
-            h = kernels.rmsnorm(out, layer.pre_mlp_norm, self.eps, residual=residual, unit_offset=unit)
-            out = layer.down(getattr(kernels, self.gate)(layer.gate_up(h)))
+                out = elementwise.rmsnorm(out, layer.attn_out_norm, self.eps, unit_offset=unit)
+            h = elementwise.rmsnorm(out, layer.pre_mlp_norm, self.eps, residual=residual, unit_offset=unit)
+            out = layer.down(getattr(elementwise, self.gate)(layer.gate_up(h)))
             if layer.mlp_out_norm is not None:
-                out = kernels.rmsnorm(out, layer.mlp_out_norm, self.eps, unit_offset=unit)
+                out = elementwise.rmsnorm(out, layer.mlp_out_norm, self.eps, unit_offset=unit)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norms.norm.weight
-            h = kernels.rmsnorm(out, after, self.eps, residual=residual, unit_offset=unit)
+            h = elementwise.rmsnorm(out, after, self.eps, residual=residual, unit_offset=unit)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
