@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.launch import SHARED_GSM8K, recipe_for, run_or_raise
-from qerl import plotting
+from qerl import cli, plotting
 from qerl.field_rules import ROLLOUT_BACKENDS
 from qerl.models.fetch import bf16_and_nvfp4
 
@@ -52,20 +52,15 @@ def run(args, backend: str, precision: str, model: str, kv_dtype: str = "auto") 
     return {**result, "steps": len(rows), "seconds": time.time() - start}
 
 
-def _backends(text: str) -> list[str]:
-    names = [name for name in text.split(",") if name]
-    unknown = [name for name in names if name not in ROLLOUT_BACKENDS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {unknown[0]!r}; choose from {', '.join(ROLLOUT_BACKENDS)}")
-    return names
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="fetchable model name or BF16 folder")
     parser.add_argument("--checkpoint-dir", default="ckpt")
     parser.add_argument(
-        "--rollout-backends", type=_backends, default="native,vllm", help="rollout engines to compare, comma-separated"
+        "--rollout-backends",
+        type=cli.comma_list(ROLLOUT_BACKENDS),
+        default="native,vllm",
+        help="rollout engines to compare, comma-separated",
     )
     parser.add_argument("--precisions", default="bf16,nvfp4")
     parser.add_argument("--kv-cache-dtypes", default="auto", help="native: its KV-cache dtypes to run (auto,fp8)")

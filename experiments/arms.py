@@ -35,7 +35,6 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.launch import REPO, SHARED_GSM8K, recipe_for
@@ -55,6 +54,7 @@ from experiments.arms_runs import (
     seconds_per_step,
     train_task,
 )
+from qerl import cli
 
 
 def checkpoints(args) -> dict[str, str]:
@@ -317,17 +317,6 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def _names(choices) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        names = [x for x in text.split(",") if x]
-        unknown = [n for n in names if n not in choices]
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {unknown[0]!r}; choose from {', '.join(choices)}")
-        return names
-
-    return parse
-
-
 def _steps(text: str) -> str | int:
     return text if text == "auto" else int(text)
 
@@ -353,13 +342,15 @@ def main(argv: list[str] | None = None) -> None:
         choices=list(EVAL_FORMATS),
         help="training dataset format (its prompt and rewards; the probe's choice)",
     )
-    parser.add_argument("--formats", type=_names(EVAL_FORMATS), default=list(EVAL_FORMATS), help="probe: candidates")
+    parser.add_argument(
+        "--formats", type=cli.comma_list(EVAL_FORMATS), default=list(EVAL_FORMATS), help="probe: candidates"
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="rollout temperature")
     parser.add_argument("--temperatures", type=_floats, default=[1.0], help="probe: candidates")
     parser.add_argument("--probe-prompts", type=int, default=32, help="probe: train prompts per candidate")
     parser.add_argument("--probe-tokens", type=int, default=512, help="probe: new tokens per sample")
     parser.add_argument("--probe-batch", type=int, default=64, help="probe: sequences per batch (CPU generate)")
-    parser.add_argument("--arms", type=_names(ARMS), default=list(ARMS), help="train: the arms run")
+    parser.add_argument("--arms", type=cli.comma_list(ARMS), default=list(ARMS), help="train: the arms run")
     parser.add_argument("--steps", type=_steps, default=150, help="steps per run; train: 'auto' fits --finish-by")
     parser.add_argument("--finish-by", type=float, help="unix time by which training and evaluations must end")
     parser.add_argument("--eval-minutes", type=float, default=4.0, help="--steps auto: time kept for evaluations")
@@ -375,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lrs", type=_floats, default=[3e-5, 1e-4, 3e-4], help="sweep: learning rates")
     parser.add_argument(
         "--sweep-arms",
-        type=_names(ARMS),
+        type=cli.comma_list(ARMS),
         default=["bf16_lora", "nvfp4_lora"],
         help="sweep: the arms swept (the others take the rate of their precision's)",
     )
@@ -423,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         help="report: the packing of runs on GPUs pooled in the arms table (default: the most common)",
     )
     parser.add_argument(
-        "--protocols", type=_names(PROTOCOLS), default=list(PROTOCOLS), help="eval protocols of every run"
+        "--protocols", type=cli.comma_list(PROTOCOLS), default=list(PROTOCOLS), help="eval protocols of every run"
     )
     parser.add_argument("--eval-tokens", type=int, default=512, help="new tokens per eval answer")
     parser.add_argument("--eval-kv-gib", type=float, default=4.0, help="KV cache budget of each eval (GiB)")

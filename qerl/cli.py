@@ -153,6 +153,20 @@ class ArgumentParser(ParserErrors, argparse.ArgumentParser):
         self.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
 
 
+def comma_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of names, each one of `choices`."""
+    choices = tuple(choices)
+
+    def parse(text: str) -> list[str]:
+        names = [name for name in text.split(",") if name]
+        unknown = [name for name in names if name not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown[0]!r}; choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
 @dataclass(frozen=True)
 class Range:
     """The values a numeric setting accepts, and why where it is not obvious. Also an argparse `type`."""
