@@ -152,8 +152,9 @@ def jobs(args) -> list[Job]:
         bench_job(args, "step-7b", step_7b, site=True),
     ]  # fmt: skip
     # These two run while the real model is being prepared.
-    tests = ["-m", "pytest", "-q", "-m", "gpu", "tests/test_dense_weights.py", "tests/test_kernels.py",
-             "tests/test_cuda_gemm.py", "tests/test_native_gpu.py", "tests/test_linear.py"]  # fmt: skip
+    tests = ["-m", "pytest", "-q", "-m", "gpu", "tests/qerl/test_dense_weights.py", "tests/qerl/nvfp4/test_ops.py",
+             "tests/qerl/nvfp4/test_triton_kernels.py", "tests/qerl/nvfp4/test_cuda_gemm.py",
+             "tests/qerl/rollout/native/test_engine_gpu.py", "tests/qerl/nvfp4/test_linear.py"]  # fmt: skip
     found.append(bench_job(args, "gpu-tests", [(None, tests)], site=True))
     vllm = ["-m", "benchmarks.rollout", "--rollout-backend", "vllm", "--size", "1.5b", "--batches", "8,64",
             "--new-tokens", "512"]  # fmt: skip

@@ -220,7 +220,7 @@ class QeRLConfig(GRPOConfig):
             )
 
 
-# TRL seam: GRPOConfig.__post_init__'s error text is matched here (tests/test_trl_seam.py pins it).
+# TRL seam: GRPOConfig.__post_init__'s error text is matched here (tests/qerl/test_trainer_trl_seam.py pins it).
 def batch_error_fix(err: ValueError, config: QeRLConfig) -> str | None:
     """The fix for GRPOConfig's batch/num_generations error, recognised by its text; None for another error."""
     if "divisible by num_generations" not in str(err):

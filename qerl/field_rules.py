@@ -26,7 +26,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 # Every numeric field of QeRLScriptArguments and QeRLConfig (TRL's and transformers' included) and the values it
 # accepts (None: any), checked on the flags and recipe before the configs are built (TRL's __post_init__ divides by
-# some of them). a test fails on a numeric field missing here, so a new one cannot be forgotten.
+# some of them). A test fails on a numeric field missing here (tests/qerl/test_field_rules.py), so a new one cannot be
+# forgotten.
 RANGES: dict[str, cli.Range | None] = {
     **dict.fromkeys((
         "num_examples", "max_prompt_length", "max_completion_length", "per_device_train_batch_size",

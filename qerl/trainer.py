@@ -154,7 +154,7 @@ class QeRLTrainer(GRPOTrainer):
 
     # ======================================================================================================
     # THE TRL SEAM (trl 1.16). Every TRL internal the trainer relies on is used below and nowhere above;
-    # tests/test_trl_seam.py pins each one (and the two TRL utilities the rollout backends import: pad,
+    # tests/qerl/test_trainer_trl_seam.py pins each one (and the two TRL utilities the rollout backends import: pad,
     # ensure_master_addr_port), so that a TRL upgrade that moves one fails there, by name.
     #
     # Private methods, overridden or called:

@@ -1,11 +1,10 @@
+"""Fixtures shared across the suite. The helpers the tests import (fakes, clis, bad_input, ...) are in tests/helpers,
+on sys.path through pyproject.toml's [tool.pytest.ini_options] pythonpath."""
+
 import os
-import sys
 
 import pytest
 import torch
-
-# Tests import helpers from this folder (reference.py, tiny.py).
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture
@@ -24,6 +23,33 @@ def checkpoints(tmp_path_factory):
     from qerl.tiny import save_tiny_checkpoints
 
     return save_tiny_checkpoints(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A folder as a user has it (bad_input.build_world): a BF16 model, its NVFP4 twin, an unrelated file, data files
+    good and bad. What the bad-input tests of each program run in."""
+    from bad_input import build_world
+
+    return build_world(tmp_path_factory.mktemp("world"))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny Q4_1 GGUF as llama.cpp's converter writes SmolLM2's (gguf_files.write_tiny_gguf)."""
+    from gguf_files import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_gguf, tmp_path_factory):
+    """tiny_gguf converted by qerl.models to a BF16 checkpoint folder, its special tokens fixed."""
+    from qerl.models.gguf import convert_gguf
+
+    out = tmp_path_factory.mktemp("converted") / "bf16"
+    convert_gguf(tiny_gguf, out, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    return out
 
 
 def pytest_collection_modifyitems(config, items):

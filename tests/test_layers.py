@@ -9,7 +9,8 @@ import ast
 from fnmatch import fnmatch
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.launch import REPO
+
 TOOLS = ("eval", "benchmarks", "experiments")
 # Each tool folder and what it may import besides itself; benchmarks/probes (kernel development) apart from what a
 # user runs in benchmarks/.

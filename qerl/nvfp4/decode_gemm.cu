@@ -68,8 +68,8 @@ __device__ __forceinline__ void ld_16B(const void* p, u32 (&v)[4]) {
 // griddepcontrol.wait, returning 0: fold it into the x addresses (a pointer or a chunk index). The loads are plain
 // asm, which the compiler may move across a volatile asm with a memory clobber; the data dependency keeps them below
 // the wait. (Without it the x loads were hoisted above the wait: CUDA-graph decode at 7B widths read x before the
-// previous kernel wrote it and sampled NaN log-probs; tests/test_native_gpu.py.) Before sm_90 there is no PDL (the
-// launch never asks for it there): the kernel starts after the previous one has finished.
+// previous kernel wrote it and sampled NaN log-probs; tests/qerl/rollout/native/test_engine_gpu.py.) Before sm_90
+// there is no PDL (the launch never asks for it there): the kernel starts after the previous one has finished.
 __device__ __forceinline__ u32 pdl_wait() {
   u32 zero;
 #if __CUDA_ARCH__ >= 900

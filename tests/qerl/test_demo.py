@@ -1,0 +1,61 @@
+"""`python -m qerl.demo` (qerl/demo.py) end to end at toy length, on its own tiny model and on a real model folder (a
+GGUF converted by qerl.models)."""
+
+import json
+import os
+from pathlib import Path
+
+
+def test_demo_pipeline(tmp_path):
+    """`make demo` end to end at toy length: warm-up, NVFP4 quantization, QeRL, metrics and plot."""
+    from qerl import demo, plotting
+
+    summary = demo.main(["--output-dir", str(tmp_path), "--warmup-steps", "20", "--rl-steps", "10", "--problems", "8"])
+    rows = plotting.read_metrics(summary["metrics"])
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert os.path.getsize(summary["plot"]) > 10_000
+    assert os.path.isfile(os.path.join(tmp_path, "checkpoints", "nvfp4", "config.json"))
+    # The saved adapter evaluates as the README shows (the demo's task, greedy).
+    from eval import gsm8k
+    from qerl import cli
+
+    out = tmp_path / "eval.jsonl"
+    argv = ["--data", "arithmetic", "--protocol", "greedy", "--max-new-tokens", "6", "--limit", "16", "--device",
+            "cpu", "--model", summary["base"], "--adapter", summary["adapter"], "--out", str(out)]  # fmt: skip
+    assert cli.run_cli(gsm8k.main, "eval.gsm8k", argv) == 0
+    result = json.loads(out.read_text().splitlines()[0])
+    samples = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    assert result["examples"] == len(samples) == 16  # the summary is the share of the per-sample verdicts
+    assert result["accuracy"] == sum(s["correct"] for s in samples) / 16
+    # A second run into the same folder (the demo's trainer logs through JsonlMetrics) starts a new metrics file
+    # and keeps the first aside.
+    from transformers import TrainerState
+
+    from qerl.callbacks import JsonlMetrics
+
+    JsonlMetrics(summary["metrics"]).on_train_begin(None, TrainerState(), None)
+    assert os.path.getsize(summary["metrics"]) == 0
+    assert len(plotting.read_metrics(summary["metrics"].replace("metrics.jsonl", "metrics.1.jsonl"))) == 10
+
+
+def test_demo_takes_a_real_model(converted, tmp_path):
+    """`python -m qerl.demo --model ...` on a model folder: quantized into --checkpoint-dir, one RL step on the shipped
+    GSM8K rows with the gsm8k_lenient rewards, then the adapter, metrics and plot."""
+    from qerl import demo
+
+    summary = demo.main(
+        [
+            "--model",
+            str(converted),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--output-dir",
+            str(tmp_path / "demo"),
+            "--rl-steps",
+            "1",
+        ]
+    )
+    assert summary["base"] == str((tmp_path / "ckpt" / "bf16-nvfp4").resolve())
+    rows = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1] and "rewards/gsm8k_final_answer_reward/mean" in rows[0]
+    assert Path(summary["plot"]).stat().st_size > 0 and (Path(summary["adapter"]) / "adapter_config.json").is_file()

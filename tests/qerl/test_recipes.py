@@ -1,0 +1,131 @@
+"""How qerl.train reads its settings (qerl/recipes.py): YAML recipes and their bases, the training scripts' commands
+parsed as qerl.train parses them, and the short --help (QUICK_HELP; with the quantizer's and eval's --help)."""
+
+import glob
+import os
+import shlex
+import subprocess
+
+import pytest
+
+from benchmarks.launch import REPO
+from eval import gsm8k
+from qerl import quantize, train
+
+
+@pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(REPO, "configs", "dapo_*.yaml"))))
+def test_yaml_recipes(recipe, tmp_path):
+    script, config = train.parse_args(
+        [
+            "--config",
+            recipe,
+            "--model-name",
+            "m",
+            "--output-dir",
+            str(tmp_path),
+            "--use-cpu",
+            "True",
+            "--bf16",
+            "False",
+            "--learning-rate",
+            "3e-6",
+        ]
+    )
+    nvfp4 = recipe.endswith("_nvfp4.yaml")
+    assert config.learning_rate == 3e-6  # flags override the recipe
+    assert (config.loss_type, config.beta, config.epsilon_high, config.max_grad_norm) == ("dapo", 0.0, 0.28, 0.2)
+    assert (config.lora_rank, config.lora_alpha, config.trainable_norms) == (16, 16, True)
+    assert config.aqn is nvfp4 and (config.sigma_start, config.sigma_end, config.num_stages) == (1e-2, 1e-4, 10)
+    assert script.dataset in os.path.basename(recipe)
+
+
+def test_a_recipe_extends_its_bases_in_order(tmp_path, monkeypatch):
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "a.yaml").write_text("lora_rank: 8\nsigma_start: 0.5\nenv: {QERL_RECIPE_A: a}\n")
+    (tmp_path / "parts" / "b.yaml").write_text("lora_rank: 32\nlora_alpha: 7\nenv: {QERL_RECIPE_B: b}\n")
+    (tmp_path / "run.yaml").write_text("base: [parts/a.yaml, parts/b.yaml]\nlora_alpha: 9\nenv: {QERL_RECIPE_B: own}\n")
+    for name in ("QERL_RECIPE_A", "QERL_RECIPE_B"):
+        monkeypatch.setenv(name, "")  # restored (removed) after the test
+    _, config = train.parse_args(
+        [
+            "--config",
+            str(tmp_path / "run.yaml"),
+            "--model-name",
+            "m",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--use-cpu",
+            "True",
+            "--sigma-start",
+            "0.2",
+        ]
+    )
+    assert (config.lora_rank, config.lora_alpha, config.sigma_start) == (32, 9, 0.2)  # later base, own key, flag
+    assert (os.environ["QERL_RECIPE_A"], os.environ["QERL_RECIPE_B"]) == ("a", "own")
+
+
+def parse_script(script_path: str, tmp_path) -> tuple:
+    """A training script's command (its DRY_RUN prints it) parsed as `qerl.train` parses it."""
+    env = dict(os.environ, DRY_RUN="1", MODEL_PATH="/models/x", CKPTS_DIR=str(tmp_path))
+    flags = ["--use-cpu", "True", "--bf16", "False"]
+    out = subprocess.run(["bash", script_path, *flags], env=env, check=True, capture_output=True, text=True, cwd="/")
+    argv = shlex.split(out.stdout)
+    assert argv[1:3] == ["-m", "qerl.train"]
+    os.chdir(REPO)  # the script cds there; the recipe path in its command is relative to it
+    return train.parse_args(argv[3:])
+
+
+@pytest.mark.parametrize("script_path", sorted(glob.glob(os.path.join(REPO, "training", "dapo_qwen2.5-*.sh"))))
+def test_training_scripts(script_path, tmp_path):
+    script, config = parse_script(script_path, tmp_path)
+    name = os.path.basename(script_path)
+    nvfp4 = "_nvfp4_" in name
+    assert config.learning_rate == (1e-5 if nvfp4 else 5e-6)
+    assert config.aqn is nvfp4 and script.dataset == "gsm8k" and script.max_prompt_length == 256
+    batch = 8 if name.startswith("dapo_qwen2.5-32b_nvfp4") else 2
+    assert config.per_device_train_batch_size == config.num_generations == batch
+    assert (config.beta, config.epsilon_high, config.adam_beta2, config.weight_decay) == (0.0, 0.28, 0.99, 0.1)
+    assert (config.seed, config.max_completion_length, config.resume_from_checkpoint) == (2025, 2048, "true")
+    assert config.compile_layers and config.unpadded_forward and not config.aqn_log_shift
+
+
+def test_llama_recipe_is_the_references_batch(tmp_path):
+    """training/llama3.1_8b_nemotron.sh: the reference's Llama-3.1-8B settings (batch 4 x accumulation 16, its
+    bnpo loss, lr 1e-5, gsm8k 256/2048) on top of the shared DAPO + AQN parts."""
+    script, config = parse_script(os.path.join(REPO, "training", "llama3.1_8b_nemotron.sh"), tmp_path)
+    batch = (config.per_device_train_batch_size, config.num_generations, config.gradient_accumulation_steps)
+    assert batch == (4, 4, 16)
+    assert (config.loss_type, config.beta, config.epsilon_high, config.learning_rate) == ("bnpo", 0.0, 0.28, 1e-5)
+    assert config.aqn and (config.lora_rank, config.lora_alpha, config.trainable_norms) == (16, 16, True)
+    assert (script.dataset, script.max_prompt_length, config.max_completion_length) == ("gsm8k", 256, 2048)
+
+
+def test_help_is_short_shows_defaults_and_says_what_flags_do(capsys):
+    with pytest.raises(SystemExit, match="0"):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) < 80
+    for flag in (
+        "--config",
+        "--model-name",
+        "--dataset",
+        "--max-completion-length",
+        "--lora-rank",
+        "--sigma-start",
+        "--rollout-backend",
+        "--output-dir",
+        "--resume-from-checkpoint",
+        "--help-all",
+    ):
+        assert flag in text
+    assert "(default: 16)" in text  # LoRA rank
+    parser = train._parser()
+    no_metrics = next(a for a in parser._actions if "--no_metrics_jsonl" in a.option_strings)
+    assert no_metrics.help == "Turn --metrics-jsonl off."
+    with pytest.raises(SystemExit, match="0"):  # argparse %-formats every help text: a bare "%" broke it once
+        train.parse_args(["--help-all"])
+    assert "--rollout_kv_cache_gib" in capsys.readouterr().out
+    for main in (quantize.main, gsm8k.main):
+        with pytest.raises(SystemExit, match="0"):
+            main(["--help"])
+        assert "(default: bfloat16)" in capsys.readouterr().out or main is gsm8k.main

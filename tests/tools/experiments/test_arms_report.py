@@ -1,0 +1,88 @@
+"""experiments.arms' report (arms_report.py), read from run records: the experiment pooled, per-arm measures with
+intervals, the fixed comparisons against scipy's Welch test, the card/packing effect."""
+
+import argparse
+import json
+import math
+
+import pytest
+from arms_folders import _run
+from scipy import stats
+
+from experiments import arms, arms_results, arms_runs
+
+
+def _record(results, arm, seed, accuracy, rewards=(0.1,) * 10 + (0.5,) * 10, sharing="mps", steps=20, **broken):
+    """A committed record of a finished run, made from its folder as the runner makes it."""
+    folder = results.parent / "runs" / f"{arm}-seed{seed}-{sharing}-{steps}"
+    _run(folder, list(rewards[:steps]), accuracy=accuracy, **broken)
+    setting = {"arm": arm, "seed": seed, "steps": steps, "sharing": sharing, "model": "m", "format": "gsm8k_hash",
+               "runs_per_gpu": 1 if sharing == "alone" else 5, "card": "NVIDIA H100"}  # fmt: skip
+    record = arms_results.run_record(folder, setting, arms_runs.PROTOCOLS)
+    record["name"] = f"{arm}-seed{seed}" + ("" if sharing == "mps" else f"-{sharing}") + ("" if steps == 20 else "-x")
+    arms_results.write_record(arms_results.record_path(results, record["name"]), record)
+    return record
+
+
+def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
+    results = tmp_path / "results"
+    for seed, (bf16, nvfp4, aqn) in enumerate([(0.60, 0.58, 0.61), (0.62, 0.57, 0.60), (0.64, 0.59, 0.62)]):
+        _record(results, "bf16_lora", seed, bf16)
+        _record(results, "nvfp4_lora", seed, nvfp4, rewards=(0.1,) * 10 + (0.3,) * 10)
+        _record(results, "nvfp4_lora_aqn", seed, aqn)
+    for seed, accuracy in enumerate([0.55, 0.65, 0.60]):
+        _record(results, "bf16_lora", seed, accuracy, sharing="alone")
+    _record(results, "bf16_lora", 7, 0.99, steps=10)  # another experiment: left out
+    base = arms_results.run_record(
+        _base(tmp_path / "runs" / "base-bf16"), {"arm": None, "precision": "bf16"}, ("greedy",)
+    )
+    arms_results.write_record(results / "base-bf16.json", base)
+    # One seed: its completions all truncated from step 15 on, its last step's gradient not finite.
+    _record(results, "bf16_lora_aqn", 0, 0.5, nan_from=20, truncated_from=15)
+    args = argparse.Namespace(results=results, out=tmp_path / "out", png=tmp_path / "out" / "arms.png")
+    result = arms.report(args)
+    assert (result["steps"], result["sharing"]) == (20, "mps")
+    assert result["left_out"] == ["bf16_lora-seed0-alone", "bf16_lora-seed1-alone", "bf16_lora-seed2-alone",
+                                  "bf16_lora-seed7-x"]  # fmt: skip
+    bf16 = result["arms"]["bf16_lora"]
+    assert bf16["seeds"] == [0, 1, 2] and bf16["greedy"]["mean"] == pytest.approx(0.62)
+    assert bf16["greedy"]["ci95"] == pytest.approx(stats.t.ppf(0.975, 2) * 0.02 / math.sqrt(3))
+    assert bf16["reward_last_tenth"]["mean"] == pytest.approx(0.5)
+    broken = result["arms"]["bf16_lora_aqn"]
+    assert broken["nonfinite_runs"] == ["bf16_lora_aqn-seed0"] and broken["greedy"]["ci95"] == 0.0
+    assert broken["stuck_at_length_cap"] == ["bf16_lora_aqn-seed0"] and bf16["stuck_at_length_cap"] == []
+    assert result["runs"]["bf16_lora_aqn-seed0"]["first_nonfinite_grad_step"] == 20
+    # The level is 90% of the lowest arm's last-tenth reward (the broken run's (0.5 + 0) / 2): every run's average
+    # reaches 0.225 at step 11 (window 1 at 20 steps), where its rewards jump.
+    assert result["reward_level"] == {"reward": pytest.approx(0.225), "window": 1}
+    assert bf16["steps_to_reward"]["mean"] == 11 and bf16["not_reaching_reward_level"] == 0
+    aqn_in_bf16 = [c for c in result["comparisons"] if c["a"] == "bf16_lora_aqn"]
+    assert aqn_in_bf16 and all("difference" not in c for c in aqn_in_bf16)  # one seed: too few runs
+    first = result["comparisons"][0]
+    assert (first["a"], first["b"], first["measure"]) == ("nvfp4_lora_aqn", "bf16_lora", "greedy")
+    reference = stats.ttest_ind([0.61, 0.60, 0.62], [0.60, 0.62, 0.64], equal_var=False)
+    assert first["difference"] == pytest.approx(-0.01) and first["p"] == pytest.approx(reference.pvalue)
+    entropy = next(c for c in result["comparisons"] if c["measure"] == "entropy_first_tenth")
+    assert "difference" not in entropy  # equal entropies everywhere: no interval to form
+    (effect,) = result["settings"]
+    assert effect["arm"] == "bf16_lora" and [w["sharing"] for w in effect["ways"]] == ["mps", "alone"]
+    alone = effect["ways"][1]
+    assert alone["minus_first"]["difference"] == pytest.approx(-0.02)
+    assert alone["variance_ratio_to_first"]["ratio"] == pytest.approx(0.05**2 / 0.02**2)
+    assert result["bases"]["bf16"]["greedy"]["accuracy"] == 0.3
+    assert (tmp_path / "out" / "arms.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["arms"]["nvfp4_lora"]["greedy"]["n"] == 3
+    printed = capsys.readouterr().out
+    assert "| BF16 + LoRA | 3 | 62.0 ± 5.0 | 2.0 |" in printed and "| base BF16, no training | - | 30.0 |" in printed
+    assert "| NVFP4 + AQN vs BF16 LoRA (QeRL against 16-bit LoRA) | greedy | -1.0 |" in printed
+    assert "| AQN within BF16 | greedy | - | - | - | - | too few runs |" in printed
+    assert "| BF16 + LoRA + AQN | 1 | 50.0 ± 0.0 | 0.0 |" in printed and "| 1 of 1 |" in printed
+    assert (tmp_path / "out" / "report.md").read_text() in printed
+
+
+def _base(folder):
+    folder.mkdir(parents=True)
+    summary = {"protocol": "greedy", "accuracy": 0.3, "accuracy_ci95": [0.27, 0.33]}
+    (folder / "eval-greedy.jsonl").write_text(json.dumps(summary) + "\n")
+    return folder
