@@ -29,29 +29,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
-import hashlib
 import json
 import math
 import statistics
 import time
 from pathlib import Path
 
-from benchmarks.launch import REPO, SHARED_GSM8K, recipe_for
+from benchmarks.launch import SHARED_GSM8K
 from experiments.arms_report import report
-from experiments.arms_results import RESULTS, current_commit, gpu_name, record_path, run_record, write_record
+from experiments.arms_results import RESULTS, late_reward, metrics, record_path, seconds_per_step
 from experiments.arms_runs import (
     ARMS,
     EVAL_FORMATS,
     PROTOCOLS,
     RunPace,
-    eval_task,
-    late_reward,
-    metrics,
+    eval_tasks,
+    experiment_setting,
     mps_daemon,
+    run_group,
     run_tasks,
     say,
-    seconds_per_step,
     train_task,
 )
 from qerl import cli
@@ -238,7 +235,7 @@ def train(args) -> None:
             trained = train_task(args, name, bases[precision], aqn, lr, seed, steps, every)
             trained.expected_seconds = pace.estimate if pace else None
             run = {**setting, "arm": arm, "precision": precision, "aqn": aqn, "seed": seed, "lr": lr}
-            runs.append(_run_tasks(args, name, bases[precision], trained, run, every, steps, pace))
+            runs.append(run_group(args, name, bases[precision], trained, run, every, steps, pace))
     if kept:
         say(f"train: {len(kept)} run(s) already recorded in {args.results}, not run again: {', '.join(kept)}")
     tasks = []  # the bases first: four short evaluations that delay only the first runs
@@ -246,68 +243,11 @@ def train(args) -> None:
         name = f"base-{precision}"
         if not record_path(args.results, name).exists():
             base = {**setting, "arm": None, "precision": precision, "seed": None}
-            tasks += _eval_tasks(args, name, folder, None, args.out / name, None, base, None)
+            tasks += eval_tasks(args, name, folder, None, args.out / name, None, base, None)
     tasks += [t for group in runs for t in group]
     with mps_daemon(args.out) if args.mps else contextlib.nullcontext({}) as env:
         run_tasks(tasks, args.gpu_ids, args.per_gpu, args.finish_by, env)
     report(args)
-
-
-def experiment_setting(args, steps: int) -> dict:
-    """What every record of this invocation shares: the recipe and how the runs were packed on the machine."""
-    recipe = recipe_for(args.model, args.recipe)
-    sharing = "mps" if args.mps else "alone" if args.per_gpu == 1 else "shared"
-    return {
-        "model": Path(args.model).name.removesuffix("-nvfp4"),
-        "recipe": str(recipe.relative_to(REPO)) if recipe.is_relative_to(REPO) else str(recipe),
-        "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest(),
-        "format": args.format,
-        "temperature": args.temperature,
-        "steps": steps,
-        "train_flags": args.train_flags,
-        "sharing": sharing,
-        "runs_per_gpu": args.per_gpu if args.gpu_ids else None,
-        "commit": current_commit(),
-    }
-
-
-def _run_tasks(args, name, base, trained, run, save_every, steps, pace) -> list:
-    """A run's training, then its evaluations, then its checkpoints': each evaluation rewrites the run's record."""
-    folder = args.out / name
-    tasks = [trained, *_eval_tasks(args, name, base, folder, folder, trained, run, pace)]
-    for step in range(save_every, steps, save_every) if save_every else ():
-        out = folder / f"eval-greedy-step{step}.jsonl"
-        task = eval_task(args, base, folder / f"checkpoint-{step}", "greedy", out, tasks[-1])
-        task.on_done = tasks[-1].on_done
-        tasks.append(task)
-    return tasks
-
-
-def _eval_tasks(args, name, base, adapter, folder, trained, setting, pace) -> list:
-    """The evaluations of a run (or a base: no adapter) in protocol order, each after the one before, each writing
-    the record with what is evaluated so far (the first protocol, greedy, is the one the report needs most); the
-    last tells `pace` how long the run took."""
-    tasks = []
-    write = functools.partial(_write_record, args, name, folder, setting, trained, pace)
-    for protocol in args.protocols:
-        after = tasks[-1] if tasks else trained
-        task = eval_task(args, base, adapter, protocol, folder / f"eval-{protocol}.jsonl", after)
-        task.on_done = write
-        tasks.append(task)
-    return tasks
-
-
-def _write_record(args, name: str, folder: Path, setting: dict, trained, pace, evaluated) -> None:
-    """The record of a run (or base) with the evaluations done so far; its card is the one it trained on (a base's:
-    the one it was evaluated on)."""
-    protocols = tuple(p for p in args.protocols if (folder / f"eval-{p}.jsonl").exists())
-    if pace is not None and trained.started is not None and len(protocols) == len(args.protocols):
-        pace.observe(time.time() - trained.started)
-    gpu = (trained or evaluated).gpu
-    extra = {"card": gpu_name(gpu) if args.gpu_ids else "cpu", "gpu": gpu}
-    if trained is not None and trained.seconds is not None:
-        extra["train_seconds"] = round(trained.seconds, 1)
-    write_record(record_path(args.results, name), run_record(folder, {**setting, **extra}, protocols))
 
 
 # ----------------------------------------------------------------------------------------------------------

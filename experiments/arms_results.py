@@ -1,5 +1,6 @@
-"""Results of experiments.arms kept as data: one small JSON record per finished run, committed under
-results/arms/MODEL/, so that seeds from several leases add up and a run whose record exists is never run again.
+"""Results of experiments.arms: the readers of what a run wrote (metrics.jsonl, an evaluation's summary line), and the
+results kept as data: one small JSON record per finished run, committed under results/arms/MODEL/, so that seeds from
+several leases add up and a run whose record exists is never run again.
 
 A record holds what the report needs and what says how the run was made: the arm, seed, steps, learning rate and
 recipe; the training curve (a few logged keys per step, as columns); the evaluation summaries (no per-sample
@@ -12,12 +13,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
 
 from benchmarks.launch import REPO
-from experiments.arms_runs import eval_summary, metrics
+from qerl import plotting
 
 RESULTS = REPO / "results" / "arms"
 # The logged keys a record keeps per step (of TRL's ~40): what the report, the plot and a later question need.
@@ -40,6 +42,30 @@ CURVE_KEYS = (
 # What a run's evaluation summary keeps: the scores and how they were made, not the samples or file paths.
 SUMMARY_KEYS = ("protocol", "format", "do_sample", "temperature", "top_p", "max_new_tokens", "seed", "examples")
 SHARING = ("alone", "shared", "mps")  # one run on its GPU; several, time-sliced; several through CUDA MPS
+
+
+def metrics(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    return plotting.read_metrics(str(path)) if path.exists() else []
+
+
+def seconds_per_step(folder: Path) -> float | None:
+    """A step's wall time once warm: TRL's step_time (rollout, forwards, backward) over the last half of the steps."""
+    times = [r["step_time"] for r in metrics(folder) if "step_time" in r]
+    return statistics.fmean(times[len(times) // 2 :]) if times else None
+
+
+def late_reward(rows: list[dict]) -> float:
+    """Mean training reward over the last half of the steps: the sweep's criterion."""
+    half = rows[len(rows) // 2 :]
+    return statistics.fmean(r["reward"] for r in half) if half else float("nan")
+
+
+def eval_summary(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    with open(path) as f:
+        return json.loads(f.readline())
 
 
 def _round(value):
@@ -153,3 +179,14 @@ def curve_rows(record: dict) -> list[dict]:
     """A record's training curve back as one dict per step (the shape metrics.jsonl had)."""
     columns = record["curve"]
     return [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+
+
+def logged(row: dict, key: str) -> float:
+    """A logged number; NaN where the step logged none (TRL logs no entropy when every token is masked)."""
+    value = row.get(key)
+    return float("nan") if value is None else float(value)
+
+
+def first_nonfinite_step(rows: list[dict]) -> int | None:
+    """The first step whose gradient norm was not finite: the adapter is NaN from there on."""
+    return next((r["step"] for r in rows if not math.isfinite(logged(r, "grad_norm"))), None)

@@ -1,16 +1,14 @@
-"""The runs of experiments.arms: the arms (ARMS), the evaluation protocols and formats; the command of each run
-(`python -m qerl.train`, then `python -m eval.gsm8k` of its adapter, or of a base without one); the runner that puts
-runs on GPU slots, each after the run it waits for; and the readers of what the runs wrote (metrics.jsonl, an
-evaluation's summary line).
+"""The runs of experiments.arms: the arms (ARMS), the evaluation protocols and formats; the tasks of each run
+(`python -m qerl.train`, then `python -m eval.gsm8k` of its adapter, or of a base without one, each evaluation writing
+the run's record); and the runner that puts tasks on GPU slots, each after the task it waits for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
+import hashlib
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -20,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import launch
-from benchmarks.launch import run_or_raise
-from qerl import plotting
+from benchmarks.launch import REPO, run_or_raise
+from experiments.arms_results import current_commit, gpu_name, record_path, run_record, write_record
 
 # arm -> (base checkpoint precision, AQN on). bf16_lora_aqn is the ablation the reference's users asked for
 # (NVlabs/QeRL#11): AQN's noise without the quantization it is meant to extend.
@@ -30,6 +28,12 @@ ARMS = {
     "nvfp4_lora": ("nvfp4", False),
     "nvfp4_lora_aqn": ("nvfp4", True),
     "bf16_lora_aqn": ("bf16", True),
+}
+ARM_NAMES = {  # as tables and plots name them
+    "bf16_lora": "BF16 + LoRA",
+    "nvfp4_lora": "NVFP4 + LoRA",
+    "nvfp4_lora_aqn": "NVFP4 + LoRA + AQN",
+    "bf16_lora_aqn": "BF16 + LoRA + AQN",
 }
 PROTOCOLS = ("greedy", "reference")
 EVAL_FORMATS = {"gsm8k": "think_answer", "gsm8k_hash": "gsm8k_hash", "gsm8k_lenient": "gsm8k_hash"}
@@ -190,28 +194,61 @@ def eval_task(args, base: str, adapter: Path | None, protocol: str, out: Path, a
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Reading the runs
+# A run's tasks and its record
 
 
-def metrics(folder: Path) -> list[dict]:
-    path = folder / "metrics.jsonl"
-    return plotting.read_metrics(str(path)) if path.exists() else []
+def experiment_setting(args, steps: int) -> dict:
+    """What every record of this invocation shares: the recipe and how the runs were packed on the machine."""
+    recipe = launch.recipe_for(args.model, args.recipe)
+    sharing = "mps" if args.mps else "alone" if args.per_gpu == 1 else "shared"
+    return {
+        "model": Path(args.model).name.removesuffix("-nvfp4"),
+        "recipe": str(recipe.relative_to(REPO)) if recipe.is_relative_to(REPO) else str(recipe),
+        "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest(),
+        "format": args.format,
+        "temperature": args.temperature,
+        "steps": steps,
+        "train_flags": args.train_flags,
+        "sharing": sharing,
+        "runs_per_gpu": args.per_gpu if args.gpu_ids else None,
+        "commit": current_commit(),
+    }
 
 
-def seconds_per_step(folder: Path) -> float | None:
-    """A step's wall time once warm: TRL's step_time (rollout, forwards, backward) over the last half of the steps."""
-    times = [r["step_time"] for r in metrics(folder) if "step_time" in r]
-    return statistics.fmean(times[len(times) // 2 :]) if times else None
+def run_group(args, name, base, trained, run, save_every, steps, pace) -> list:
+    """A run's training, then its evaluations, then its checkpoints': each evaluation rewrites the run's record."""
+    folder = args.out / name
+    tasks = [trained, *eval_tasks(args, name, base, folder, folder, trained, run, pace)]
+    for step in range(save_every, steps, save_every) if save_every else ():
+        out = folder / f"eval-greedy-step{step}.jsonl"
+        task = eval_task(args, base, folder / f"checkpoint-{step}", "greedy", out, tasks[-1])
+        task.on_done = tasks[-1].on_done
+        tasks.append(task)
+    return tasks
 
 
-def late_reward(rows: list[dict]) -> float:
-    """Mean training reward over the last half of the steps: the sweep's criterion."""
-    half = rows[len(rows) // 2 :]
-    return statistics.fmean(r["reward"] for r in half) if half else float("nan")
+def eval_tasks(args, name, base, adapter, folder, trained, setting, pace) -> list:
+    """The evaluations of a run (or a base: no adapter) in protocol order, each after the one before, each writing
+    the record with what is evaluated so far (the first protocol, greedy, is the one the report needs most); the
+    last tells `pace` how long the run took."""
+    tasks = []
+    write = functools.partial(_write_record, args, name, folder, setting, trained, pace)
+    for protocol in args.protocols:
+        after = tasks[-1] if tasks else trained
+        task = eval_task(args, base, adapter, protocol, folder / f"eval-{protocol}.jsonl", after)
+        task.on_done = write
+        tasks.append(task)
+    return tasks
 
 
-def eval_summary(path: Path) -> dict | None:
-    if not path.exists():
-        return None
-    with open(path) as f:
-        return json.loads(f.readline())
+def _write_record(args, name: str, folder: Path, setting: dict, trained, pace, evaluated) -> None:
+    """The record of a run (or base) with the evaluations done so far; its card is the one it trained on (a base's:
+    the one it was evaluated on)."""
+    protocols = tuple(p for p in args.protocols if (folder / f"eval-{p}.jsonl").exists())
+    if pace is not None and trained.started is not None and len(protocols) == len(args.protocols):
+        pace.observe(time.time() - trained.started)
+    gpu = (trained or evaluated).gpu
+    extra = {"card": gpu_name(gpu) if args.gpu_ids else "cpu", "gpu": gpu}
+    if trained is not None and trained.seconds is not None:
+        extra["train_seconds"] = round(trained.seconds, 1)
+    write_record(record_path(args.results, name), run_record(folder, {**setting, **extra}, protocols))

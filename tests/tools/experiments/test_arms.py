@@ -9,7 +9,7 @@ import pytest
 from arms_folders import _args, _run
 
 from benchmarks import launch
-from experiments import arms, arms_runs
+from experiments import arms, arms_results, arms_runs
 
 DATA = launch.REPO / "tests" / "data" / "gsm8k"
 
@@ -21,7 +21,7 @@ def test_steps_fit_the_deadline_at_the_sweeps_pace(tmp_path):
     with pytest.raises(SystemExit, match="only 0 steps"):
         arms.planned_steps(_args(tmp_path, finish_by=time.time() + 300), record)
     _run(tmp_path / "timed", [0.1] * 6, step_time=3.0)
-    assert arms_runs.seconds_per_step(tmp_path / "timed") == 3.0
+    assert arms_results.seconds_per_step(tmp_path / "timed") == 3.0
 
 
 @pytest.mark.slow

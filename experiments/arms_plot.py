@@ -1,0 +1,127 @@
+"""The plot of experiments.arms' report: reward, entropy and the share of completions truncated at the cap per step
+(mean over seeds, min-max band); greedy test accuracy per seed with each arm's mean and 95% interval; the fixed
+comparisons' differences with their Welch intervals against the equivalence margin; an arm's seeds by the way they ran.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from experiments.arms_results import curve_rows, first_nonfinite_step, logged
+from experiments.arms_runs import ARM_NAMES, ARMS
+from experiments.arms_stats import mean_interval
+from qerl import plotting
+
+CURVES = (
+    ("reward", "training reward"),
+    ("entropy", "token entropy (nats)"),
+    ("completions/clipped_ratio", "share of completions at the length cap"),
+)
+
+
+def plot(runs: list[dict], result: dict, png: Path) -> None:
+    """Top: reward, entropy and the share of completions truncated at the cap per step (mean over seeds, min-max
+    band, a moving average; an x marks a run's first non-finite gradient). Bottom: greedy test accuracy per seed with
+    each arm's mean and 95% interval; the comparisons' differences with their Welch intervals against the +-2-point
+    margin; and, where an arm ran in several ways (card, packing), its seeds per way."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(result["arms"])
+    rows = {r["name"]: curve_rows(r) for r in runs}
+    window = max(1, max(len(v) for v in rows.values()) // 15)
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9))
+    colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
+    for ax, (key, label) in zip(axes[0], CURVES, strict=True):
+        for arm in arms:
+            seeds = [rows[r["name"]] for r in runs if r["arm"] == arm]
+            steps = min(len(s) for s in seeds)
+            curves = [plotting.smooth([logged(r, key) for r in s[:steps]], window) for s in seeds]
+            columns = [[c[i] for c in curves] for i in range(steps)]
+            x = [r["step"] for r in seeds[0][:steps]]
+            ax.plot(
+                x, [statistics.fmean(c) for c in columns], color=colors[arm], label=f"{ARM_NAMES[arm]} ({len(seeds)})"
+            )
+            low, high = [min(c) for c in columns], [max(c) for c in columns]
+            ax.fill_between(x, low, high, color=colors[arm], alpha=0.12, lw=0)
+            for s in seeds:
+                bad = first_nonfinite_step(s)
+                if bad is not None and key == "reward":
+                    ax.plot([bad], [0], marker="x", color=colors[arm], markersize=9, linestyle="none")
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    _accuracy_panel(axes[1][0], arms, runs, result, colors)
+    _comparison_panel(axes[1][1], result)
+    _settings_panel(axes[1][2], result, colors)
+    fig.suptitle(
+        f"{runs[0]['model']}, GSM8K ({runs[0]['format']}), DAPO, {result['steps']} steps; curves: mean over seeds "
+        f"(line), min-max (band), moving average of {window} steps",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
+def _strip(ax, x: float, values: list[float], color: str) -> None:
+    """Values as dots spread a little around x, and their mean with its 95% t interval beside them."""
+    ax.plot([x + 0.05 * ((k % 5) - 2) for k in range(len(values))], values, "o", color=color, alpha=0.55)
+    if values:
+        mean, half = mean_interval(values)
+        ax.errorbar([x + 0.25], [mean], yerr=[half], color=color, capsize=5, marker="s")
+
+
+def _accuracy_panel(ax, arms, runs, result, colors) -> None:
+    for i, arm in enumerate(arms):
+        values = [result["runs"][r["name"]]["greedy"] for r in runs if r["arm"] == arm]
+        _strip(ax, i, [v * 100 for v in values if v is not None], colors[arm])
+    for precision, evals in result["bases"].items():
+        if "greedy" in evals:
+            style = ":" if precision == "nvfp4" else "--"
+            ax.axhline(evals["greedy"]["accuracy"] * 100, color="gray", lw=0.8, ls=style)
+    ax.set_xticks(range(len(arms)), [ARM_NAMES[a].replace(" + ", "\n+ ") for a in arms], fontsize=8)
+    ax.set_ylabel("GSM8K test accuracy %, greedy (strict)")
+    ax.set_title("per seed; mean ± 95% t interval; bases: BF16 dashed, NVFP4 dotted", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _comparison_panel(ax, result) -> None:
+    greedy = [c for c in result["comparisons"] if c["measure"] == "greedy" and "difference" in c]
+    for y, c in enumerate(greedy):
+        below, above = (c["difference"] - c["low"]) * 100, (c["high"] - c["difference"]) * 100
+        ax.errorbar([c["difference"] * 100], [y], xerr=[[below], [above]], fmt="o", color="k", capsize=4)
+    ax.axvspan(
+        -result["margin"] * 100,
+        result["margin"] * 100,
+        color="green",
+        alpha=0.12,
+        label=f"±{result['margin'] * 100:g} points",
+    )
+    ax.axvline(0, color="gray", lw=0.8)
+    ax.set_yticks(range(len(greedy)), [c["question"].split(" (")[0] for c in greedy], fontsize=8)
+    ax.invert_yaxis()  # the comparisons top to bottom in their fixed order
+    ax.set_xlabel("a - b, greedy accuracy points (Welch 95% interval)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="x")
+
+
+def _settings_panel(ax, result, colors) -> None:
+    labels = []
+    for effect in result["settings"]:
+        for way in effect["ways"]:
+            values = [result["runs"][name]["greedy"] * 100 for name in way["runs"]]
+            _strip(ax, len(labels), values, colors[effect["arm"]])
+            per_gpu = f", {way['runs_per_gpu']}/GPU" if way["runs_per_gpu"] else ""
+            labels.append(
+                f"{ARM_NAMES[effect['arm']]}\n{way['card'].removeprefix('NVIDIA ')}, {way['sharing']}{per_gpu}"
+            )
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("GSM8K test accuracy %, greedy (strict)")
+    ax.set_title("an arm's seeds by the way they ran", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
