@@ -153,3 +153,39 @@ def test_the_walk_finds_what_it_must():
     assert "qerl.trainer" in g["qerl.train"]
     assert "eval.generate" in g["experiments.arms"]  # lazy, in a tool
     assert "benchmarks.launch" in g["experiments.multi_gpu_runner"]  # `from benchmarks import launch`
+
+
+# The engines' classes: a tool builds an engine through qerl.rollout (create_backend / build_backend on a
+# RolloutSetup), never by naming one. Kernel-development probes time the engines' insides and may.
+ENGINE_CLASSES = ("NativeRollout", "VLLMRollout", "TransformersRollout", "NativeEngine", "VLLMEngine", "Decoder")
+
+
+def test_tools_build_engines_only_through_qerl_rollout():
+    named = []
+    for name, path in modules().items():
+        if name.startswith("qerl") or folder(name) == "benchmarks.probes":
+            continue
+        tree = ast.parse(path.read_text())
+        calls = {
+            node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        }
+        calls |= {
+            node.func.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        }
+        named += [f"{name} builds {cls}" for cls in ENGINE_CLASSES if cls in calls]
+    assert not named, "\n".join(named)
+
+
+def test_only_trls_trainer_wraps_a_model_with_peft_inside_qerl():
+    """QeRLTrainer is the package's one road from a base to a trainable policy: it hands lora.lora_config to TRL, whose
+    trainer wraps the model; no module of qerl calls peft's get_peft_model itself."""
+    wrapping = [
+        name
+        for name, path in modules().items()
+        if name.startswith("qerl")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "get_peft_model"
+    ]
+    assert not wrapping, wrapping
