@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from checkpoint_models import _bf16_model
+from checkpoint_models import SIZES, _bf16_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3Config
 
@@ -47,16 +47,7 @@ def test_failed_run_leaves_no_checkpoint_behind(seed, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16"]
 
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    head_dim=16,
-)
+TINY = {**SIZES, "head_dim": 16}
 
 
 @pytest.mark.parametrize(
