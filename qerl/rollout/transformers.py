@@ -60,21 +60,31 @@ class TransformersRollout(RolloutBackend):
         self.generation_config = config
 
     def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
-        """The round's prompts, `setup.transformers.batch_size` per generate() call (all at once by default)."""
-        size = self.setup.transformers.batch_size or max(1, len(prompt_ids))
+        """The round's prompts, `setup.transformers.batch_size` per generate() call (all at once by default), all of
+        them under one draw of the noise."""
+        setup = self.setup
+        size = setup.transformers.batch_size or max(1, len(prompt_ids))
         chunks = [prompt_ids[i : i + size] for i in range(0, len(prompt_ids), size)]
-        if len(chunks) == 1:
-            return self._generate(prompt_ids, perturb)
-        from tqdm.auto import tqdm
+        if len(chunks) > 1:
+            from tqdm.auto import tqdm
 
-        outputs = [self._generate(chunk, perturb) for chunk in tqdm(chunks, desc="generate", unit="batch")]
-        return RolloutOutput(
-            [ids for out in outputs for ids in out.completion_ids],
-            [lps for out in outputs for lps in out.logprobs],
-            outputs[-1].noise,
-        )
+            chunks = tqdm(chunks, desc="generate", unit="batch")
+        completion_ids, logprobs = [], []
+        with (
+            setup.open_policy() as model,
+            torch.no_grad(),
+            perturb(model) as noise,  # inside open_policy, so that ZeRO-3 has gathered the norm scales it perturbs
+        ):
+            for chunk in chunks:
+                ids, lps = self._sample(model, chunk)
+                completion_ids += ids
+                logprobs += lps
+        output = truncate_at_eos(completion_ids, logprobs, setup.eos_token_ids)
+        output.noise = noise
+        return output
 
-    def _generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
+    def _sample(self, model, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        """(completion ids, their sampled-token log-probs) of one generate() call on left-padded prompts."""
         from trl.trainer.utils import pad
 
         setup = self.setup
@@ -83,19 +93,11 @@ class TransformersRollout(RolloutBackend):
         input_ids = pad(prompts, setup.pad_token_id, padding_side="left", pad_to_multiple_of=multiple)
         attention_mask = pad([torch.ones_like(p) for p in prompts], 0, padding_side="left", pad_to_multiple_of=multiple)
         recorder = SampledTokenLogprobs(self.warpers)
-        with (
-            setup.open_policy() as model,
-            torch.no_grad(),
-            perturb(model) as noise,  # inside open_policy, so that ZeRO-3 has gathered the norm scales it perturbs
-        ):
-            sequences = model.generate(
-                input_ids=input_ids.to(setup.device),
-                attention_mask=attention_mask.to(setup.device),
-                generation_config=self.generation_config,
-                logits_processor=LogitsProcessorList([recorder]),
-            )
+        sequences = model.generate(
+            input_ids=input_ids.to(setup.device),
+            attention_mask=attention_mask.to(setup.device),
+            generation_config=self.generation_config,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
         completion_ids = sequences[:, input_ids.size(1) :]
-        logprobs = recorder.finish(completion_ids).float().cpu().tolist()
-        output = truncate_at_eos(completion_ids.cpu().tolist(), logprobs, setup.eos_token_ids)
-        output.noise = noise
-        return output
+        return completion_ids.cpu().tolist(), recorder.finish(completion_ids).float().cpu().tolist()
