@@ -17,13 +17,13 @@ from eval.generate import ModelSpec, generate
 from eval.protocols import PROTOCOLS, Sampling
 from qerl import cli, input_checks
 from qerl.errors import UsageError
-from qerl.field_rules import ROLLOUT_BACKENDS
+from qerl.field_rules import PRECISIONS, ROLLOUT_BACKENDS
 
 
 def build_parser(benchmark: Benchmark, description: str) -> cli.ArgumentParser:
     parser = cli.ArgumentParser(prog=f"python -m eval.{benchmark.name}", description=description)
     parser.add_argument("--model", required=True, help="base model: checkpoint folder (NVFP4 or BF16) or hub id")
-    parser.add_argument("--load", choices=("auto", "nvfp4", "bf16"), default="auto", help="precision of the base")
+    parser.add_argument("--load", choices=PRECISIONS, default="auto", help="precision of the base")
     parser.add_argument("--adapter", help="LoRA adapter folder (a training checkpoint or its final save)")
     names = ", ".join([*benchmark.datasets, *benchmark.builtin])
     parser.add_argument("--data", default=benchmark.default_data, help=f"{names}, or a local .jsonl/.json/.parquet")
