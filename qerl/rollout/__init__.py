@@ -86,7 +86,7 @@ class RolloutSetup:
     open_policy: Callable[[], AbstractContextManager[nn.Module]] | None
     device: torch.device
     model_path: str | None = None  # checkpoint folder the base was loaded from, for engines with their own copy
-    adapter_path: str | None = None  # with no policy in memory: the saved adapter an engine loads once
+    adapter_path: str | None = None  # with no policy in memory: the saved adapter the engine samples with
     pad_to_multiple_of: int | None = None
     # How the run shards the policy's parameters: "fsdp2", "zero3", or None (whole on every rank). An engine that
     # reads the policy's own tensors gathers them every round.
