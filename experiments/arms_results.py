@@ -10,6 +10,7 @@ without an adapter is a record too (base-bf16, base-nvfp4). No weights: a record
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -90,6 +91,7 @@ def summary_scores(summary: dict) -> dict:
     return kept
 
 
+@functools.cache
 def gpu_name(gpu: int | None) -> str:
     """The card a run used, as nvidia-smi names it ('cpu' without a GPU)."""
     if gpu is None:
