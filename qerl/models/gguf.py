@@ -4,7 +4,8 @@ transformers reads GGUF itself (`from_pretrained(folder, gguf_file=...)`, with t
 the weights and rebuilds the tokenizer from the file's metadata. Two things stop there being a usable checkpoint:
 the loaded model refuses `save_pretrained` (it remembers it came from GGUF), and the tokenizer's special tokens
 are whatever the GGUF metadata says. So the weights move into a plain model of the same config, and the tokenizer,
-config.json and generation_config.json get the entry's EOS and pad token.
+config.json and generation_config.json get the entry's EOS and pad token. A SentencePiece-BPE tokenizer (Gemma's)
+transformers rebuilds wrongly: that one is built from the GGUF's metadata instead (gguf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -21,14 +22,36 @@ logger = logging.getLogger(__name__)
 _GGUF_KEYS = ("_name_or_path", "_model_name_or_path", "name_or_path", "quantization_config")
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) as transformers' own GGUF loader gives them: the trusted reference of the conversion."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The model as transformers' own GGUF loader gives it: the trusted reference of the weights' conversion."""
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    return model, tokenizer
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) as transformers' own GGUF loader gives them."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    return load_gguf_model(path, dtype), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def gguf_tokenizer(path: str | Path, chat_template: str | None = None):
+    """The checkpoint's tokenizer: a SentencePiece-BPE GGUF's built from its metadata here, any other (byte-level
+    BPE: SmolLM2's, Qwen's) transformers' own. `chat_template` replaces the GGUF's (None: keep it)."""
+    from transformers import AutoTokenizer
+
+    from qerl.models.gguf_tokenizer import sentencepiece_tokenizer
+
+    path = Path(path)
+    tokenizer = sentencepiece_tokenizer(path, chat_template)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def fix_special_tokens(tokenizer, eos_token: str, pad_token: str) -> None:
@@ -43,11 +66,14 @@ def fix_special_tokens(tokenizer, eos_token: str, pad_token: str) -> None:
     tokenizer.clean_up_tokenization_spaces = False
 
 
-def convert_gguf(path: str | Path, out_dir: str | Path, eos_token: str, pad_token: str) -> None:
-    """Write the GGUF at `path` into `out_dir` as BF16 safetensors + config + tokenizer + generation config."""
+def convert_gguf(
+    path: str | Path, out_dir: str | Path, eos_token: str, pad_token: str, chat_template: str | None = None
+) -> None:
+    """Write the GGUF at `path` into `out_dir` as BF16 safetensors + config + tokenizer + generation config;
+    `chat_template` for a GGUF without one (or a wrong one)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    loaded, tokenizer = load_gguf(path)
+    loaded, tokenizer = load_gguf_model(path), gguf_tokenizer(path, chat_template)
     fix_special_tokens(tokenizer, eos_token, pad_token)
     if loaded.config.max_position_embeddings:
         tokenizer.model_max_length = loaded.config.max_position_embeddings

@@ -30,6 +30,8 @@ class WheelGGUF:
     # says eos is <|im_start|> and has no pad), and a wrong EOS makes sampling stop on the wrong token.
     eos_token: str
     pad_token: str
+    # For a GGUF that carries no tokenizer.chat_template (or a wrong one): the template the checkpoint gets.
+    chat_template: str | None = None
 
     @property
     def requirements(self) -> list[str]:
