@@ -1,8 +1,9 @@
 """The report of experiments.arms, read from the committed run records (experiments/arms_results.py): per arm the
 GSM8K test accuracy per protocol (mean over seeds with its 95% t interval), training reward, early entropy, steps to a
 reward level and non-finite gradient steps; the four comparisons fixed before the runs (COMPARISONS: differences of
-seed means with Welch 95% intervals, equivalence within +-2 points by TOST); whether the card or the packing of runs
-on it moved an arm; report.json, report.md (the tables) and the plot.
+seed means with Welch 95% intervals, equivalence within +-2 points by TOST); the same on accuracy without the runs
+stuck at the length cap, with the stuck counts compared (chosen after seeing the runs, and labelled so); whether the
+card or the packing of runs on it moved an arm; report.json, report.md (the tables) and the plot.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import Counter
 from experiments.arms_plot import plot
 from experiments.arms_results import curve_rows, first_nonfinite_step, load_records, logged
 from experiments.arms_runs import ARM_NAMES, ARMS, PROTOCOLS
-from experiments.arms_stats import mean_interval, variance_ratio, welch
+from experiments.arms_stats import fisher_exact, mean_interval, variance_ratio, welch
 from qerl import plotting
 
 # Fixed before the runs (issue 42): (arm a, arm b, what a - b answers). The first is QeRL's claim.
@@ -101,6 +102,10 @@ def _values(runs: list[dict], measures: dict, key: str) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v)]
 
 
+def stuck(run: dict, measures: dict) -> bool:
+    return measures[run["name"]]["truncated_last_tenth"] >= STUCK_TRUNCATED
+
+
 def arm_table(runs: list[dict], measures: dict) -> dict[str, dict]:
     """Per arm: its seeds and cards, and each measure's mean with its 95% t interval, sd and n."""
     table = {}
@@ -117,25 +122,42 @@ def arm_table(runs: list[dict], measures: dict) -> dict[str, dict]:
                 row[key] = {"mean": mean, "ci95": half, "sd": sd, "n": len(values)}
         row["not_reaching_reward_level"] = sum(measures[r["name"]].get("steps_to_reward") is None for r in mine)
         row["nonfinite_runs"] = [r["name"] for r in mine if measures[r["name"]]["first_nonfinite_grad_step"]]
-        row["stuck_at_length_cap"] = [
-            r["name"] for r in mine if measures[r["name"]]["truncated_last_tenth"] >= STUCK_TRUNCATED
-        ]
+        row["stuck_at_length_cap"] = [r["name"] for r in mine if stuck(r, measures)]
         table[arm] = row
     return table
 
 
-def comparisons(runs: list[dict], measures: dict) -> list[dict]:
-    """Each fixed comparison on each measure: mean(a) - mean(b) with its Welch interval; on the accuracies also
-    the TOST verdict at +-MARGIN."""
+def comparisons(
+    runs: list[dict], measures: dict, keys: tuple[str, ...] = (*PROTOCOLS, *TRAINING_MEASURES)
+) -> list[dict]:
+    """Each fixed comparison on each measure in `keys`: mean(a) - mean(b) with its Welch interval; on the accuracies
+    also the TOST verdict at +-MARGIN."""
     out = []
     for a, b, question in COMPARISONS:
         runs_a = [r for r in runs if r["arm"] == a]
         runs_b = [r for r in runs if r["arm"] == b]
-        for key in (*PROTOCOLS, *TRAINING_MEASURES):
+        for key in keys:
             margin = MARGIN if key in PROTOCOLS else None
             diff = welch(_values(runs_a, measures, key), _values(runs_b, measures, key), margin)
             out.append({"a": a, "b": b, "question": question, "measure": key, **(diff.as_dict() if diff else {})})
     return out
+
+
+def without_stuck(runs: list[dict], measures: dict) -> dict:
+    """Chosen after the runs, not before (so a second look, not the fixed test): the accuracy comparisons over the
+    runs that did not get stuck at the length cap, and whether the arms got stuck at different rates (Fisher)."""
+    healthy = [r for r in runs if not stuck(r, measures)]
+    rates = []
+    for a, b, question in COMPARISONS:
+        n_a, n_b = (sum(r["arm"] == arm for r in runs) for arm in (a, b))
+        k_a, k_b = (sum(r["arm"] == arm and stuck(r, measures) for r in runs) for arm in (a, b))
+        p = fisher_exact(k_a, n_a, k_b, n_b) if n_a and n_b else None
+        rates.append({"a": a, "b": b, "question": question, "stuck_a": [k_a, n_a], "stuck_b": [k_b, n_b], "p": p})
+    return {
+        "left_out": sorted(r["name"] for r in runs if stuck(r, measures)),
+        "comparisons": comparisons(healthy, measures, PROTOCOLS),
+        "stuck_rates": rates,
+    }
 
 
 def setting_effects(runs: list[dict], measures: dict, pooled: str | None) -> list[dict]:
@@ -182,6 +204,7 @@ def report(args) -> dict:
         "reward_level": measures.get("_level"),
         "arms": arm_table(runs, measures),
         "comparisons": comparisons(runs, measures),
+        "without_stuck": without_stuck(runs, measures),
         "settings": setting_effects(same_experiment, measures, chosen["sharing"]),
         "bases": bases,
         "runs": {r["name"]: {k: v for k, v in measures[r["name"]].items()} for r in same_experiment},
@@ -210,6 +233,27 @@ def _verdict(c: dict) -> str:
     if c.get("equivalent") is None:
         return differs
     return f"{differs}; {'equivalent' if c['equivalent'] else 'not shown equivalent'} at ±{c['margin'] * 100:g}"
+
+
+def _comparison_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| comparison (a - b) | measure | difference | 95% CI | p | TOST p (±2) | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in rows:
+        scale, digits = (
+            (100, 1) if c["measure"] in PROTOCOLS else ((1, 1) if c["measure"] == "steps_to_reward" else (1, 3))
+        )
+        if "difference" not in c:
+            lines.append(f"| {c['question']} | {c['measure']} | - | - | - | - | too few runs |")
+            continue
+        tost = f"{c['p_equivalent']:.3f}" if c.get("p_equivalent") is not None else "-"
+        lines.append(
+            f"| {c['question']} | {c['measure']} | {c['difference'] * scale:+.{digits}f} | "
+            f"[{c['low'] * scale:+.{digits}f}, {c['high'] * scale:+.{digits}f}] | {c['p']:.3f} | {tost} | "
+            f"{_verdict(c)} |"
+        )
+    return lines
 
 
 def markdown(result: dict) -> str:
@@ -247,23 +291,24 @@ def markdown(result: dict) -> str:
             f"the cap: runs whose last tenth of steps had >= {STUCK_TRUNCATED:.0%} of completions truncated (masked by "
             "DAPO: no gradient left to leave that state)."
         )
+    lines += ["", *_comparison_table(result["comparisons"])]
+    second = result["without_stuck"]
     lines += [
         "",
-        "| comparison (a - b) | measure | difference | 95% CI | p | TOST p (±2) | verdict |",
-        "|---|---|---|---|---|---|---|",
+        "Chosen after seeing the runs (a second look, not the fixed test): the same accuracy comparisons without the "
+        f"runs stuck at the cap ({', '.join(second['left_out']) or 'none'}), and the stuck counts compared "
+        "(Fisher's exact test).",
+        "",
+        *_comparison_table(second["comparisons"]),
+        "",
+        "| comparison (a - b) | stuck in a | stuck in b | Fisher p |",
+        "|---|---|---|---|",
     ]
-    for c in result["comparisons"]:
-        scale, digits = (
-            (100, 1) if c["measure"] in PROTOCOLS else ((1, 1) if c["measure"] == "steps_to_reward" else (1, 3))
-        )
-        if "difference" not in c:
-            lines.append(f"| {c['question']} | {c['measure']} | - | - | - | - | too few runs |")
-            continue
-        tost = f"{c['p_equivalent']:.3f}" if c.get("p_equivalent") is not None else "-"
+    for rate in second["stuck_rates"]:
+        p = f"{rate['p']:.2f}" if rate["p"] is not None else "-"
         lines.append(
-            f"| {c['question']} | {c['measure']} | {c['difference'] * scale:+.{digits}f} | "
-            f"[{c['low'] * scale:+.{digits}f}, {c['high'] * scale:+.{digits}f}] | {c['p']:.3f} | {tost} | "
-            f"{_verdict(c)} |"
+            f"| {rate['question']} | {rate['stuck_a'][0]} of {rate['stuck_a'][1]} | "
+            f"{rate['stuck_b'][0]} of {rate['stuck_b'][1]} | {p} |"
         )
     for effect in result["settings"]:
         lines += [

@@ -1,5 +1,6 @@
 """The statistics of experiments.arms, over seeds: a mean's 95% t interval, the difference of two arms' means with
-its Welch 95% interval, and equivalence within a margin by two one-sided tests (TOST). Student's t comes from scipy.
+its Welch 95% interval, equivalence within a margin by two one-sided tests (TOST), the F test of two spreads and
+Fisher's exact test of two counts. The distributions come from scipy.
 """
 
 from __future__ import annotations
@@ -77,3 +78,10 @@ def variance_ratio(a: list[float], b: list[float]) -> tuple[float, float] | None
     ratio = statistics.variance(a) / statistics.variance(b)
     tail = float(stats.f.sf(ratio, len(a) - 1, len(b) - 1))
     return ratio, min(1.0, 2 * min(tail, 1 - tail))
+
+
+def fisher_exact(hits_a: int, n_a: int, hits_b: int, n_b: int) -> float:
+    """Two-sided p of Fisher's exact test that hits_a of n_a and hits_b of n_b come from one rate."""
+    from scipy import stats
+
+    return float(stats.fisher_exact([[hits_a, n_a - hits_a], [hits_b, n_b - hits_b]]).pvalue)

@@ -62,6 +62,14 @@ def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
     assert (first["a"], first["b"], first["measure"]) == ("nvfp4_lora_aqn", "bf16_lora", "greedy")
     reference = stats.ttest_ind([0.61, 0.60, 0.62], [0.60, 0.62, 0.64], equal_var=False)
     assert first["difference"] == pytest.approx(-0.01) and first["p"] == pytest.approx(reference.pvalue)
+    # The second look leaves the stuck run out (its arm then has none) and compares the stuck counts.
+    second = result["without_stuck"]
+    assert second["left_out"] == ["bf16_lora_aqn-seed0"]
+    assert [c["measure"] for c in second["comparisons"]] == ["greedy", "reference"] * 4
+    assert second["comparisons"][0]["difference"] == pytest.approx(first["difference"])
+    rate = next(r for r in second["stuck_rates"] if r["a"] == "bf16_lora_aqn")
+    assert (rate["stuck_a"], rate["stuck_b"]) == ([1, 1], [0, 3])
+    assert rate["p"] == pytest.approx(stats.fisher_exact([[1, 0], [0, 3]]).pvalue)
     entropy = next(c for c in result["comparisons"] if c["measure"] == "entropy_first_tenth")
     assert "difference" not in entropy  # equal entropies everywhere: no interval to form
     (effect,) = result["settings"]
@@ -78,6 +86,7 @@ def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
     assert "| NVFP4 + AQN vs BF16 LoRA (QeRL against 16-bit LoRA) | greedy | -1.0 |" in printed
     assert "| AQN within BF16 | greedy | - | - | - | - | too few runs |" in printed
     assert "| BF16 + LoRA + AQN | 1 | 50.0 ± 0.0 | 0.0 |" in printed and "| 1 of 1 |" in printed
+    assert "| AQN within BF16 | 1 of 1 | 0 of 3 | 0.25 |" in printed
     assert (tmp_path / "out" / "report.md").read_text() in printed
 
 
