@@ -92,10 +92,19 @@ def _accuracy_panel(ax, arms, runs, result, colors) -> None:
 
 
 def _comparison_panel(ax, result) -> None:
-    greedy = [c for c in result["comparisons"] if c["measure"] == "greedy" and "difference" in c]
-    for y, c in enumerate(greedy):
-        below, above = (c["difference"] - c["low"]) * 100, (c["high"] - c["difference"]) * 100
-        ax.errorbar([c["difference"] * 100], [y], xerr=[[below], [above]], fmt="o", color="k", capsize=4)
+    """The fixed comparisons (filled), and the second look without the stuck runs (hollow, just below)."""
+    questions = list(dict.fromkeys(c["question"] for c in result["comparisons"]))  # their fixed order
+    looks = (
+        (result["comparisons"], 0.0, "k", "all runs (fixed before)"),
+        (result["without_stuck"]["comparisons"], 0.25, "none", "without runs stuck at the cap (chosen after)"),
+    )
+    for rows, shift, face, label in looks:
+        greedy = [c for c in rows if c["measure"] == "greedy" and "difference" in c]
+        for i, c in enumerate(greedy):
+            below, above = (c["difference"] - c["low"]) * 100, (c["high"] - c["difference"]) * 100
+            y = questions.index(c["question"]) + shift
+            ax.errorbar([c["difference"] * 100], [y], xerr=[[below], [above]], fmt="o", color="k", mfc=face,
+                        capsize=4, label=label if i == 0 else None)  # fmt: skip
     ax.axvspan(
         -result["margin"] * 100,
         result["margin"] * 100,
@@ -104,7 +113,7 @@ def _comparison_panel(ax, result) -> None:
         label=f"±{result['margin'] * 100:g} points",
     )
     ax.axvline(0, color="gray", lw=0.8)
-    ax.set_yticks(range(len(greedy)), [c["question"].split(" (")[0] for c in greedy], fontsize=8)
+    ax.set_yticks(range(len(questions)), [q.split(" (")[0] for q in questions], fontsize=8)
     ax.invert_yaxis()  # the comparisons top to bottom in their fixed order
     ax.set_xlabel("a - b, greedy accuracy points (Welch 95% interval)")
     ax.legend(fontsize=8)
@@ -117,11 +126,9 @@ def _settings_panel(ax, result, colors) -> None:
         for way in effect["ways"]:
             values = [result["runs"][name]["greedy"] * 100 for name in way["runs"]]
             _strip(ax, len(labels), values, colors[effect["arm"]])
-            per_gpu = f", {way['runs_per_gpu']}/GPU" if way["runs_per_gpu"] else ""
-            labels.append(
-                f"{ARM_NAMES[effect['arm']]}\n{way['card'].removeprefix('NVIDIA ')}, {way['sharing']}{per_gpu}"
-            )
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+            per_gpu = f" x{way['runs_per_gpu']}" if way["runs_per_gpu"] else ""
+            labels.append(f"{way['card'].removeprefix('NVIDIA ')}\n{way['sharing']}{per_gpu}")
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("GSM8K test accuracy %, greedy (strict)")
-    ax.set_title("an arm's seeds by the way they ran", fontsize=9)
+    ax.set_title("an arm's seeds (colour) by card and packing (x N: runs per GPU)", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
