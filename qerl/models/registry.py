@@ -32,6 +32,9 @@ class WheelGGUF:
     pad_token: str
     # For a GGUF that carries no tokenizer.chat_template (or a wrong one): the template the checkpoint gets.
     chat_template: str | None = None
+    # More tokens sampling stops at (the generation config's EOS list): a base model ends text with its own <eos>
+    # where a chat turn ends with eos_token.
+    stop_tokens: tuple[str, ...] = ()
 
     @property
     def requirements(self) -> list[str]:
@@ -164,5 +167,6 @@ MODELS: dict[str, WheelGGUF] = {
         eos_token="<end_of_turn>",
         pad_token="<pad>",
         chat_template=GEMMA3_CHAT_TEMPLATE,  # the GGUF has none
+        stop_tokens=("<eos>",),  # the pretrained base ends plain text there (Google's generation config: [1, 106])
     ),
 }

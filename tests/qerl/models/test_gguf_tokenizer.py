@@ -142,7 +142,7 @@ def test_conversion_writes_the_rebuilt_tokenizer_beside_transformers_weights(tmp
 
     path = write_sentencepiece_gguf(tmp_path / "tiny-gemma3.gguf", weights=True)
     out = tmp_path / "bf16"
-    convert_gguf(path, out, eos_token="<end_of_turn>", pad_token="<pad>", chat_template=CHAT_TEMPLATE)
+    convert_gguf(path, out, "<end_of_turn>", "<pad>", chat_template=CHAT_TEMPLATE, stop_tokens=("<eos>",))
     ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     reference = load_gguf_model(path, dtype=torch.bfloat16)
     assert type(ours).__name__ == "Gemma3ForCausalLM"
@@ -153,6 +153,9 @@ def test_conversion_writes_the_rebuilt_tokenizer_beside_transformers_weights(tmp
     assert tokenizer("abc  bca\tthe")["input_ids"] == _reference("abc  bca\tthe")
     assert tokenizer.eos_token == "<end_of_turn>" and tokenizer.eos_token_id == tokens_of(["<end_of_turn>"])[0]
     assert tokenizer.pad_token_id == 0
+    # Sampling stops at the end of a turn and at the base model's own end of text.
+    assert ours.generation_config.eos_token_id == tokens_of(["<end_of_turn>", "<eos>"])
+    assert base_model.eos_mismatch(tokenizer, ours.generation_config) is None
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": " the "}], add_generation_prompt=True)
     text = "<bos><start_of_turn>user\nthe<end_of_turn>\n<start_of_turn>model\n"
     assert prompt["input_ids"] == _reference(text, bos=False)
