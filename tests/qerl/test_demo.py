@@ -3,25 +3,38 @@ GGUF converted by qerl.models)."""
 
 import json
 import os
+import shlex
 from pathlib import Path
 
+import pytest
 
-def test_demo_pipeline(tmp_path):
+
+@pytest.fixture
+def torch_threads():
+    """The demo sets torch's thread count for its process: put the test process's back afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_demo_pipeline(tmp_path, torch_threads):
     """`make demo` end to end at toy length: warm-up, NVFP4 quantization, QeRL, metrics and plot."""
     from qerl import demo, plotting
 
     summary = demo.main(["--output-dir", str(tmp_path), "--warmup-steps", "20", "--rl-steps", "10", "--problems", "8"])
+    assert summary["cpu_threads"] == 1  # the toy's matrices are too small to share out between threads
     rows = plotting.read_metrics(summary["metrics"])
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert os.path.getsize(summary["plot"]) > 10_000
     assert os.path.isfile(os.path.join(tmp_path, "checkpoints", "nvfp4", "config.json"))
-    # The saved adapter evaluates as the README shows (the demo's task, greedy).
+    # The saved adapter evaluates with the command the demo prints (on 16 problems, on the CPU).
     from eval import gsm8k
     from qerl import cli
 
     out = tmp_path / "eval.jsonl"
-    argv = ["--data", "arithmetic", "--protocol", "greedy", "--max-new-tokens", "6", "--limit", "16", "--device",
-            "cpu", "--model", summary["base"], "--adapter", summary["adapter"], "--out", str(out)]  # fmt: skip
+    argv = shlex.split(summary["eval"])[3:] + ["--limit", "16", "--device", "cpu", "--out", str(out)]
     assert cli.run_cli(gsm8k.main, "eval.gsm8k", argv) == 0
     result = json.loads(out.read_text().splitlines()[0])
     samples = [json.loads(line) for line in out.read_text().splitlines()[1:]]
@@ -38,7 +51,7 @@ def test_demo_pipeline(tmp_path):
     assert len(plotting.read_metrics(summary["metrics"].replace("metrics.jsonl", "metrics.1.jsonl"))) == 10
 
 
-def test_demo_takes_a_real_model(converted, tmp_path):
+def test_demo_takes_a_real_model(converted, tmp_path, torch_threads):
     """`python -m qerl.demo --model ...` on a model folder: quantized into --checkpoint-dir, one RL step on the shipped
     GSM8K rows with the gsm8k_lenient rewards, then the adapter, metrics and plot."""
     from qerl import demo
@@ -59,3 +72,9 @@ def test_demo_takes_a_real_model(converted, tmp_path):
     rows = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1] and "rewards/gsm8k_final_answer_reward/mean" in rows[0]
     assert Path(summary["plot"]).stat().st_size > 0 and (Path(summary["adapter"]) / "adapter_config.json").is_file()
+    # The eval command it prints parses with eval.gsm8k's own flags, and names files that exist.
+    from eval.cli import build_parser
+    from eval.gsm8k import BENCHMARK
+
+    args = build_parser(BENCHMARK, "").parse_args(shlex.split(summary["eval"])[3:])
+    assert Path(args.data).is_file() and Path(args.model).is_dir() and Path(args.adapter).is_dir()
