@@ -105,7 +105,7 @@ def recipe_flags(config: str, model_path: str, out_dir: Path, new_tokens: int) -
 def real_model_flags(config: str, model_path: str, out_dir: Path, dataset: str) -> list[str]:
     """qerl.train flags of a recipe run as written on a real checkpoint (no saving, no logging), its prompts read from
     the local file `dataset` in the format of the recipe's own dataset (the GPU machine reaches no hub)."""
-    recipe = load_recipe(config, train._parser())
+    recipe = load_recipe(config, train.build_parser())
     source = data.HUB_DATASETS.get(recipe.get("dataset"))
     return [
         "--config", config, "--model-name", model_path, "--dataset", dataset, "--output-dir", str(out_dir),

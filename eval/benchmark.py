@@ -31,7 +31,6 @@ class Benchmark:
     gold: Callable[[str], str | None]
     formats: dict[str, PromptFormat]
     default_data: str
-    default_split: str | None = None
     builtin: dict[str, Callable] = field(default_factory=dict)
 
     def rows(

@@ -24,10 +24,12 @@ def build_parser(benchmark: Benchmark, description: str) -> cli.ArgumentParser:
     parser = cli.ArgumentParser(prog=f"python -m eval.{benchmark.name}", description=description)
     parser.add_argument("--model", required=True, help="base model: checkpoint folder (NVFP4 or BF16) or hub id")
     parser.add_argument("--load", choices=PRECISIONS, default="auto", help="precision of the base")
-    parser.add_argument("--adapter", help="LoRA adapter folder (a training checkpoint or its final save)")
+    parser.add_argument(
+        "--adapter", help="LoRA adapter folder, a training checkpoint or its final save (default: none, the base alone)"
+    )
     names = ", ".join([*benchmark.datasets, *benchmark.builtin])
     parser.add_argument("--data", default=benchmark.default_data, help=f"{names}, or a local .jsonl/.json/.parquet")
-    parser.add_argument("--split", default=benchmark.default_split, help="dataset split (default: the dataset's own)")
+    parser.add_argument("--split", help="dataset split (default: a named dataset's own; test for a local file)")
     parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default="reference", help="see above")
     parser.add_argument(
         "--format",
@@ -35,13 +37,18 @@ def build_parser(benchmark: Benchmark, description: str) -> cli.ArgumentParser:
         default=next(iter(benchmark.formats)),
         help="how questions are asked and completions scored: the training dataset format",
     )
-    parser.add_argument("--max-new-tokens", type=cli.COUNT, help="override the protocol's 1024")
+    budgets = ", ".join(sorted({str(protocol.max_new_tokens) for protocol in PROTOCOLS.values()}))
+    parser.add_argument(
+        "--max-new-tokens",
+        type=cli.COUNT,
+        help=f"new tokens per completion at most (default: the protocol's, {budgets})",
+    )
     parser.add_argument("--seed", type=cli.SEED, default=0, help="sampling seed (with the batch size and device)")
-    parser.add_argument("--limit", type=cli.COUNT, help="evaluate the first N examples only")
+    parser.add_argument("--limit", type=cli.COUNT, help="evaluate the first N examples only (default: all)")
     parser.add_argument(
         "--batch-size", type=cli.COUNT, default=32, help="transformers backend: prompts per generate call"
     )
-    parser.add_argument("--device", help="cuda if there is one, else cpu")
+    parser.add_argument("--device", help="where the model runs (default: cuda if there is one, else cpu)")
     parser.add_argument(
         "--rollout-backend",
         choices=ROLLOUT_BACKENDS,
@@ -55,7 +62,11 @@ def build_parser(benchmark: Benchmark, description: str) -> cli.ArgumentParser:
         help="native backend: GPU memory for the KV cache (default: 80%% of what is free); more "
         "prompts than fit run in waves",
     )
-    parser.add_argument("--out", help="per-sample JSONL (first line: the summary); default runs/eval/NAME-TIME.jsonl")
+    parser.add_argument(
+        "--out",
+        help="per-sample JSONL, its first line the summary "
+        f"(default: runs/eval/{benchmark.name}-DATA-PROTOCOL-TIME.jsonl)",
+    )
     return parser
 
 

@@ -2,8 +2,8 @@
 
     python -m eval.competition_math --model ckpt/qwen2.5-7b-nvfp4 --adapter runs/bigmath/checkpoint-500 --data math500
     python -m eval.competition_math --model ckpt/qwen2.5-7b-nvfp4 --data aime24 --protocol greedy
-    python -m eval.competition_math --model ckpt/qwen2.5-7b-nvfp4 --adapter runs/bigmath --data amc23   (aime25 alike)
-    python -m eval.competition_math --model ckpt/qwen2.5-7b-nvfp4 --data my_problems.jsonl   (columns: problem, answer)
+    python -m eval.competition_math --model ckpt/qwen2.5-7b-nvfp4 --adapter runs/bigmath --data amc23   # aime25 alike
+    python -m eval.competition_math --model ckpt/qwen2.5-7b-nvfp4 --data my_problems.jsonl   # columns: problem, answer
 
 The prompt is Big-Math's in training (the think/answer system prompt, then the problem); a completion is correct
 when qerl.rewards' math-verify reward finds its answer (a \\boxed{} one first) equal to the gold answer. Same

@@ -1,17 +1,20 @@
-"""GSM8K accuracy of a base model (NVFP4 or BF16), optionally with a trained LoRA adapter.
+r"""GSM8K accuracy of a base model (NVFP4 or BF16), optionally with a trained LoRA adapter.
 
     python -m eval.gsm8k --model ckpt/qwen2.5-7b-nvfp4 --adapter runs/dapo/checkpoint-500
-    python -m eval.gsm8k --model Qwen/Qwen2.5-7B-Instruct --data ../shared/data/gsm8k/test.jsonl --protocol greedy
+    python -m eval.gsm8k --model Qwen/Qwen2.5-7B-Instruct --protocol greedy --limit 100
+    python -m eval.gsm8k --model Qwen/Qwen2.5-7B-Instruct --data tests/data/gsm8k/test_sample.jsonl --protocol greedy
     python -m eval.gsm8k --data arithmetic --protocol greedy --max-new-tokens 6 \
-        --model runs/demo/checkpoints/nvfp4 --adapter runs/demo/adapter          (the demo's task and adapter)
+        --model runs/demo/checkpoints/nvfp4 --adapter runs/demo/adapter    # after `make demo`: its task and adapter
 
-Protocols (eval/protocols.py): `reference` (default; the QeRL reference's eval: temperature 0.6, top-p 0.95, 1024 new
-tokens, seeded) or `greedy`. Formats, as the training datasets pose GSM8K: `think_answer` (default; the reference
-eval's think/answer system prompt): a completion is correct when the training reward pays for it (the number inside
-<answer>...</answer> equals the gold one as a number); `gsm8k_hash` (the question with the "####" instruction): the
-number after the last "####". `flexible` also accepts the last number of a completion without an answer tag (or
-"####"). Prints the accuracy with its 95% interval; writes every completion to --out. The reference's script
-compared the first character only.
+--data gsm8k (the default) reads the GSM8K test set from the hub (openai/gsm8k); a clone carries 128 of its problems
+in tests/data/gsm8k/test_sample.jsonl. Protocols (eval/protocols.py): `reference` (default; the QeRL reference's
+eval: temperature 0.6, top-p 0.95, 1024 new tokens, seeded) or `greedy`. Formats, as the training datasets pose
+GSM8K: `think_answer` (default; the reference eval's think/answer system prompt): a completion is correct when the
+training reward pays for it (the number inside <answer>...</answer> equals the gold one as a number); `gsm8k_hash`
+(the question with the "####" instruction): the number after the last "####". Prints the accuracy with its 95%
+interval; writes every completion to --out, whose first line (the summary) also reports a looser score,
+accuracy_flexible: the last number of a completion without an answer tag (or without "####") counts too. The
+reference's script compared the first character only.
 """
 
 from __future__ import annotations
@@ -66,7 +69,6 @@ BENCHMARK = Benchmark(
         "gsm8k_hash": PromptFormat(data.gsm8k_hash_prompt, score_hash),
     },
     default_data="gsm8k",
-    default_split="test",
     builtin={"arithmetic": _arithmetic},
 )
 

@@ -25,8 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from qerl import cli, quantize  # noqa: E402
 from qerl.errors import UsageError  # noqa: E402
-from qerl.nvfp4.checkpoint.format import resolve_model_dir  # noqa: E402
-from qerl.nvfp4.checkpoint.write import AtomicOutputDir, copy_side_files  # noqa: E402
 
 
 def quantize_with_llmcompressor(model: str, output: str, device: str, dtype, ignore, overwrite: bool) -> Path:
@@ -36,6 +34,9 @@ def quantize_with_llmcompressor(model: str, output: str, device: str, dtype, ign
     except ImportError as err:
         raise UsageError(f"--backend llmcompressor needs llmcompressor (pip install -e .[quantize]): {err}") from err
     from transformers import AutoModelForCausalLM
+
+    from qerl.nvfp4.checkpoint.format import resolve_model_dir
+    from qerl.nvfp4.checkpoint.write import AtomicOutputDir, copy_side_files
 
     src = resolve_model_dir(model)
     with AtomicOutputDir(output, overwrite, source=src) as tmp:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "native":
         out = quantize.quantize_streaming(args)
     else:
-        dtype = quantize.DTYPES[args.dtype]
+        dtype = quantize.torch_dtype(args.dtype)
         out = quantize_with_llmcompressor(args.model, args.output, args.device, dtype, args.ignore, args.overwrite)
     print(f"quantize_nvfp4: wrote {out}")
     return 0

@@ -136,12 +136,13 @@ class ParserErrors:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Each flag's default after its help (unless it has none: required flags, switches); the description keeps
-    its line breaks."""
+    """Each flag's default after its help, unless the help says it ("(default: ...)" in words, where the value is
+    None; "(required)") or the flag has none (required flags, switches); the description keeps its line breaks."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+        said = "(default" in text or "(required)" in text
+        if action.option_strings and action.nargs != 0 and not action.required and not said:
             text += " (default: %(default)s)"
         return text
 

@@ -31,8 +31,8 @@ class QeRLConfig(GRPOConfig):
     aqn: bool | None = field(
         default=None,
         metadata={
-            "help": "Adaptive Quantization Noise on the rollout policy's RMSNorm scales. Default: on for "
-            "an NVFP4 base, off for a BF16 base."
+            "help": "Adaptive Quantization Noise on the rollout policy's RMSNorm scales (default: on for an NVFP4 "
+            "base, off for a BF16 base)."
         },
     )
     sigma_start: float = field(default=1e-2, metadata={"help": "AQN noise std of the first noisy stage."})
@@ -157,8 +157,8 @@ class QeRLConfig(GRPOConfig):
             "help": "NVFP4 base: decode the frozen weights to BF16 once after each rollout and let the training "
             "passes (log-prob forwards, recomputed forward, backward) share that copy, freed before the next "
             "rollout, instead of decoding each weight in every pass (qerl/dense_weights.py). Same numbers; costs "
-            "2 bytes per frozen weight while the passes run (1.5B: 2.6 GB, 7B: 13 GB, 32B: 62 GB). Default: on "
-            "when the copy takes at most 40%% of the GPU memory available after the rollout (1.5B, 7B: on; 32B: off)."
+            "2 bytes per frozen weight while the passes run (1.5B: 2.6 GB, 7B: 13 GB, 32B: 62 GB) (default: on "
+            "when the copy takes at most 40%% of the GPU memory available after the rollout: 1.5B, 7B on, 32B off)."
         },
     )
     metrics_jsonl: bool = field(

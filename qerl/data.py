@@ -24,10 +24,12 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from datasets import Dataset, Value, load_dataset
+from typing import TYPE_CHECKING
 
 from qerl import rewards
+
+if TYPE_CHECKING:  # datasets loads with the data, not with the command line's --help (tests/test_cli_imports.py)
+    from datasets import Dataset
 
 THINK_ANSWER_SYSTEM_PROMPT = (
     "\n        Solve the following math problem step by step. The reasoning process and direct answer are enclosed "
@@ -170,6 +172,8 @@ def format_dataset(dataset: Dataset, fmt: str, source: str = "dataset") -> Datas
                 f"{source}: format {fmt!r} needs a column {column!r}, which is missing "
                 f"(columns: {', '.join(dataset.column_names)})"
             )
+    from datasets import Value
+
     if fmt in ("bigmath", "dapomath"):
         dataset = dataset.filter(lambda row: _prompt_chars(row, fmt) <= MAX_PROMPT_CHARS)
     # Drop the raw columns the formatter reads, so `prompt` and `answer` come back with their new types.
@@ -196,6 +200,8 @@ def detect_format(column_names: list[str], source: str = "dataset") -> str:
 
 def arithmetic_dataset(num_examples: int = 2000, seed: int = 0, max_operand: int = 20) -> Dataset:
     """Problems "a+b=" / "a-b=" with non-negative results; the answer is the decimal result."""
+    from datasets import Dataset
+
     rng = random.Random(seed)
     rows = {"prompt": [], "answer": []}
     for _ in range(num_examples):
@@ -217,6 +223,8 @@ def _load_local(path: str, split: str) -> Dataset:
     ext = os.path.splitext(path)[1].lower()
     if ext not in LOCAL_EXTENSIONS:
         raise ValueError(f"{path}: unsupported file type {ext!r}; use one of {', '.join(LOCAL_EXTENSIONS)}")
+    from datasets import load_dataset
+
     return load_dataset(LOCAL_EXTENSIONS[ext], data_files={split: path}, split=split)
 
 
@@ -232,6 +240,8 @@ def load_task(
         train = arithmetic_dataset(num_examples or 2000, seed=seed + (0 if split == "train" else 1))
         return Task(dataset, "arithmetic", train, reward_funcs_for("arithmetic"))
     if dataset in HUB_DATASETS:
+        from datasets import load_dataset
+
         source = HUB_DATASETS[dataset]
         raw = load_dataset(source.path, source.name, split=split)
         fmt = source.format

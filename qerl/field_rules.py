@@ -16,12 +16,14 @@ ROLLOUT_BACKENDS = ("auto", "transformers", "vllm", "native")  # qerl.rollout.BA
 KV_CACHE_DTYPES = ("auto", "fp8")
 AQN_DTYPES = ("fp32", "bf16")  # where AQN's noise meets the norm scales (qerl.aqn.DTYPE_RULES)
 PRECISIONS = ("auto", "nvfp4", "bf16")  # of a base checkpoint (auto: from the checkpoint)
+DTYPES = ("bfloat16", "float16", "float32")  # a base's compute dtype, and what the quantizer reads weights in
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CHOICES: dict[str, tuple[str, ...]] = {
     "rollout_backend": ROLLOUT_BACKENDS,
     "rollout_kv_cache_dtype": KV_CACHE_DTYPES,
     "aqn_dtype": AQN_DTYPES,
     "precision": PRECISIONS,
+    "dtype": DTYPES,
 }
 
 # Every numeric field of QeRLScriptArguments and QeRLConfig (TRL's and transformers' included) and the values it

@@ -13,14 +13,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 from qerl import cli, input_checks
-from qerl.nvfp4.checkpoint.write import DEFAULT_SHARD_BYTES
-from qerl.nvfp4.quantize import DEFAULT_IGNORE
-from qerl.nvfp4.quantize_checkpoint import quantize_checkpoint
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from qerl.field_rules import DTYPES
+from qerl.nvfp4 import DEFAULT_IGNORE, DEFAULT_SHARD_BYTES
 
 
 def build_parser(prog: str = "python -m qerl.quantize", description: str = __doc__) -> cli.ArgumentParser:
@@ -29,7 +24,7 @@ def build_parser(prog: str = "python -m qerl.quantize", description: str = __doc
     parser.add_argument("--model", required=True, help="BF16 model: local folder or hub id")
     parser.add_argument("--output", required=True, help="folder to write the NVFP4 checkpoint to")
     parser.add_argument("--device", default="cpu", help="where the quantization math runs (cpu, cuda, cuda:1)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype the weights are read in")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype the weights are read in")
     parser.add_argument("--ignore", nargs="*", default=list(DEFAULT_IGNORE), help="Linears kept in BF16")
     parser.add_argument(
         "--max-shard-gb", type=cli.POSITIVE, default=DEFAULT_SHARD_BYTES / 1024**3, help="largest output shard, in GiB"
@@ -48,13 +43,21 @@ def check_flags(args) -> None:
     input_checks.check_device(args.device)
 
 
+def torch_dtype(name: str):
+    import torch  # after the flags are read
+
+    return getattr(torch, name)
+
+
 def quantize_streaming(args) -> Path:
     """The streaming quantizer on parsed flags; returns the output folder."""
+    from qerl.nvfp4.quantize_checkpoint import quantize_checkpoint
+
     return quantize_checkpoint(
         args.model,
         args.output,
         device=args.device,
-        dtype=DTYPES[args.dtype],
+        dtype=torch_dtype(args.dtype),
         ignore=args.ignore,
         overwrite=args.overwrite,
         max_shard_bytes=int(args.max_shard_gb * 1024**3),

@@ -20,18 +20,17 @@ import logging
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
-import torch
-
-from qerl import base_model, cli, data, input_checks, rewards
-from qerl.config import QeRLConfig
+from qerl import cli, data, input_checks, recipes, rewards
 from qerl.errors import UsageError, nearest
-from qerl.field_rules import PRECISIONS, check_choices, check_ranges
-from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
-from qerl.recipes import RecipeParser, load_recipe, quick_help
+from qerl.field_rules import DTYPES, PRECISIONS, check_choices, check_ranges
 from qerl.run_dir import RunLock, prepare_output_dir, where_to_resume
-from qerl.trainer import QeRLTrainer
+
+if TYPE_CHECKING:  # torch, TRL and the model code load after the flags are read: --help takes no seconds
+    from qerl.config import QeRLConfig
+    from qerl.trainer import QeRLTrainer
 
 logger = logging.getLogger("qerl.train")
 
@@ -46,14 +45,15 @@ IGNORED_FLAGS = {
 @dataclass
 class QeRLScriptArguments:
     model_name: str = field(
-        default=None, metadata={"help": "Checkpoint folder (NVFP4 compressed-tensors or BF16) or hub id."}
+        default=None, metadata={"help": "Checkpoint folder (NVFP4 compressed-tensors or BF16) or hub id (required)."}
     )
     precision: str = field(
         default="auto",
         metadata={"help": "Base precision: auto (from the checkpoint), nvfp4 or bf16.", "choices": list(PRECISIONS)},
     )
     dtype: str = field(
-        default="bfloat16", metadata={"help": "Compute dtype of the base (bfloat16; float32 for CPU runs)."}
+        default="bfloat16",
+        metadata={"help": "Compute dtype of the base (float32 for CPU runs).", "choices": list(DTYPES)},
     )
     dataset: str = field(
         default="gsm8k",
@@ -63,9 +63,12 @@ class QeRLScriptArguments:
     dataset_format: str = field(
         default="auto", metadata={"help": f"Local files: {', '.join(data.FORMAT_COLUMNS)} or auto (from columns)."}
     )
-    num_examples: int | None = field(default=None, metadata={"help": "Use only the first N examples."})
+    num_examples: int | None = field(default=None, metadata={"help": "Use only the first N examples (default: all)."})
     max_prompt_length: int | None = field(
-        default=None, metadata={"help": "Prompts longer than this many tokens are dropped, or cut (--long-prompts)."}
+        default=None,
+        metadata={
+            "help": "Prompts longer than this many tokens are dropped, or cut (--long-prompts) (default: no limit)."
+        },
     )
     long_prompts: str = field(
         default="drop",
@@ -89,15 +92,33 @@ class QeRLScriptArguments:
     max_seq_length: int | None = field(default=None, metadata={"help": f"Ignored: {IGNORED_FLAGS['max_seq_length']}."})
 
 
-def _parser() -> RecipeParser:
-    return RecipeParser((QeRLScriptArguments, QeRLConfig))
+def flag_table() -> list[dict]:
+    """Every flag TRL's parser makes of QeRLScriptArguments and QeRLConfig, described (qerl/train_flags.json holds
+    it, so that reading the flags imports neither TRL nor torch)."""
+    from trl import TrlParser
+
+    from qerl.config import QeRLConfig
+
+    return recipes.describe(TrlParser((QeRLScriptArguments, QeRLConfig)))
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRLConfig]:
-    parser = _parser()
+def write_flag_table() -> None:
+    """Run after a change to the settings' fields or to TRL (tests/qerl/test_recipes.py fails until then):
+    python -c "from qerl import train; train.write_flag_table()"."""
+    recipes.FLAG_TABLE.write_text(recipes.table(flag_table()))
+
+
+def build_parser() -> recipes.RecipeParser:
+    return recipes.build_parser(flag_table)
+
+
+def read_settings(argv: list[str] | None = None) -> dict:
+    """The settings of a run, flags over recipe over defaults, checked against field_rules; nothing heavy imported.
+    -h/--help prints the short help, --help-all every flag, and exits."""
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(quick_help(parser))
+        print(recipes.quick_help(parser))
         raise SystemExit(0)
     if "--help-all" in argv:
         parser.print_help()
@@ -109,12 +130,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
         if index + 1 == len(argv):
             raise UsageError("--config needs a YAML file")
         recipe_path = argv.pop(index + 1)
-        recipe = load_recipe(recipe_path, parser)
+        recipe = recipes.load_recipe(recipe_path, parser)
         argv.pop(index)
         for name, value in recipe.pop("env").items():
             os.environ[name] = str(value)
         parser.set_defaults_with_config(**recipe)
-    cli.reject_unknown_flags(argv, parser.known_flags())
     flags = parser._option_string_actions
     given = {flags[arg.split("=", 1)[0]].dest for arg in argv if arg.split("=", 1)[0] in flags}
 
@@ -123,20 +143,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
             return f"--config {recipe_path}: {name}"
         return f"--{name.replace('_', '-')}"
 
-    settings = vars(parser.parse_known_args(argv)[0])
+    settings = vars(parser.parse_args(argv))
     check_choices(settings, named)  # argparse checks the flags' choices, not a recipe's
     check_ranges(settings, named)
     if settings["vllm_max_model_length"] is None and settings["max_prompt_length"]:
         # The rollout engine's context: the longest prompt kept plus a full completion (the reference's
         # max_seq_length), rather than the model's whole context window.
-        context = settings["max_prompt_length"] + settings["max_completion_length"]
-        parser.set_defaults_with_config(vllm_max_model_length=context)
-    try:
-        script_args, config = parser.parse_args_and_config(args=argv)
-    except ValueError as err:  # raised while building the configs from flags: the flags are at fault
-        raise UsageError(str(err)) from err
-    if not script_args.model_name:
+        settings["vllm_max_model_length"] = settings["max_prompt_length"] + settings["max_completion_length"]
+    return settings
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRLConfig]:
+    settings = read_settings(argv)
+    if not settings["model_name"]:
         raise UsageError("--model-name is required (a checkpoint folder or hub id)")
+    from qerl.config import QeRLConfig
+
+    own = {f.name for f in fields(QeRLScriptArguments)}
+    script_args = QeRLScriptArguments(**{name: settings.pop(name) for name in own})
+    try:
+        config = QeRLConfig(**settings)
+    except ValueError as err:  # raised while building the config from the settings: the settings are at fault
+        raise UsageError(str(err)) from err
     for name, reason in IGNORED_FLAGS.items():
         if getattr(script_args, name) is not None:
             warnings.warn(f"ignoring --{name.replace('_', '-')}: {reason}", stacklevel=2)
@@ -161,11 +189,11 @@ def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
     if os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
         raise UsageError(f"--output-dir {config.output_dir}: is a file")
     input_checks.check_model(script_args.model_name, "--model-name")
+    from qerl.nvfp4.checkpoint import is_nvfp4_checkpoint
+
     # A folder quantized some other way than NVFP4A16 is refused here, by name.
     if is_nvfp4_checkpoint(script_args.model_name) and script_args.precision == "bf16":
         raise UsageError(f"--model-name {script_args.model_name} is an NVFP4 checkpoint; use --precision auto")
-    if not isinstance(getattr(torch, script_args.dtype, None), torch.dtype):
-        raise UsageError(f"--dtype {script_args.dtype!r} is not a torch dtype (bfloat16, float16, float32)")
     formats = ("auto", *data.FORMAT_COLUMNS)
     if script_args.dataset_format not in formats:
         raise UsageError(
@@ -207,6 +235,11 @@ def prompts_and_rewards(script_args: QeRLScriptArguments, config: QeRLConfig, to
 
 def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=None) -> QeRLTrainer:
     """The trainer of a run; `model`: a base already built in memory (benchmarks), instead of loading model_name."""
+    import torch
+
+    from qerl import base_model
+    from qerl.trainer import QeRLTrainer
+
     dtype = getattr(torch, script_args.dtype)
     tokenizer = base_model.load_tokenizer(script_args.model_name)
     if model is None:
@@ -218,6 +251,8 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=No
 def main(argv: list[str] | None = None) -> QeRLTrainer:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     script_args, config = parse_args(argv)
+    import torch  # after the flags, as qerl.config did
+
     validate(script_args, config)
     lock = RunLock(config.output_dir) if config.process_index == 0 else None  # the other ranks share rank 0's
     resume = prepare_output_dir(config, script_args.model_name, script_args.overwrite_output_dir, lock)

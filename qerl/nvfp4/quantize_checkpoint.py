@@ -16,11 +16,11 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from qerl.nvfp4 import codec
+from qerl.nvfp4 import DEFAULT_IGNORE, DEFAULT_SHARD_BYTES, codec
 from qerl.nvfp4.checkpoint.format import CheckpointError, check_finite, read_config, resolve_model_dir, tensor_index
 from qerl.nvfp4.checkpoint.load import meta_model
-from qerl.nvfp4.checkpoint.write import DEFAULT_SHARD_BYTES, AtomicOutputDir, ShardWriter, copy_side_files, write_config
-from qerl.nvfp4.quantize import DEFAULT_IGNORE, global_scales, quantization_targets
+from qerl.nvfp4.checkpoint.write import AtomicOutputDir, ShardWriter, copy_side_files, write_config
+from qerl.nvfp4.quantize import global_scales, quantization_targets
 
 _LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
 

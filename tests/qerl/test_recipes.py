@@ -2,15 +2,18 @@
 parsed as qerl.train parses them, and the short --help (QUICK_HELP; with the quantizer's and eval's --help)."""
 
 import glob
+import json
 import os
 import shlex
 import subprocess
+from dataclasses import MISSING, fields
+from importlib.metadata import version
 
 import pytest
 
 from benchmarks.launch import REPO
 from eval import gsm8k
-from qerl import quantize, train
+from qerl import quantize, recipes, train
 
 
 @pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(REPO, "configs", "dapo_*.yaml"))))
@@ -104,7 +107,7 @@ def test_help_is_short_shows_defaults_and_says_what_flags_do(capsys):
     with pytest.raises(SystemExit, match="0"):
         train.parse_args(["--help"])
     text = capsys.readouterr().out
-    assert len(text.splitlines()) < 80
+    assert len(text.splitlines()) < 85
     for flag in (
         "--config",
         "--model-name",
@@ -119,7 +122,7 @@ def test_help_is_short_shows_defaults_and_says_what_flags_do(capsys):
     ):
         assert flag in text
     assert "(default: 16)" in text  # LoRA rank
-    parser = train._parser()
+    parser = train.build_parser()
     no_metrics = next(a for a in parser._actions if "--no_metrics_jsonl" in a.option_strings)
     assert no_metrics.help == "Turn --metrics-jsonl off."
     with pytest.raises(SystemExit, match="0"):  # argparse %-formats every help text: a bare "%" broke it once
@@ -129,3 +132,69 @@ def test_help_is_short_shows_defaults_and_says_what_flags_do(capsys):
         with pytest.raises(SystemExit, match="0"):
             main(["--help"])
         assert "(default: bfloat16)" in capsys.readouterr().out or main is gsm8k.main
+
+
+# The flag table: `--help` and the flags' checks read qerl/train_flags.json instead of importing TRL and torch.
+
+
+def test_the_flag_table_describes_trls_parser_as_it_is():
+    written = json.loads(recipes.FLAG_TABLE.read_text())
+    assert written["made_with"] == {name: version(name) for name in recipes.MADE_WITH}, REWRITE
+    assert written["flags"] == train.flag_table(), REWRITE
+
+
+REWRITE = 'qerl/train_flags.json is stale: python -c "from qerl import train; train.write_flag_table()"'
+
+
+def trl_parser():
+    from trl import TrlParser
+
+    from qerl.config import QeRLConfig
+
+    return TrlParser((train.QeRLScriptArguments, QeRLConfig))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--aqn", "true", "--use-cpu", "--no-metrics-jsonl", "--ln", "--bf16", "no", "--max-prompt-length", "none"],
+        ["--lora-target-modules", "q_proj", "v_proj", "--random-state", "3", "--warmup-ratio", "0.1", "--beta=-0"],
+        ["--learning-rate", "3e-5", "--report-to", "none", "--lr-scheduler-type", "cosine", "--optim", "adamw_torch"],
+    ],
+)
+def test_the_table_parses_as_trls_parser(argv):
+    recipe = recipes.load_recipe(os.path.join(REPO, "configs", "dapo_gsm8k_nvfp4.yaml"), train.build_parser())
+    del recipe["env"]
+    for settings in ({}, recipe):
+        ours, trls = train.build_parser(), trl_parser()
+        ours.set_defaults_with_config(**settings)
+        trls.set_defaults_with_config(**settings)
+        assert vars(ours.parse_args(argv)) == vars(trls.parse_args(argv))
+
+
+def test_the_helps_defaults_are_the_configs(capsys):
+    """Each flag's default is its field's, and the short --help shows it (where the field's is None, it says what
+    that means; those claims that a config can show are checked)."""
+    from qerl.config import QeRLConfig
+
+    defaults = {
+        f.name: f.default if f.default_factory is MISSING else f.default_factory()
+        for dataclass in (train.QeRLScriptArguments, QeRLConfig)
+        for f in fields(dataclass)
+        if f.init and f.name != "debug"  # TRL's parser gives this list-or-str field no default; run_cli takes --debug
+    }
+    actions = {action.dest: action for action in reversed(train.build_parser()._actions)}  # --X before --no_X
+    assert {dest: actions[dest].default for dest in defaults} == defaults
+    with pytest.raises(SystemExit, match="0"):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for dest in (dest for group in recipes.QUICK_HELP.values() for dest in group):
+        if defaults[dest] is not None and dest not in recipes.QUICK_HELP_TEXT:
+            assert f"(default: {defaults[dest]})" in text, dest
+    config = QeRLConfig(use_cpu=True, per_device_train_batch_size=2, num_generations=2)
+    assert (
+        "(default: trainer_output)" in recipes.QUICK_HELP_TEXT["output_dir"] and config.output_dir == "trainer_output"
+    )
+    assert "(default: on unless --fp16)" in recipes.QUICK_HELP_TEXT["bf16"] and config.bf16 and not config.fp16
+    assert "(recipes: 5e-06, 1e-05" in text  # --learning-rate: what the recipes set beside TRL's 1e-06

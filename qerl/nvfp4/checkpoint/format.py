@@ -16,8 +16,7 @@ import torch
 from safetensors import safe_open
 
 from qerl.errors import UsageError
-from qerl.nvfp4 import codec
-from qerl.nvfp4.quantize import DEFAULT_IGNORE
+from qerl.nvfp4 import DEFAULT_IGNORE, codec
 from qerl.sniff import check_safetensors, looks_like_path
 
 FORMAT = "nvfp4-pack-quantized"

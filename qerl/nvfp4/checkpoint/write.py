@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from qerl.nvfp4 import DEFAULT_SHARD_BYTES
 from qerl.nvfp4.checkpoint.format import INDEX_FILE, SINGLE_FILE, CheckpointError, quantization_config
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.nvfp4.quantize import quantization_targets
 
-DEFAULT_SHARD_BYTES = 4 * 1024**3
 # Written into every checkpoint folder written here: the only non-empty folders `overwrite` may replace.
 WRITTEN_MARKER = ".qerl-nvfp4-checkpoint"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
