@@ -2,7 +2,7 @@
 from the trainer's recomputation of them, BF16 and NVFP4, AQN off.
 
     python -m benchmarks.mismatch --model smollm2-135m-instruct --rollout-backends native,vllm --steps 4
-    python -m benchmarks.mismatch --rollout-backends native --kv-cache-dtypes auto,fp8 --steps 4   (FP8 KV's cost)
+    python -m benchmarks.mismatch --rollout-backends native --kv-cache-dtypes auto,fp8 --steps 4    # FP8 KV's cost
 
 Each (backend, precision) pair is a short `python -m qerl.train` run of the SmolLM2 recipe (its own process, so one
 vLLM engine per process) with --aqn false; its metrics.jsonl holds TRL's sampling/* metrics of every step, computed

@@ -1,7 +1,12 @@
-"""What NVFP4 costs a real model: BF16 vs our NVFP4 quantization of the same checkpoint, on GSM8K text.
+r"""What NVFP4 costs a real model: BF16 vs our NVFP4 quantization of the same checkpoint, on GSM8K text.
 
-    python -m benchmarks.quant_quality --model smollm2-135m-instruct          (fetches and quantizes into ckpt/)
-    python -m benchmarks.quant_quality --bf16 DIR --nvfp4 DIR [--data FILE.jsonl] [--out runs/quant_quality.json]
+    python -m benchmarks.quant_quality --model smollm2-135m-instruct    # fetches and quantizes it into ckpt/
+    python -m benchmarks.quant_quality --bf16 ckpt/smollm2-135m-instruct --nvfp4 ckpt/smollm2-135m-instruct-nvfp4
+    python -m benchmarks.quant_quality --model smollm2-135m-instruct --data tests/data/gsm8k/test_sample.jsonl \
+        --solutions 64 --prompts 64    # the 128 GSM8K test rows a clone carries
+
+--data is GSM8K's test JSONL (default: ../shared/data/gsm8k/test.jsonl, beside the checkout; the first --solutions
+rows are teacher-forced, the next --prompts rows sampled).
 
 Two measurements, each policy in the trainer's compute dtype (BF16 on a GPU):
   teacher-forced  GSM8K reference solutions as the assistant turn of a chat (calculator annotations <<...>>
@@ -24,15 +29,16 @@ import os
 import re
 import statistics
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+from benchmarks.launch import SHARED_GSM8K
+from qerl import data, rewards
 
-from qerl import aqn, base_model, data, rewards
+if TYPE_CHECKING:  # torch and the models load after the flags are read
+    import torch
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+DEFAULT_DATA = SHARED_GSM8K / "test.jsonl"
 
 
 def read_gsm8k(path: str, limit: int, offset: int = 0) -> list[dict]:
@@ -49,6 +55,8 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
 
 
 def _padded(batch: list[list[int]], pad: int, device, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     width = max(map(len, batch))
     rows = [([pad] * (width - len(x)) + x) if left else (x + [pad] * (width - len(x))) for x in batch]
     ids = torch.tensor(rows, device=device)
@@ -59,9 +67,10 @@ def _padded(batch: list[list[int]], pad: int, device, left: bool = False) -> tup
     return ids, mask
 
 
-@torch.no_grad()
 def token_logprobs(model, sequences: list[tuple[list[int], int]], pad: int, batch_size: int) -> list[torch.Tensor]:
     """For each (ids, start): FP32 log-softmax of the next-token distributions that predict ids[start:], [n, V]."""
+    import torch.nn.functional as F
+
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(sequences), batch_size):
@@ -74,6 +83,8 @@ def token_logprobs(model, sequences: list[tuple[list[int], int]], pad: int, batc
 
 
 def teacher_forced(bf16, nvfp4, tokenizer, rows: list[dict], batch_size: int) -> dict:
+    import torch
+
     sequences = []
     for row in rows:
         prompt = [{"role": "user", "content": row["question"]}]
@@ -104,7 +115,6 @@ def teacher_forced(bf16, nvfp4, tokenizer, rows: list[dict], batch_size: int) ->
     return result
 
 
-@torch.no_grad()
 def sampled(
     model,
     tokenizer,
@@ -116,6 +126,10 @@ def sampled(
     sigma: float = 0.0,
 ) -> dict:
     """Sample at temperature 1, then score each completion's per-token entropy under the policy that drew it."""
+    import torch
+
+    from qerl import aqn
+
     device = next(model.parameters()).device
     pad, eos = tokenizer.pad_token_id, model.generation_config.eos_token_id
     entropies, lengths, rewarded = [], [], []
@@ -178,12 +192,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--aqn-sigma", type=float, default=1e-2, help="AQN noise of the extra NVFP4 row (0: none)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", help="(default: cuda if there is one, else cpu)")
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype (float32 only to go faster on a CPU)")
     parser.add_argument("--out", default="runs/quant_quality.json")
     args = parser.parse_args(argv)
     start = time.time()
+    import torch
 
+    from qerl import base_model
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     bf16_dir, nvfp4_dir = resolve_checkpoints(args)
     dtype = getattr(torch, args.dtype)
     tokenizer = base_model.load_tokenizer(bf16_dir)
@@ -191,22 +209,23 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16": base_model.load_base_model(bf16_dir, "bf16", dtype, args.device).eval(),
         "nvfp4": base_model.load_base_model(nvfp4_dir, "nvfp4", dtype, args.device).eval(),
     }
-    forced = teacher_forced(
-        models["bf16"], models["nvfp4"], tokenizer, read_gsm8k(args.data, args.solutions), args.batch_size
-    )
-
-    # Sampled prompts: rows after the teacher-forced ones, in the training prompt format.
-    rows = read_gsm8k(args.data, args.prompts, offset=args.solutions)
-    prompts = [data.gsm8k_hash_prompt(row["question"]) for row in rows]
-    prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True)["input_ids"] for p in prompts]
-    answers = [rewards.gsm8k_gold(row["answer"]) for row in rows]
-    runs = [("bf16", 0.0), ("nvfp4", 0.0)] + ([("nvfp4", args.aqn_sigma)] if args.aqn_sigma > 0 else [])
-    policies = {}
-    for name, sigma in runs:
-        label = name if sigma == 0 else f"{name}+aqn"
-        policies[label] = sampled(
-            models[name], tokenizer, prompt_ids, answers, args.max_new_tokens, args.batch_size, args.seed, sigma
+    with torch.no_grad():  # measurements only
+        forced = teacher_forced(
+            models["bf16"], models["nvfp4"], tokenizer, read_gsm8k(args.data, args.solutions), args.batch_size
         )
+
+        # Sampled prompts: rows after the teacher-forced ones, in the training prompt format.
+        rows = read_gsm8k(args.data, args.prompts, offset=args.solutions)
+        prompts = [data.gsm8k_hash_prompt(row["question"]) for row in rows]
+        prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True)["input_ids"] for p in prompts]
+        answers = [rewards.gsm8k_gold(row["answer"]) for row in rows]
+        runs = [("bf16", 0.0), ("nvfp4", 0.0)] + ([("nvfp4", args.aqn_sigma)] if args.aqn_sigma > 0 else [])
+        policies = {}
+        for name, sigma in runs:
+            label = name if sigma == 0 else f"{name}+aqn"
+            policies[label] = sampled(
+                models[name], tokenizer, prompt_ids, answers, args.max_new_tokens, args.batch_size, args.seed, sigma
+            )
 
     result = {"bf16": bf16_dir, "nvfp4": nvfp4_dir, "data": args.data, "dtype": args.dtype, "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",

@@ -7,13 +7,7 @@ Used by benchmarks.rollout, benchmarks.step, benchmarks.probes.step_costs and be
 
 from __future__ import annotations
 
-import torch
-from peft import get_peft_model
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
-
-from qerl import lora
-from qerl.nvfp4.quantize import quantize_model
-from qerl.tiny import build_tiny_tokenizer
+# torch, transformers and the model code are imported where a model is built: the tools' --help lists SIZES.
 
 # (hidden, intermediate, layers, heads, kv heads, vocab) of Qwen2.5-{0.5,1.5,3,7,14,32}B; Llama-3.1-8B as the
 # architecture the native engine was not tuned on (no q/k/v bias, llama3 RoPE scaling, 128K context).
@@ -30,6 +24,8 @@ SIZES = [*QWEN25, "llama8b", "qwen3-8b", "gemma3-4b"]
 
 
 def model_config(size: str):
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
     if size == "qwen3-8b":  # Qwen/Qwen3-8B: per-head q/k norms, head_dim 128, no biases
         return Qwen3Config(
             vocab_size=151936,
@@ -100,54 +96,66 @@ def model_config(size: str):
     )
 
 
-@torch.no_grad()
 def build(size: str, precision: str = "bf16", device="cuda"):
     """Random-weight model in BF16, or NVFP4 quantized one decoder layer at a time (peak: one BF16 layer)."""
-    config = model_config(size)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    std = config.initializer_range
-    unit_offset = config.model_type == "gemma3_text"  # its norms scale by 1 + w: w = 0 is the identity scale
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    def materialize(module):
-        module.to_empty(device=device, recurse=True)
-        for sub in module.modules():
-            if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
-                sub.weight.normal_(0, std)
-                if getattr(sub, "bias", None) is not None:
-                    sub.bias.zero_()
-            elif hasattr(sub, "weight") and sub.weight is not None and sub.weight.dim() == 1:
-                sub.weight.fill_(0.0 if unit_offset else 1.0)  # norms
-            if hasattr(sub, "embed_scale"):  # Gemma's sqrt(hidden), a buffer to_empty left unset
-                sub.embed_scale.fill_(sub.scalar_embed_scale)
+    from qerl.nvfp4.quantize import quantize_model
 
-    inner = model.model
-    for name, child in inner.named_children():
-        if name == "layers":
-            for layer in child:
-                materialize(layer)
-                if precision == "nvfp4":
-                    quantize_model(layer)
-        elif name == "rotary_emb":  # its inv_freq is computed, not initialized: rebuild it on the device
-            inner.rotary_emb = type(child)(config=config, device=device)
+    with torch.no_grad():
+        config = model_config(size)
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        std = config.initializer_range
+        unit_offset = config.model_type == "gemma3_text"  # its norms scale by 1 + w: w = 0 is the identity scale
+
+        def materialize(module):
+            module.to_empty(device=device, recurse=True)
+            for sub in module.modules():
+                if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
+                    sub.weight.normal_(0, std)
+                    if getattr(sub, "bias", None) is not None:
+                        sub.bias.zero_()
+                elif hasattr(sub, "weight") and sub.weight is not None and sub.weight.dim() == 1:
+                    sub.weight.fill_(0.0 if unit_offset else 1.0)  # norms
+                if hasattr(sub, "embed_scale"):  # Gemma's sqrt(hidden), a buffer to_empty left unset
+                    sub.embed_scale.fill_(sub.scalar_embed_scale)
+
+        inner = model.model
+        for name, child in inner.named_children():
+            if name == "layers":
+                for layer in child:
+                    materialize(layer)
+                    if precision == "nvfp4":
+                        quantize_model(layer)
+            elif name == "rotary_emb":  # its inv_freq is computed, not initialized: rebuild it on the device
+                inner.rotary_emb = type(child)(config=config, device=device)
+            else:
+                materialize(child)
+        if config.tie_word_embeddings:  # to_empty gave the embedding a new weight: the head takes it again
+            model.lm_head.weight = inner.embed_tokens.weight
         else:
-            materialize(child)
-    if config.tie_word_embeddings:  # to_empty gave the embedding a new weight: the head takes it again
-        model.lm_head.weight = inner.embed_tokens.weight
-    else:
-        materialize(model.lm_head)
-    return model.eval()
+            materialize(model.lm_head)
+        return model.eval()
 
 
 def padded_tokenizer(vocab_size: int):
     """The demo's character tokenizer with filler tokens up to `vocab_size`, so sampled ids all decode."""
+    from qerl.tiny import build_tiny_tokenizer
+
     tokenizer = build_tiny_tokenizer()
     tokenizer.add_tokens([f"<f{i}>" for i in range(vocab_size - len(tokenizer))])
     return tokenizer
 
 
 def with_lora(model, rank: int = 16):
+    import torch
+    from peft import get_peft_model
+
+    from qerl import lora
+
     peft_model = get_peft_model(model, lora.lora_config(model, rank=rank, alpha=rank))  # as TRL wraps the base
     with torch.no_grad():
         for name, p in peft_model.named_parameters():

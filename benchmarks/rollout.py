@@ -1,4 +1,4 @@
-"""Rollout throughput of the backends side by side: native | transformers | vllm, NVFP4 and BF16, on one GPU.
+r"""Rollout throughput of the backends side by side: native | transformers | vllm, NVFP4 and BF16, on one GPU.
 
     python -m benchmarks.rollout --rollout-backend native --size 7b --batches 8,64 --new-tokens 2048 [--profile]
     python -m benchmarks.rollout --rollout-backend vllm --size 7b --batches 8,64 --new-tokens 2048
@@ -29,14 +29,15 @@ import json
 import time
 from collections import defaultdict
 from pathlib import Path
-
-import torch
-from transformers import GenerationConfig
+from typing import TYPE_CHECKING
 
 from benchmarks.random_models import SIZES, build, padded_tokenizer, with_lora
 from qerl.field_rules import KV_CACHE_DTYPES, ROLLOUT_BACKENDS
-from qerl.rollout import RolloutSetup, VLLMSettings, create_backend, no_noise
-from qerl.rollout.native import kv_cache
+
+if TYPE_CHECKING:  # torch and the engines load after the flags are read
+    import torch
+
+    from qerl.rollout import RolloutSetup, VLLMSettings
 
 
 @contextlib.contextmanager
@@ -62,6 +63,8 @@ def weights_gb(model) -> float:
 
 def copy_bandwidth() -> float:
     """Bytes/s of a 2 GiB device-to-device copy, counting read + write."""
+    import torch
+
     src = torch.empty(2**30, dtype=torch.int16, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -75,6 +78,8 @@ def copy_bandwidth() -> float:
 
 def decode_bytes(decoder, batch: int, prompt_len: int, new_tokens: int, kv_fp8: bool = False) -> float:
     """What one average decode step must read: frozen weights, LoRA buffers, norms, LM head, valid KV."""
+    from qerl.rollout.native import kv_cache
+
     tensors = [decoder.lm_head]
     for p in decoder.projections():
         tensors += [p.packed, p.scale] if p.nvfp4 else [p.weight]
@@ -116,6 +121,7 @@ def kernel_family(name: str, families=KERNEL_FAMILIES) -> str:
 
 def kernel_times(engine, prompts, new_tokens: int) -> dict[str, float]:
     """GPU microseconds per family of one eager generate."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     graphs = engine.cuda_graphs
@@ -145,12 +151,18 @@ def free_share(reserve_bytes: int = 0) -> float:
     start unless that share of the whole card is free, so a fixed share fails beside a resident model (0.5 of an H200
     beside the BF16 7B and its copy). Three quarters of it: vLLM 0.26 captures its CUDA graphs outside the share (at
     0.9 of the free memory the 1.5B's capture ran out of memory on an H100)."""
+    import torch
+
     free, total = torch.cuda.mem_get_info()
     return round(max(0.05, min(0.9, 0.75 * (free - reserve_bytes) / total)), 3)
 
 
 def setup_for(model, new_tokens: int, model_path: str | None, vllm: VLLMSettings) -> RolloutSetup:
     """Temperature 1 and nothing else, no EOS: every sequence samples `new_tokens`."""
+    from transformers import GenerationConfig
+
+    from qerl.rollout import RolloutSetup
+
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens)
     return RolloutSetup.for_model(model, config, [], 0, model_path=model_path, vllm=vllm)
 
@@ -159,6 +171,11 @@ def time_batch(
     args, backend, base, gb: float, precision: str, batch: int, gen: torch.Generator, kv_dtype: str = "auto"
 ) -> dict:
     """One timed rollout of `batch` random prompts (after a short warm-up at the same batch) as a result row."""
+    import torch
+
+    from qerl.rollout import no_noise
+    from qerl.rollout.native import kv_cache
+
     if args.rollout_backend == "native":
         backend.engine.kv_fp8 = kv_cache.resolve(kv_dtype)
     torch.cuda.reset_peak_memory_stats()
@@ -192,6 +209,10 @@ def time_batch(
 
 
 def run(args, precision: str) -> list[dict]:
+    import torch
+
+    from qerl.rollout import VLLMSettings, create_backend
+
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = build(args.size, precision)
@@ -256,6 +277,10 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", default="/tmp/qerl-bench")
     parser.add_argument("--out", default="runs/rollout.json")
     args = parser.parse_args(argv)
+    import torch
+
+    from qerl.rollout.native import kv_cache
+
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.rollout needs a CUDA GPU")
     args.batches = [int(b) for b in args.batches.split(",") if b]

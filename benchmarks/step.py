@@ -1,4 +1,4 @@
-"""QeRL training on one GPU, timed: rollout throughput on the trainer's own path, and whole GRPO steps.
+r"""QeRL training on one GPU, timed: rollout throughput on the trainer's own path, and whole GRPO steps.
 
     python -m benchmarks.step --size 7b --precision nvfp4 --rollout-backend vllm --steps 3 --out runs/step.json
     python -m benchmarks.step --model ckpt/qwen2.5-coder-1.5b-instruct-nvfp4 \
@@ -23,32 +23,28 @@ Peak GPU memory is torch's (the trainer) plus what vLLM holds, read from the dri
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
-
-import torch
-from transformers import TrainerCallback
 
 from benchmarks.launch import GSM8K_SAMPLE
 from benchmarks.random_models import QWEN25, build, padded_tokenizer
 from benchmarks.rollout import max_new_tokens
-from benchmarks.step_profile import StepProfile, print_summary
 from qerl import data, train
 from qerl.field_rules import ROLLOUT_BACKENDS
-from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
-from qerl.nvfp4.quantize import quantize_model
 from qerl.recipes import load_recipe
-from qerl.rollout import no_noise
 
 
 def checkpoint(size: str, precision: str, workdir: Path) -> str:
     folder = workdir / f"qwen2.5-{size}-random-{precision}"
     if (folder / "config.json").is_file():
         return str(folder)
+    import torch
+
+    from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
+    from qerl.nvfp4.quantize import quantize_model
+
     torch.manual_seed(0)
     model = build(size)
     model.config.eos_token_id = model.generation_config.eos_token_id = 2  # the tiny tokenizer's <|end|>
@@ -135,66 +131,12 @@ def print_steps(seconds: list[float], lengths: list[tuple[float, float]]) -> flo
     return median
 
 
-def synchronize() -> None:
-    """Wait for the GPU (timings end when its work does); nothing to wait for on a CPU run."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-class PhaseTimer:
-    """Adds up the wall time of wrapped calls per phase (CUDA-synchronized), and splits it per optimizer step."""
-
-    def __init__(self):
-        self.total = defaultdict(float)
-        self.peak_gpu_gib = 0.0  # driver-level: the trainer's memory and vLLM's together
-
-    def wrap(self, obj, method: str, phase: str):
-        inner = getattr(obj, method)
-
-        def timed(*args, **kwargs):
-            with self.phase(phase):
-                return inner(*args, **kwargs)
-
-        setattr(obj, method, timed)
-
-    @contextlib.contextmanager
-    def phase(self, phase: str):
-        synchronize()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            synchronize()
-            self.total[phase] += time.perf_counter() - start
-            self.peak_gpu_gib = max(self.peak_gpu_gib, gpu_used_gib())
-
-
-class StepClock(TrainerCallback):
-    """The wall time of each optimizer step (CUDA-synchronized)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.start = 0.0
-
-    def on_step_begin(self, *args, **kwargs):
-        synchronize()
-        self.start = time.perf_counter()
-
-    def on_step_end(self, *args, **kwargs):
-        synchronize()
-        self.times.append(time.perf_counter() - self.start)
-
-
-def gpu_used_gib() -> float:
-    """This process's GPU's memory in use at the driver (0 without a GPU)."""
-    if not torch.cuda.is_available():
-        return 0.0
-    free, total = torch.cuda.mem_get_info()
-    return (total - free) / 2**30
-
-
 def profile_steps(trainer, args, rollout_rows) -> None:
     """--profile: the steps split by phase, GPU time and kernels per phase, forwards per update, MFU."""
+    import torch
+
+    from benchmarks.step_profile import StepProfile, print_summary
+
     if args.steps < args.warmup_steps + 2:
         raise SystemExit(
             f"--profile needs --steps >= --warmup-steps + 2 = {args.warmup_steps + 2} (the warm-up steps "
@@ -266,6 +208,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="runs/step.json")
     parser.add_argument("extra", nargs="*", help="more qerl.train flags")
     args = parser.parse_args(argv)
+    import torch
+
+    from benchmarks.step_profile import PhaseTimer, StepClock
+    from qerl.rollout import no_noise
+
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.step needs a CUDA GPU")
 

@@ -1,5 +1,6 @@
 """Where a QeRL step's time goes: each phase's wall time, GPU busy time and kernel launches, the forwards per
-update, and the training passes' model FLOP utilization. Used by `python -m benchmarks.step --profile`.
+update, and the training passes' model FLOP utilization. Used by `python -m benchmarks.step --profile`; its other
+runs and benchmarks.trl_baseline use the plainer clocks here (PhaseTimer, StepClock).
 
 Phases are the trainer's own calls, wrapped (CUDA-synchronized at both ends, so a phase's wall time is what it
 costs the step; the syncs remove some CPU/GPU overlap the unprofiled step has). Nested phases count in their own row
@@ -19,6 +20,7 @@ programmatic dependent launch (the native engine's decode) kernels overlap, so a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 
@@ -34,9 +36,62 @@ FORWARD_PHASES = ("old log-probs forward", "AQN shift forward", "loss forward")
 TRAINING_PHASES = (*FORWARD_PHASES, "backward")
 
 
-def _synchronize() -> None:
+def synchronize() -> None:
+    """Wait for the GPU (timings end when its work does); nothing to wait for on a CPU run."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+class PhaseTimer:
+    """Adds up the wall time of wrapped calls per phase (CUDA-synchronized), and splits it per optimizer step."""
+
+    def __init__(self):
+        self.total = defaultdict(float)
+        self.peak_gpu_gib = 0.0  # driver-level: the trainer's memory and vLLM's together
+
+    def wrap(self, obj, method: str, phase: str):
+        inner = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            with self.phase(phase):
+                return inner(*args, **kwargs)
+
+        setattr(obj, method, timed)
+
+    @contextlib.contextmanager
+    def phase(self, phase: str):
+        synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize()
+            self.total[phase] += time.perf_counter() - start
+            self.peak_gpu_gib = max(self.peak_gpu_gib, gpu_used_gib())
+
+
+class StepClock(TrainerCallback):
+    """The wall time of each optimizer step (CUDA-synchronized)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.start = 0.0
+
+    def on_step_begin(self, *args, **kwargs):
+        synchronize()
+        self.start = time.perf_counter()
+
+    def on_step_end(self, *args, **kwargs):
+        synchronize()
+        self.times.append(time.perf_counter() - self.start)
+
+
+def gpu_used_gib() -> float:
+    """This process's GPU's memory in use at the driver (0 without a GPU)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
 
 
 def bf16_peak_tflops(device_name: str) -> float | None:
@@ -64,12 +119,12 @@ class StepProfile(TrainerCallback):
     # ---------------------------------------------------------------------------------------------- phases
 
     def _enter(self, name: str):
-        _synchronize()
+        synchronize()
         self.stack.append([name, time.perf_counter(), 0.0])
         self._ranges.append(record_function(name).__enter__())
 
     def _exit(self):
-        _synchronize()  # before the range closes: the phase's kernels run inside its range on the profiler's clock
+        synchronize()  # before the range closes: the phase's kernels run inside its range on the profiler's clock
         self._ranges.pop().__exit__(None, None, None)
         name, start, children = self.stack.pop()
         seconds = time.perf_counter() - start
@@ -135,7 +190,7 @@ class StepProfile(TrainerCallback):
     # ------------------------------------------------------------------------------------------- callbacks
 
     def on_step_begin(self, args, state, control, **kwargs):
-        _synchronize()
+        synchronize()
         self.step_starts.append(time.perf_counter())
         self._stop_profiler()
         self.step += 1
@@ -153,7 +208,7 @@ class StepProfile(TrainerCallback):
         self._exit()
 
     def on_train_end(self, args, state, control, **kwargs):
-        _synchronize()
+        synchronize()
         self.step_starts.append(time.perf_counter())
         self._stop_profiler()
 

@@ -23,13 +23,14 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from benchmarks.rollout import kernel_family
 from benchmarks.step import in_memory_model, recipe_flags
 from qerl import train
-from qerl.trainer import TRAINING_SDPA_BACKENDS
+
+if TYPE_CHECKING:  # torch and the trainer load after the flags are read
+    import torch
 
 PRECISIONS = ("nvfp4", "bf16")
 PASSES = ("log-prob forward", "loss forward", "backward")
@@ -58,6 +59,8 @@ def make_trainer(size: str, precision: str, completion: int, workdir: Path):
 
 
 def batch(vocab: int, micro_batch: int, prompt: int, completion: int, generator: torch.Generator):
+    import torch
+
     ids = torch.randint(3, vocab, (micro_batch, prompt + completion), generator=generator)
     mask = torch.ones_like(ids)
     for row, pad in enumerate(torch.randint(0, prompt // 2 + 1, (micro_batch,), generator=generator).tolist()):
@@ -66,6 +69,8 @@ def batch(vocab: int, micro_batch: int, prompt: int, completion: int, generator:
 
 
 def sync_time() -> float:
+    import torch
+
     torch.cuda.synchronize()
     return time.perf_counter()
 
@@ -73,6 +78,10 @@ def sync_time() -> float:
 def run_passes(trainer, ids, mask, completion: int) -> dict[str, float]:
     """Seconds of each pass on one micro-batch, and the memory the two with gradients add at their peak (GiB above
     what was allocated before them: both bases' weights, which every pass shares)."""
+    import torch
+
+    from qerl.trainer import TRAINING_SDPA_BACKENDS
+
     model = trainer.model
     size = ids.size(0)
     start = sync_time()
@@ -98,7 +107,10 @@ def run_passes(trainer, ids, mask, completion: int) -> dict[str, float]:
 
 def kernel_families(trainer, ids, mask, completion: int) -> dict[str, float]:
     """CUDA milliseconds by kernel family of one loss forward + backward."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from qerl.trainer import TRAINING_SDPA_BACKENDS
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         with torch.nn.attention.sdpa_kernel(TRAINING_SDPA_BACKENDS):
@@ -124,6 +136,8 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qerl-bench"))
     parser.add_argument("--out", type=Path, default=Path("runs/train_pass.json"))
     args = parser.parse_args(argv)
+    import torch
+
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.train_pass needs a CUDA GPU")
     micro_batches = [int(m) for m in args.micro_batches.split(",")]

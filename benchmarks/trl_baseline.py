@@ -20,15 +20,17 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
-
-import torch
-from trl import GRPOConfig, GRPOTrainer
+from typing import TYPE_CHECKING
 
 from benchmarks.launch import GSM8K_SAMPLE
 from benchmarks.rollout import free_share
-from benchmarks.step import StepClock, completion_lengths, gpu_used_gib, print_steps, real_model_flags
-from qerl import base_model, lora, train
-from qerl.config import QeRLConfig
+from benchmarks.step import completion_lengths, print_steps, real_model_flags
+from qerl import train
+
+if TYPE_CHECKING:  # torch and TRL load after the flags are read
+    from trl import GRPOConfig, GRPOTrainer
+
+    from qerl.config import QeRLConfig
 
 # Left to TRL: QeRLConfig's own default where TRL's differs (a field the recipes do not set), and the field that
 # GRPOConfig derives from steps_per_generation (given both, it refuses).
@@ -38,6 +40,8 @@ LEFT_TO_TRL = ("vllm_enable_sleep_mode", "generation_batch_size")
 def trl_config(config: QeRLConfig, gpu_memory_utilization: float | None) -> GRPOConfig:
     """The recipe's GRPOConfig: every field GRPOConfig declares, as the QeRL config holds it (but LEFT_TO_TRL), with
     TRL's colocated vLLM at that share of the card (None: no vLLM, TRL's transformers generate)."""
+    from trl import GRPOConfig
+
     shared = {
         f.name: getattr(config, f.name) for f in dataclasses.fields(GRPOConfig) if f.init and f.name not in LEFT_TO_TRL
     }
@@ -48,6 +52,11 @@ def trl_config(config: QeRLConfig, gpu_memory_utilization: float | None) -> GRPO
 
 
 def build(args) -> GRPOTrainer:
+    import torch
+    from trl import GRPOTrainer
+
+    from qerl import base_model, lora
+
     flags = real_model_flags(args.config, args.model, Path(args.workdir) / "trl-baseline", args.dataset)
     flags += ["--max-steps", str(args.steps), *args.extra]
     script_args, config = train.parse_args(flags)
@@ -90,6 +99,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="runs/trl_baseline.json")
     parser.add_argument("extra", nargs="*", help="more qerl.train flags (recipe fields)")
     args = parser.parse_args(argv)
+    import torch
+
+    from benchmarks.step_profile import StepClock, gpu_used_gib
 
     trainer = build(args)
     clock = StepClock()

@@ -1,10 +1,13 @@
 """The paper's comparison in miniature on a real model: BF16 / NVFP4 base, LoRA, AQN on or off, seeds, intervals.
 
-    python -m experiments.arms prepare --model M                         (fetch it, quantize it to NVFP4)
-    python -m experiments.arms probe --model M --formats gsm8k,gsm8k_hash,gsm8k_lenient      (prompt and reward)
-    python -m experiments.arms sweep --model M --lrs 3e-5,1e-4,3e-4 --steps 25          (each arm's learning rate)
-    python -m experiments.arms train --model M --seeds 0,1,2 --steps 51 --mps --bases     (arms x seeds, evaluated)
-    python -m experiments.arms report --model M                           (tables, JSON and PNG from the records)
+    python -m experiments.arms prepare --model smollm2-135m-instruct    # fetch it, quantize it to NVFP4
+    python -m experiments.arms probe --model smollm2-135m-instruct --formats gsm8k,gsm8k_hash,gsm8k_lenient
+    python -m experiments.arms sweep --model smollm2-135m-instruct --lrs 3e-5,1e-4,3e-4 --steps 25
+    python -m experiments.arms train --model smollm2-135m-instruct --seeds 0,1,2 --steps 51 --mps --bases
+    python -m experiments.arms report --model smollm2-135m-instruct    # tables, JSON and PNG from the records
+
+probe compares prompt formats and their rewards, sweep each arm's learning rate, train the arms x seeds (each run
+evaluated).
 
 Each run is `python -m qerl.train` with the model's recipe (benchmarks.launch.RECIPES, or --recipe) on the GSM8K
 train file, then `python -m eval.gsm8k` of its adapter on the GSM8K test file (every problem, greedy and the

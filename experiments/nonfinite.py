@@ -22,21 +22,24 @@ import argparse
 import contextlib
 import json
 import traceback
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from qerl.nonfinite_dump import nonfinite_grads
+if TYPE_CHECKING:  # torch loads after the flags are read
+    import torch
+    from torch import nn
 
 ATTENTION = ("sdpa", "sdpa-no-cudnn", "eager")  # torch's default SDPA kernels, the training step's, eager
 HEADS = ("fused", "logits")
 
 
 def _nonfinite(t) -> int:
+    import torch
+
     return int((~torch.isfinite(t)).sum()) if torch.is_tensor(t) and t.is_floating_point() else 0
 
 
 def build_policy(base: str, dump: dict, attn: str, head: str, device: str) -> nn.Module:
+    import torch
     from peft import get_peft_model
     from trl.trainer.utils import add_fused_lm_head
 
@@ -62,6 +65,8 @@ def build_policy(base: str, dump: dict, attn: str, head: str, device: str) -> nn
 
 def completion_logps(model: nn.Module, batch: dict, head: str, temperature: float) -> torch.Tensor:
     """Per-token log-probs of the completion, as TRL's loss forward computes them (or from full logits)."""
+    import torch
+
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     keep = batch["completion_ids"].size(1)
@@ -90,6 +95,8 @@ def surrogate_loss(logps: torch.Tensor, batch: dict, rows: torch.Tensor | None =
 def watch(model: nn.Module, pad_mask: torch.Tensor):
     """Records, per module, non-finite forward outputs (and how many sit at padded positions) and non-finite
     gradients in backward order."""
+    import torch
+
     forward, backward, handles = [], [], []
 
     def on_forward(name):
@@ -136,6 +143,10 @@ def replay(model: nn.Module, batch: dict, head: str, temperature: float, attn: s
 
 
 def _replay(model: nn.Module, batch: dict, head: str, temperature: float) -> dict:
+    import torch
+
+    from qerl.nonfinite_dump import nonfinite_grads
+
     input_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     model.zero_grad(set_to_none=True)
     with watch(model, input_mask == 0) as (forward, backward):
@@ -195,13 +206,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="the base checkpoint the run trained (NVFP4 or BF16 folder)")
     parser.add_argument("--attn", default="sdpa,sdpa-no-cudnn,eager", help="attention variants to replay with")
     parser.add_argument("--head", default="fused,logits", help="fused: TRL's chunked LM head; logits: full logits")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", help="(default: cuda if there is one, else cpu)")
     parser.add_argument("--out", help="write the report as JSON here too")
     args = parser.parse_args(argv)
     for flag, given, known in (("--attn", args.attn, ATTENTION), ("--head", args.head, HEADS)):
         unknown = set(given.split(",")) - set(known)
         if unknown:
             parser.error(f"{flag}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     dump = torch.load(args.dump, map_location="cpu", weights_only=False)
     batch = {k: v.to(args.device) if torch.is_tensor(v) else v for k, v in dump["batch"].items()}

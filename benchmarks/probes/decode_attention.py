@@ -24,20 +24,27 @@ import json
 import math
 import re
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from benchmarks.probes.measure import ROTATE_BYTES, graph_time_us, measure_ceilings
-from qerl.rollout.native import attention, kv_cache
+
+if TYPE_CHECKING:  # torch and the kernels load after the flags are read
+    from qerl.rollout.native import attention
 
 SHAPES = {"7B": (28, 4), "32B": (40, 8)}  # (query heads, KV heads) of Qwen2.5; head dim 128
 HEAD_DIM = 128
 S_MAX = 2304
 SWEEP_LENGTH = 1280  # the rollout's average context: prompt 256 + 2048 / 2
-GRID = [
-    attention.DecodeConfig(block_s=s, num_stages=st, num_warps=w, programs_per_sm=p)
-    for s, st, w, p in itertools.product((32, 64, 128), (2, 3, 4), (4, 8), (4, 8, 16))
-]
+
+
+def grid() -> list[attention.DecodeConfig]:
+    """Every launch shape --sweep times."""
+    from qerl.rollout.native import attention
+
+    return [
+        attention.DecodeConfig(block_s=s, num_stages=st, num_warps=w, programs_per_sm=p)
+        for s, st, w, p in itertools.product((32, 64, 128), (2, 3, 4), (4, 8), (4, 8, 16))
+    ]
 
 
 def label(config: attention.DecodeConfig | None) -> str:
@@ -48,6 +55,8 @@ def label(config: attention.DecodeConfig | None) -> str:
 
 def parse_config(text: str) -> attention.DecodeConfig:
     """'s64st2w8p4' -> DecodeConfig(block_s=64, num_stages=2, num_warps=8, programs_per_sm=4)."""
+    from qerl.rollout.native import attention
+
     match = re.fullmatch(r"s(\d+)st(\d+)w(\d+)p(\d+)", text.strip())
     if match is None:
         raise SystemExit(f"--configs: {text!r} is not of the form s64st2w4p4 (block_s, stages, warps, programs/SM)")
@@ -69,6 +78,10 @@ class Caches:
     E4M3 codes and their scales (bshd)."""
 
     def __init__(self, batch, hkv, length, layout, count, fp8=False):
+        import torch
+
+        from qerl.rollout.native import kv_cache
+
         shape = (batch, S_MAX, hkv, HEAD_DIM) if layout == "bshd" else (batch, hkv, S_MAX, HEAD_DIM)
         self.k = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
         self.v = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
@@ -87,6 +100,10 @@ class Caches:
 
 def valid_bytes(batch, hkv, length, fp8=False):
     """K and V of the valid keys: BF16, or E4M3 codes + an FP32 scale per token and head."""
+    import torch
+
+    from qerl.rollout.native import kv_cache
+
     return batch * length * kv_cache.bytes_per_token(hkv, HEAD_DIM, torch.bfloat16, fp8)
 
 
@@ -96,12 +113,16 @@ def max_err(out, ref):
 
 def time_calls(q, caches, call):
     """Median us of `call(layer, out)` over the cached layers (outputs alternating), and one call."""
+    import torch
+
     outs = [torch.empty_like(q) for _ in range(2)]
     fns = [functools.partial(call, i, outs[i % 2]) for i in range(len(caches.k))]
     return graph_time_us(fns), fns[0]
 
 
 def triton_call(q, caches, scale, config):
+    from qerl.rollout.native import attention
+
     ws = attention.decode_workspace(q, caches.k[0], config=config)
 
     def call(i, out):
@@ -114,6 +135,8 @@ def triton_call(q, caches, scale, config):
 
 
 def fa3_call(fa3, q, caches, scale):
+    import torch
+
     cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device="cuda")
     return lambda i, out: fa3(
         q,
@@ -131,6 +154,10 @@ def fa3_call(fa3, q, caches, scale):
 
 
 def run_case(model, batch, length, layouts, configs, fa3, copy_gbs, fp8=False):
+    import torch
+
+    from qerl.rollout.native import attention
+
     hq, hkv = SHAPES[model]
     nbytes = valid_bytes(batch, hkv, length, fp8)
     count = max(2, math.ceil(ROTATE_BYTES / nbytes))
@@ -192,6 +219,10 @@ def main(argv=None):
     parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="the caches' dtype")
     parser.add_argument("--out", default="runs/attention.json")
     args = parser.parse_args(argv)
+    import torch
+
+    from qerl.rollout.native import attention
+
     fp8 = args.kv_dtype == "fp8"
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.probes.decode_attention needs a CUDA GPU")
@@ -207,7 +238,7 @@ def main(argv=None):
         args.models.split(","), map(int, args.batches.split(",")), map(int, args.lengths.split(","))
     ):
         sweep = args.sweep and length == SWEEP_LENGTH
-        configs = GRID if sweep else chosen
+        configs = grid() if sweep else chosen
         layouts = ("bshd", "bhsd") if sweep and not fp8 else ("bshd",)
         rows += run_case(model, batch, length, layouts, configs, fa3, copy_gbs, fp8)
 

@@ -19,30 +19,38 @@ This module holds the subcommand table; the probes live by family: benchmarks/pr
 from __future__ import annotations
 
 import argparse
-import functools
+import importlib
 
-from benchmarks.probes.gemm_cuda import cuda_vs_triton, small_shapes, wgmma_by_k, wgmma_ceiling, wgmma_vs_triton
-from benchmarks.probes.gemm_triton import host_cost, ncu_targets, split_sweep, stream_probe
+
+def _probe(name: str, **kwargs):
+    """The probe `module:function` of this folder, imported when its mode runs (torch and the kernels with it)."""
+
+    def run():
+        module, function = name.split(":")
+        getattr(importlib.import_module(f"benchmarks.probes.{module}"), function)(**kwargs)
+
+    return run
+
 
 MODES = {  # subcommand: the probe it runs, and what that measures (the module docstring's line)
-    "stream": (stream_probe, "bandwidth of the GEMM's TMA access pattern alone"),
-    "splits": (split_sweep, "every split-K on the shapes where wave count matters"),
-    "host": (host_cost, "host time per eager call (what bounds eager decode)"),
-    "cuda": (cuda_vs_triton, "CUDA vs Triton decode GEMM, with the engine's LoRA ranks"),
-    "wgmma": (wgmma_vs_triton, "CUDA wgmma vs Triton GEMM and cuBLAS BF16 at 40 and 64 rows"),
+    "stream": (_probe("gemm_triton:stream_probe"), "bandwidth of the GEMM's TMA access pattern alone"),
+    "splits": (_probe("gemm_triton:split_sweep"), "every split-K on the shapes where wave count matters"),
+    "host": (_probe("gemm_triton:host_cost"), "host time per eager call (what bounds eager decode)"),
+    "cuda": (_probe("gemm_cuda:cuda_vs_triton"), "CUDA vs Triton decode GEMM, with the engine's LoRA ranks"),
+    "wgmma": (_probe("gemm_cuda:wgmma_vs_triton"), "CUDA wgmma vs Triton GEMM and cuBLAS BF16 at 40 and 64 rows"),
     "wgmma-lora": (
-        functools.partial(wgmma_vs_triton, lora=True),
+        _probe("gemm_cuda:wgmma_vs_triton", lora=True),
         "the same with the rollout engine's LoRA in the same launch",
     ),
-    "wgmma-ceiling": (wgmma_ceiling, "the 64-row wgmma loop, built up part by part"),
-    "wgmma-by-k": (wgmma_by_k, "the 64-row wgmma GEMM's time against K: fixed cost and slope"),
+    "wgmma-ceiling": (_probe("gemm_cuda:wgmma_ceiling"), "the 64-row wgmma loop, built up part by part"),
+    "wgmma-by-k": (_probe("gemm_cuda:wgmma_by_k"), "the 64-row wgmma GEMM's time against K: fixed cost and slope"),
     "small": (
-        small_shapes,
+        _probe("gemm_cuda:small_shapes"),
         "the 0.5B and 1.5B layers' GEMMs at 8 and 64 rows with the engine's LoRA: bytes floor, cuBLAS, dispatch, "
         "Triton, and the CUDA kernel at every config of a grid",
     ),
     "ncu": (
-        ncu_targets,
+        _probe("gemm_triton:ncu_targets"),
         "the GEMM on a few 7B shapes, untimed, for Nsight Compute to sample: "
         "ncu --clock-control none -k regex:_gemm_tc_kernel python -m benchmarks.probes.gemm ncu",
     ),

@@ -9,10 +9,6 @@ from __future__ import annotations
 import math
 import statistics
 
-import torch
-
-from qerl.nvfp4 import codec, ops
-
 MODELS = {  # hidden, heads, kv heads, intermediate, head_dim (Qwen2.5)
     "0.5B": (896, 14, 2, 4864, 64),
     "1.5B": (1536, 12, 2, 8960, 128),
@@ -44,6 +40,8 @@ def nvfp4_bytes(n, k):
 
 def graph_time_us(fns, reps=5, calls=None):
     """Median over `reps` replays of a CUDA graph that runs every fn in `fns` (round robin, `calls` total)."""
+    import torch
+
     calls = calls or max(len(fns), 24)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -76,6 +74,10 @@ def copies_for(nbytes):
 
 def make_weights(n, k, count, device):
     """`count` independent (bf16, nvfp4) weight pairs; the nvfp4 ones are quantized from the bf16 ones."""
+    import torch
+
+    from qerl.nvfp4 import codec
+
     out = []
     for _ in range(count):
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
@@ -87,6 +89,8 @@ class Copies:
     """Enough copies of one shape's weights to defeat the L2, bf16 and nvfp4 counted separately."""
 
     def __init__(self, n, k, device):
+        from qerl.nvfp4 import codec, ops
+
         self.n, self.k = n, k
         self.n_bf16 = copies_for(n * k * 2)
         self.n_fp4 = copies_for(nvfp4_bytes(n, k))
@@ -102,6 +106,8 @@ class Copies:
 
 def measure_ceilings(device):
     # Best of a plain copy and a 16-byte-vector elementwise kernel: the roofline a streaming kernel can hit.
+    import torch
+
     x = torch.randn(2**29, device=device)  # 2 GiB in, 2 GiB out
     y = torch.empty_like(x)
     t_copy = graph_time_us([lambda x=x, y=y: y.copy_(x)], reps=5, calls=4)

@@ -18,8 +18,6 @@ import os
 import sys
 import time
 
-import torch
-
 from benchmarks.probes.measure import (
     MODELS,
     Copies,
@@ -30,8 +28,6 @@ from benchmarks.probes.measure import (
     nvfp4_bytes,
     shapes,
 )
-from qerl.nvfp4 import codec, ops
-from qerl.nvfp4 import triton_kernels as tk
 
 SMALL_M = (1, 2, 4, 8, 16, 32, 64)
 LARGE_M = (2048, 4096)
@@ -45,6 +41,11 @@ def rel_err(out, ref):
 
 
 def check_shape(n, k, device, ms=(1, 7, 16, 64)):
+    import torch
+
+    from qerl.nvfp4 import codec, ops
+    from qerl.nvfp4 import triton_kernels as tk
+
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
     q = codec.quantize(w)
     ref = codec.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16)
@@ -70,6 +71,10 @@ def check_shape(n, k, device, ms=(1, 7, 16, 64)):
 
 
 def bench_dequant(c: Copies, copy_gbs):
+    import torch
+
+    from qerl.nvfp4 import triton_kernels as tk
+
     outs = [torch.empty(c.n, c.k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     fns = [
         lambda q=q, o=outs[i % 2]: tk.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16, out=o)
@@ -81,6 +86,11 @@ def bench_dequant(c: Copies, copy_gbs):
 
 
 def bench_small(c: Copies, m, copy_gbs, config=None, use_asm=None):
+    import torch
+
+    from qerl.nvfp4 import ops
+    from qerl.nvfp4 import triton_kernels as tk
+
     x = torch.randn(m, c.k, device="cuda", dtype=torch.bfloat16)
     t_bf = graph_time_us([lambda w=w: x @ w.t() for w in c.bf16])
     if config is None:
@@ -104,6 +114,10 @@ def bench_small(c: Copies, m, copy_gbs, config=None, use_asm=None):
 
 
 def bench_large(c: Copies, m, tflops):
+    import torch
+
+    from qerl.nvfp4 import ops
+
     x = torch.randn(m, c.k, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(m, c.n, device="cuda", dtype=torch.bfloat16)
     ws, qs = c.bf16[:2], c.fp4[:2]  # compute bound: two copies are enough
@@ -128,6 +142,10 @@ def bench_large(c: Copies, m, tflops):
 
 def bench_layer(model, m, copy_gbs):
     """All four linears of one decoder layer (qkv, o, gate_up, down) back to back at M rows."""
+    import torch
+
+    from qerl.nvfp4 import codec, ops
+
     sh = shapes(model)
     per_layer_bf16 = sum(n * k * 2 for n, k in sh.values())
     layers = copies_for(per_layer_bf16)
@@ -164,6 +182,10 @@ def bench_layer(model, m, copy_gbs):
 def sweep_configs(m, n, k):
     """A targeted grid per row bucket: (block_m, block_n, block_k, warps, stages) x split (auto for 1, 2 and 4
     CTAs per SM)."""
+    import torch
+
+    from qerl.nvfp4 import triton_kernels as tk
+
     dev = torch.device("cuda")
     bm = 16 if m <= 16 else max(16, 1 << (m - 1).bit_length())
     grid = [(bm, 64, 256, 4, 3), (bm, 64, 256, 4, 4), (bm, 128, 256, 8, 3), (bm, 64, 128, 4, 4), (bm, 64, 128, 4, 6)]
@@ -178,6 +200,10 @@ DEQUANT_CONFIGS = ((32, 256, 4), (64, 128, 4), (16, 256, 4), (32, 128, 4), (16, 
 
 
 def sweep_dequant(c: Copies, copy_gbs):
+    import torch
+
+    from qerl.nvfp4 import triton_kernels as tk
+
     rows = []
     for bn, bk2, warps in DEQUANT_CONFIGS:
         out = torch.empty(c.n, c.k, device="cuda", dtype=torch.bfloat16)
@@ -212,6 +238,11 @@ def main(argv=None):
     ap.add_argument("--sweep-m", default="1,16,64")
     ap.add_argument("--no-large", action="store_true")
     args = ap.parse_args(argv)
+    import torch
+
+    from qerl.nvfp4 import ops
+    from qerl.nvfp4 import triton_kernels as tk
+
     if not torch.cuda.is_available():
         sys.exit("benchmarks.probes.nvfp4_speed needs a CUDA GPU")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Where a native decode step's time goes, as a picture: one stacked bar per (model, weights, batch) from the JSON
+r"""Where a native decode step's time goes, as a picture: one stacked bar per (model, weights, batch) from the JSON
 files of `python -m benchmarks.rollout --rollout-backend native --profile`, with the timed run's graph step and
 the bytes floor marked beside each bar.
 

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from qerl.rollout import create_backend
-from qerl.rollout.native import elementwise
-from qerl.rollout.native import engine as engine_module
-from qerl.rollout.native.engine import NativeEngine
+if TYPE_CHECKING:  # torch and the engine load after the flags are read
+    from qerl.rollout.native.engine import NativeEngine
 
 
 @contextlib.contextmanager
@@ -38,6 +36,11 @@ def _replaced(owner, name: str, value) -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, saved)
+
+
+def _replaced_in(module: str, name: str, value) -> contextlib.AbstractContextManager:
+    """_replaced on a module of the native engine (loaded by the time a stand-in goes in)."""
+    return _replaced(importlib.import_module(f"qerl.rollout.native.{module}"), name, value)
 
 
 def _skip_norm(x, weight, eps, residual=None, unit_offset=False):
@@ -75,10 +78,10 @@ def _without_lora(engine: NativeEngine) -> Iterator[None]:
 
 # family -> (engine -> context manager in which the family's kernels are replaced by their stand-in)
 STAND_INS: dict[str, Callable[[NativeEngine], contextlib.AbstractContextManager]] = {
-    "add+RMSNorm": lambda engine: _replaced(elementwise, "rmsnorm", _skip_norm),
-    "SiLU gate": lambda engine: _replaced(elementwise, "silu_mul", _skip_silu_mul),
-    "rotary+KV write": lambda engine: _replaced(elementwise, "rope_cache", _skip_rope_cache),
-    "attention": lambda engine: _replaced(engine_module, "decode_attention", _skip_attention),
+    "add+RMSNorm": lambda engine: _replaced_in("elementwise", "rmsnorm", _skip_norm),
+    "SiLU gate": lambda engine: _replaced_in("elementwise", "silu_mul", _skip_silu_mul),
+    "rotary+KV write": lambda engine: _replaced_in("elementwise", "rope_cache", _skip_rope_cache),
+    "attention": lambda engine: _replaced_in("engine", "decode_attention", _skip_attention),
     "sampling (all but an argmax)": lambda engine: _replaced(engine, "sampler", _argmax_sampler),
     "LoRA (in the NVFP4 GEMMs)": _without_lora,
 }
@@ -95,6 +98,8 @@ def without(engine: NativeEngine, families) -> Iterator[None]:
 
 def step_ms(engine: NativeEngine, prompts: list[list[int]], new_tokens: int, repeats: int = 2) -> float:
     """Best-of-`repeats` milliseconds per decode step of one rollout (after a short warm-up at the same batch)."""
+    import torch
+
     engine.generate(prompts, 16)
     best = float("inf")
     for _ in range(repeats):
@@ -130,6 +135,10 @@ def main(argv=None) -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--out", default="runs/step_costs.json")
     args = parser.parse_args(argv)
+    import torch
+
+    from qerl.rollout import create_backend
+
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.probes.step_costs needs a CUDA GPU")
     batches = [int(b) for b in args.batches.split(",") if b]
