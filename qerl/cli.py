@@ -29,6 +29,8 @@ def run_cli(main: Callable[[list[str]], int | None], prog: str, argv: list[str] 
     """Run `main(argv)` under the convention above; returns the exit code (sys.exit it). SIGINT and SIGTERM
     unwind the run (half-written outputs are removed on the way out) and end it in one line, exit code 128 + the
     signal's number."""
+    if argv is None:  # the process's own command line: the process is this program's
+        hide_unused_deepspeed()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [arg for arg in argv if arg != "--debug"]
@@ -54,6 +56,25 @@ def run_cli(main: Callable[[list[str]], int | None], prog: str, argv: list[str] 
 
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+# deepspeed, where installed (the dev extra), is imported by accelerate and transformers whether a run uses it or not
+# (accelerate's unwrap_model, in every save_pretrained and training step): seconds, and on a machine without a GPU a
+# "[WARNING] [real_accelerator.py:...] Setting accelerator to CPU" line in every tool. A program's own process not
+# launched for DeepSpeed marks it absent: None in sys.modules is Python's "not installed". Never done in a process
+# that calls run_cli with its own argv (the tests): transformers decides at import time what it does with deepspeed.
+DEEPSPEED_LAUNCH_ENV = "ACCELERATE_USE_DEEPSPEED"  # set by `accelerate launch` with a DeepSpeed config
+
+
+def hide_unused_deepspeed() -> None:
+    if os.environ.get(DEEPSPEED_LAUNCH_ENV, "false").lower() not in ("1", "true"):
+        sys.modules.setdefault("deepspeed", None)
+
+
+def allow_deepspeed() -> None:
+    """Undo hide_unused_deepspeed, for a run that asks for DeepSpeed some other way (TrainingArguments' --deepspeed),
+    before transformers is imported."""
+    if "deepspeed" in sys.modules and sys.modules["deepspeed"] is None:
+        del sys.modules["deepspeed"]
 
 
 class Interrupted(KeyboardInterrupt):

@@ -157,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
     settings = read_settings(argv)
     if not settings["model_name"]:
         raise UsageError("--model-name is required (a checkpoint folder or hub id)")
+    if settings["deepspeed"]:  # TrainingArguments' own --deepspeed, beside accelerate's DeepSpeed configs
+        cli.allow_deepspeed()
     from qerl.config import QeRLConfig
 
     own = {f.name for f in fields(QeRLScriptArguments)}
