@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qerl import cli
 from qerl.field_rules import ROLLOUT_BACKENDS
 
 # torch, transformers and the trainer are imported after the flags are read: --help answers at once.
@@ -341,5 +343,10 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def _command_line(argv: list[str]) -> int:
+    main(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(_command_line, "qerl.demo"))  # one-line errors, Ctrl-C, no deepspeed import
