@@ -182,3 +182,46 @@ def test_no_docstring_swallows_a_shell_line_continuation():
         if "\\\n" in source and "\\\n" not in ast.get_docstring(tree, clean=False):
             joined.append(str(path.relative_to(REPO)))
     assert joined == []
+
+
+DOCS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")))
+
+
+def doc_examples(program: str) -> list[tuple[str, list[str]]]:
+    """(page, argument list) of every command that runs `program` in the README's and docs/' code: fenced blocks and
+    blocks indented by four spaces after a blank line."""
+    found = []
+    for page in DOCS:
+        text = (REPO / page).read_text()
+        blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
+        blocks += re.findall(r"(?:^|\n)\n((?: {4}.*\n)+)", re.sub(r"```.*?```", "", text, flags=re.S))
+        for block in blocks:
+            # A block's shell variables (R7="..."), joined over continuations, stand in where they are used.
+            block = block.replace("\\\n", " ")
+            for name, value in re.findall(r'^\s*(\w+)="([^"]*)"', block, flags=re.M):
+                block = block.replace(f"${name}", value)
+            indented = "".join(f"    {line}\n" for line in block.splitlines())
+            found += [(page, argv) for argv in examples(program, indented)]
+    return found
+
+
+@pytest.mark.parametrize("program", programs())
+def test_the_examples_in_the_docs_parse_as_written(program, monkeypatch):
+    """What a reader copies from the README and docs/ parses with the program's own parser, and the checkout files
+    it names exist in a clone."""
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise Parsed(parse(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    folders = tracked_folders()
+    for page, argv in doc_examples(program):
+        check_paths(argv, folders)
+        try:
+            main_of(program)(argv)
+        except Parsed:
+            continue
+        except SystemExit:
+            pass
+        pytest.fail(f"{page}: python -m {program} {shlex.join(argv)}: does not parse")
