@@ -25,10 +25,10 @@ from qerl.errors import UsageError, nearest, one_line
 DEBUG_ENV = "QERL_DEBUG"
 
 
-def run_cli(main: Callable[[list[str]], int | None], prog: str, argv: list[str] | None = None) -> int:
-    """Run `main(argv)` under the convention above; returns the exit code (sys.exit it). SIGINT and SIGTERM
-    unwind the run (half-written outputs are removed on the way out) and end it in one line, exit code 128 + the
-    signal's number."""
+def run_cli(main: Callable[[list[str]], object], prog: str, argv: list[str] | None = None) -> int:
+    """Run `main(argv)` under the convention above; returns the exit code (sys.exit it): main's own when it returns
+    an int, else 0 (a main may return what it made, to callers in Python). SIGINT and SIGTERM unwind the run
+    (half-written outputs are removed on the way out) and end it in one line, exit code 128 + the signal's number."""
     if argv is None:  # the process's own command line: the process is this program's
         hide_unused_deepspeed()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -38,7 +38,8 @@ def run_cli(main: Callable[[list[str]], int | None], prog: str, argv: list[str] 
     if threading.current_thread() is threading.main_thread():
         previous = {signum: signal.signal(signum, _interrupt) for signum in INTERRUPTS}
     try:
-        return main(argv) or 0
+        code = main(argv)
+        return code if isinstance(code, int) else 0
     except UsageError as err:
         if debug:
             raise

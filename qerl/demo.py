@@ -20,7 +20,6 @@ index once, quantized to NVFP4 by our quantizer) on the GSM8K rows shipped in te
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qerl import cli
+from qerl.errors import UsageError
 from qerl.field_rules import ROLLOUT_BACKENDS
 
 # torch, transformers and the trainer are imported after the flags are read: --help answers at once.
@@ -243,20 +243,18 @@ def real_model_setup(args, device, cuda: bool) -> DemoSetup:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m qerl.demo", description=__doc__)
     parser.add_argument(
         "--model",
         help="a real model to run RL on instead of the toy (python -m qerl.models list, "
-        "e.g. smollm2-135m-instruct: downloaded once, ~93 MB); GPU recommended",
+        "e.g. smollm2-135m-instruct: downloaded once, ~93 MB); GPU recommended (default: the built-in toy)",
     )
-    parser.add_argument(
-        "--checkpoint-dir", default="ckpt", help="--model: where its BF16 and NVFP4 folders go (default: ckpt)"
-    )
-    parser.add_argument("--output-dir", default="runs/demo", help="(default: runs/demo)")
-    parser.add_argument("--warmup-steps", type=int, default=600, help="toy: supervised steps before RL (default: 600)")
+    parser.add_argument("--checkpoint-dir", default="ckpt", help="--model: where its BF16 and NVFP4 folders go")
+    parser.add_argument("--output-dir", default="runs/demo", help="metrics, plot, adapter (and the toy's checkpoints)")
+    parser.add_argument("--warmup-steps", type=int, default=600, help="toy: supervised steps before RL")
     parser.add_argument("--rl-steps", type=int, help="RL steps (default: 600 for the toy, 30 for --model)")
-    parser.add_argument("--problems", type=int, default=64, help="toy: size of the RL problem set (default: 64)")
-    parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    parser.add_argument("--problems", type=int, default=64, help="toy: size of the RL problem set")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the run")
     parser.add_argument(
         "--threads",
         type=int,
@@ -273,9 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--rollout-backend",
         choices=ROLLOUT_BACKENDS,
-        default=None,
-        help="transformers (the toy's default), native (our CUDA-graph engine), vllm (on a GPU; the toy with "
-        "--hidden-size 128 or more), or auto (--model's default: native on a GPU)",
+        help="native (our CUDA-graph engine), vllm (on a GPU; the toy with --hidden-size 128 or more), transformers "
+        "or auto (default: transformers for the toy, auto for --model: native on a GPU)",
     )
     args = parser.parse_args(argv)
     real = args.model is not None
@@ -289,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
             setattr(args, name, real_default if real else toy_default)
 
     if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads {args.threads}: must be at least 1")
+        raise UsageError(f"--threads {args.threads}: must be at least 1")
 
     start = time.time()
     say("loading torch and transformers")
@@ -318,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.train()
     if real:
         say("3/3 saving the adapter, the metrics and the plot")
-    adapter_dir = os.path.join(args.output_dir, "adapter")
+    adapter_dir = os.path.abspath(os.path.join(args.output_dir, "adapter"))
     trainer.save_model(adapter_dir)  # LoRA + trained norms; the NVFP4 base stays where it is
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
@@ -331,9 +328,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     summary = {"first_tenth_reward": first, "last_tenth_reward": last, "seconds": time.time() - start,
                "metrics": os.path.abspath(metrics_path), "plot": os.path.abspath(png),
-               "adapter": os.path.abspath(adapter_dir), "base": os.path.abspath(setup.nvfp4_dir),
+               "adapter": adapter_dir, "base": os.path.abspath(setup.nvfp4_dir),
                "cpu_threads": None if cuda else torch.get_num_threads(),
-               "eval": f"{setup.eval_hint} --adapter {os.path.abspath(adapter_dir)}"}  # fmt: skip
+               "eval": f"{setup.eval_hint} --adapter {adapter_dir}"}  # fmt: skip
     say(f"mean reward, first tenth of steps {first:.3f} -> last tenth {last:.3f} ({last - first:+.3f}) in "
         f"{summary['seconds']:.0f} s")  # fmt: skip
     say(f"metrics: {summary['metrics']}")
@@ -343,10 +340,5 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def _command_line(argv: list[str]) -> int:
-    main(argv)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(cli.run_cli(_command_line, "qerl.demo"))  # one-line errors, Ctrl-C, no deepspeed import
+    sys.exit(cli.run_cli(main, "qerl.demo"))  # one-line errors, Ctrl-C, no deepspeed import

@@ -253,8 +253,6 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=No
 def main(argv: list[str] | None = None) -> QeRLTrainer:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     script_args, config = parse_args(argv)
-    import torch  # after the flags, as qerl.config did
-
     validate(script_args, config)
     lock = RunLock(config.output_dir) if config.process_index == 0 else None  # the other ranks share rank 0's
     resume = prepare_output_dir(config, script_args.model_name, script_args.overwrite_output_dir, lock)
@@ -270,6 +268,8 @@ def main(argv: list[str] | None = None) -> QeRLTrainer:
     finally:
         if lock is not None:
             lock.release()
+    import torch  # loaded by the trainer already; not at the top, so that reading the flags imports no torch
+
     if torch.distributed.is_initialized():
         # Tear the process group down before the interpreter does: left to exit, gloo's threads were seen destroyed
         # unjoined on one rank ("terminate called without an active exception", exit -6) after a finished run.
@@ -280,12 +280,7 @@ def main(argv: list[str] | None = None) -> QeRLTrainer:
 
 def run(argv: list[str] | None = None) -> int:
     """The command line (`python -m qerl.train`, `qerl-train`): input errors in one line, exit code 2."""
-
-    def train_and_exit_zero(args: list[str]) -> int:
-        main(args)
-        return 0
-
-    return cli.run_cli(train_and_exit_zero, "qerl.train", argv)
+    return cli.run_cli(main, "qerl.train", argv)
 
 
 if __name__ == "__main__":

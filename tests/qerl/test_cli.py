@@ -75,6 +75,13 @@ def test_debug_shows_the_traceback_and_program_errors_keep_theirs(world, monkeyp
         cli.run_cli(buggy, "x", [])
 
 
+def test_the_exit_code_is_mains_int_else_zero():
+    """A main that returns what it made (the demo's summary, train's trainer) exits 0; an int is the code."""
+    assert cli.run_cli(lambda argv: {"summary": 1}, "x", []) == 0
+    assert cli.run_cli(lambda argv: None, "x", []) == 0
+    assert cli.run_cli(lambda argv: 3, "x", []) == 3
+
+
 def test_cli_helpers():
     assert cli.attach_negative_numbers(["--lr", "-1e-5", "--x", "-y"]) == ["--lr=-1e-5", "--x", "-y"]
     assert looks_like_path("./model") and looks_like_path("/abs/model") and looks_like_path("a/b/c")
