@@ -146,16 +146,16 @@ def comparisons(
 def without_stuck(runs: list[dict], measures: dict) -> dict:
     """Chosen after the runs, not before (so a second look, not the fixed test): the accuracy comparisons over the
     runs that did not get stuck at the length cap, and whether the arms got stuck at different rates (Fisher)."""
-    healthy = [r for r in runs if not stuck(r, measures)]
+    stuck_runs = [r for r in runs if stuck(r, measures)]
+    counts = {arm: [sum(r["arm"] == arm for r in stuck_runs), sum(r["arm"] == arm for r in runs)] for arm in ARMS}
     rates = []
     for a, b, question in COMPARISONS:
-        n_a, n_b = (sum(r["arm"] == arm for r in runs) for arm in (a, b))
-        k_a, k_b = (sum(r["arm"] == arm and stuck(r, measures) for r in runs) for arm in (a, b))
+        (k_a, n_a), (k_b, n_b) = counts[a], counts[b]
         p = fisher_exact(k_a, n_a, k_b, n_b) if n_a and n_b else None
-        rates.append({"a": a, "b": b, "question": question, "stuck_a": [k_a, n_a], "stuck_b": [k_b, n_b], "p": p})
+        rates.append({"a": a, "b": b, "question": question, "stuck_a": counts[a], "stuck_b": counts[b], "p": p})
     return {
-        "left_out": sorted(r["name"] for r in runs if stuck(r, measures)),
-        "comparisons": comparisons(healthy, measures, PROTOCOLS),
+        "left_out": sorted(r["name"] for r in stuck_runs),
+        "comparisons": comparisons([r for r in runs if r not in stuck_runs], measures, PROTOCOLS),
         "stuck_rates": rates,
     }
 

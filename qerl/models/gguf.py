@@ -30,14 +30,6 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) as transformers' own GGUF loader gives them."""
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    return load_gguf_model(path, dtype), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
 def gguf_tokenizer(path: str | Path, chat_template: str | None = None):
     """The checkpoint's tokenizer: a SentencePiece-BPE GGUF's built from its metadata here, any other (byte-level
     BPE: SmolLM2's, Qwen's) transformers' own. `chat_template` replaces the GGUF's (None: keep it)."""

@@ -12,7 +12,7 @@ from gguf_files import write_tiny_gguf
 from benchmarks.launch import REPO
 from eval import gsm8k
 from qerl import base_model, cli
-from qerl.models.gguf import convert_gguf, fix_special_tokens, load_gguf
+from qerl.models.gguf import convert_gguf, fix_special_tokens, load_gguf_model
 from qerl.nvfp4.quantize_checkpoint import quantize_checkpoint
 
 GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k" / "test_sample.jsonl"
@@ -21,7 +21,7 @@ GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k" / "test_sample.jsonl"
 def test_conversion_gives_transformers_own_gguf_logits(tiny_gguf, converted, seed):
     from transformers import AutoModelForCausalLM
 
-    reference, _ = load_gguf(tiny_gguf, dtype=torch.bfloat16)
+    reference = load_gguf_model(tiny_gguf, dtype=torch.bfloat16)
     ours = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
     ids = torch.randint(0, ours.config.vocab_size, (2, 24))
@@ -36,7 +36,7 @@ def _converted_like_transformers(tmp_path, arch: str, seed: int):
 
     path = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch=arch, seed=seed)
     convert_gguf(path, tmp_path / "bf16", eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    reference, _ = load_gguf(path, dtype=torch.bfloat16)
+    reference = load_gguf_model(path, dtype=torch.bfloat16)
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
     ids = torch.randint(0, ours.config.vocab_size, (2, 24))
     with torch.no_grad():
