@@ -99,46 +99,52 @@ def model_config(size: str):
 def build(size: str, precision: str = "bf16", device="cuda"):
     """Random-weight model in BF16, or NVFP4 quantized one decoder layer at a time (peak: one BF16 layer)."""
     import torch
+
+    with torch.no_grad():
+        return _random_model(size, precision, device)
+
+
+def _random_model(size: str, precision: str, device):
+    import torch
     from transformers import AutoModelForCausalLM
 
     from qerl.nvfp4.quantize import quantize_model
 
-    with torch.no_grad():
-        config = model_config(size)
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        std = config.initializer_range
-        unit_offset = config.model_type == "gemma3_text"  # its norms scale by 1 + w: w = 0 is the identity scale
+    config = model_config(size)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    std = config.initializer_range
+    unit_offset = config.model_type == "gemma3_text"  # its norms scale by 1 + w: w = 0 is the identity scale
 
-        def materialize(module):
-            module.to_empty(device=device, recurse=True)
-            for sub in module.modules():
-                if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
-                    sub.weight.normal_(0, std)
-                    if getattr(sub, "bias", None) is not None:
-                        sub.bias.zero_()
-                elif hasattr(sub, "weight") and sub.weight is not None and sub.weight.dim() == 1:
-                    sub.weight.fill_(0.0 if unit_offset else 1.0)  # norms
-                if hasattr(sub, "embed_scale"):  # Gemma's sqrt(hidden), a buffer to_empty left unset
-                    sub.embed_scale.fill_(sub.scalar_embed_scale)
+    def materialize(module):
+        module.to_empty(device=device, recurse=True)
+        for sub in module.modules():
+            if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
+                sub.weight.normal_(0, std)
+                if getattr(sub, "bias", None) is not None:
+                    sub.bias.zero_()
+            elif hasattr(sub, "weight") and sub.weight is not None and sub.weight.dim() == 1:
+                sub.weight.fill_(0.0 if unit_offset else 1.0)  # norms
+            if hasattr(sub, "embed_scale"):  # Gemma's sqrt(hidden), a buffer to_empty left unset
+                sub.embed_scale.fill_(sub.scalar_embed_scale)
 
-        inner = model.model
-        for name, child in inner.named_children():
-            if name == "layers":
-                for layer in child:
-                    materialize(layer)
-                    if precision == "nvfp4":
-                        quantize_model(layer)
-            elif name == "rotary_emb":  # its inv_freq is computed, not initialized: rebuild it on the device
-                inner.rotary_emb = type(child)(config=config, device=device)
-            else:
-                materialize(child)
-        if config.tie_word_embeddings:  # to_empty gave the embedding a new weight: the head takes it again
-            model.lm_head.weight = inner.embed_tokens.weight
+    inner = model.model
+    for name, child in inner.named_children():
+        if name == "layers":
+            for layer in child:
+                materialize(layer)
+                if precision == "nvfp4":
+                    quantize_model(layer)
+        elif name == "rotary_emb":  # its inv_freq is computed, not initialized: rebuild it on the device
+            inner.rotary_emb = type(child)(config=config, device=device)
         else:
-            materialize(model.lm_head)
-        return model.eval()
+            materialize(child)
+    if config.tie_word_embeddings:  # to_empty gave the embedding a new weight: the head takes it again
+        model.lm_head.weight = inner.embed_tokens.weight
+    else:
+        materialize(model.lm_head)
+    return model.eval()
 
 
 def padded_tokenizer(vocab_size: int):
