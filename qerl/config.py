@@ -141,6 +141,16 @@ class QeRLConfig(GRPOConfig):
             "QeRL reference has no correction."
         },
     )
+    fail_truncated_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "A completion cut at max_completion_length earns nothing: every reward function's payment for "
+            "it is set to 0 before the advantages (the metrics completions/truncated_reward_mean and "
+            "completions/finished_reward_mean keep what it earned). With mask_truncated_completions false it "
+            "stays in the loss as a failure, so a run cannot drift into the cap unopposed; with masking on it only "
+            "lowers its group's baseline."
+        },
+    )
     compile_layers: bool = field(
         default=False,
         metadata={

@@ -28,7 +28,8 @@ QUICK_HELP = {
     "Lengths and batch": ("max_prompt_length", "max_completion_length", "num_generations",
                           "per_device_train_batch_size", "gradient_accumulation_steps"),
     "RL": ("loss_type", "beta", "epsilon_high", "learning_rate", "max_steps", "num_train_epochs", "temperature",
-           "soft_overlong_cache", "vllm_importance_sampling_correction"),
+           "mask_truncated_completions", "fail_truncated_completions", "soft_overlong_cache",
+           "vllm_importance_sampling_correction"),
     "LoRA": ("lora_rank", "lora_alpha", "lora_target_modules", "trainable_norms"),
     "AQN": ("aqn", "sigma_start", "sigma_end", "num_stages", "aqn_final_norm"),
     "Rollout": ("rollout_backend", "rollout_kv_cache_gib", "rollout_kv_cache_dtype"),
@@ -38,9 +39,12 @@ QUICK_HELP = {
 # Where the field's help text is a poor fit for the short list.
 QUICK_HELP_TEXT = {
     "gradient_accumulation_steps": "Micro-batches per optimizer step",
-    "max_steps": "Optimizer steps of the run (-1: as many as --num-train-epochs make)",
     "vllm_importance_sampling_correction": "Correct the rollout/training mismatch with TRL's truncated importance "
     "sampling",
+    "mask_truncated_completions": "Completions cut at the cap left out of the loss",
+    "fail_truncated_completions": "Completions cut at the cap earn 0",
+    "soft_overlong_cache": "DAPO's soft overlong punishment over the last N tokens (0: off)",
+    "max_steps": "Optimizer steps (-1: as many as --num-train-epochs make)",
     "epsilon_high": "Upper bound of the clipped ratio, DAPO's clip-higher (default: --epsilon's value)",
     "rollout_kv_cache_gib": "Native engine: GPU memory (GiB) for a round's KV cache; more sequences than fit run in "
     "waves (default: 80% of what is free)",

@@ -276,6 +276,15 @@ def exact_answer_reward(completions, answer, **kwargs) -> list[float]:
     ]
 
 
+# Marks a reward function that pays for a completion's length, not for solving the task: the trainer leaves such
+# functions out of what a completion "earned" (its truncated vs finished reward metrics).
+_LENGTH_RULE = "qerl_length_rule"
+
+
+def is_length_rule(func) -> bool:
+    return getattr(func, _LENGTH_RULE, False)
+
+
 def soft_overlong_punishment(max_completion_length: int, cache: int):
     """DAPO's soft overlong punishment (TRL's implementation): 0 up to L_max - cache, then a linear ramp to -1."""
     from trl.rewards import get_soft_overlong_punishment
@@ -284,4 +293,6 @@ def soft_overlong_punishment(max_completion_length: int, cache: int):
         raise ValueError(
             f"soft overlong cache must be in (0, max_completion_length={max_completion_length}], got {cache}"
         )
-    return get_soft_overlong_punishment(max_completion_length, cache)
+    punishment = get_soft_overlong_punishment(max_completion_length, cache)
+    setattr(punishment, _LENGTH_RULE, True)
+    return punishment

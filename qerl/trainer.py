@@ -22,12 +22,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
-from qerl import aqn, base_model, cli, lora, norms, rollout, sharding, unpadded_forward
+from qerl import aqn, base_model, cli, lora, norms, rewards, rollout, sharding, unpadded_forward
 from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
 from qerl.dense_weights import DenseWeights
 from qerl.nonfinite_dump import dump_if_nonfinite
 from qerl.nvfp4.linear import NVFP4Linear
+from qerl.truncation import TruncationWatch
 
 logger = logging.getLogger(__name__)
 # Attention kernels the training forward and backward may use: all but cuDNN's. Its backward (torch's first choice
@@ -98,6 +99,11 @@ class QeRLTrainer(GRPOTrainer):
         self._loss_logps: list[torch.Tensor] | None = None  # filled by the loss forward, see _compute_loss
         self._micro_batch: dict | None = None  # the loss's inputs, kept for dump_nonfinite_grads
         self.nonfinite_dump: str | None = None
+        self.add_callback(
+            TruncationWatch(
+                args.max_completion_length, args.mask_truncated_completions, quiet=not self.accelerator.is_main_process
+            )
+        )
         if args.metrics_jsonl:
             self.add_callback(JsonlMetrics(os.path.join(args.output_dir, "metrics.jsonl")))
 
@@ -146,6 +152,10 @@ class QeRLTrainer(GRPOTrainer):
         ) as stats:
             yield stats
 
+    @property
+    def truncation_watch(self) -> TruncationWatch:
+        return next(c for c in self.callback_handler.callbacks if isinstance(c, TruncationWatch))
+
     def train(self, *args, **kwargs):
         try:
             return super().train(*args, **kwargs)
@@ -169,6 +179,10 @@ class QeRLTrainer(GRPOTrainer):
     #       loss forward's log-probs, and replaced for text-only batches by the unpadded forward, which calls the
     #       fused LM head TRL's __init__ puts on the model (add_fused_lm_head): model(input_ids, labels,
     #       fused_lm_head=True) -> .log_probs / .entropy per position, 0 where the label is -100.
+    #   _calculate_rewards(inputs, prompts, completions, completion_ids_list) -> rewards_per_func, (completions of
+    #       every rank) x (reward functions), gathered: extended. Each round's truncated completions and what they
+    #       earned go to the TruncationWatch; with fail_truncated_completions their rows are set to 0 before TRL's
+    #       advantages.
     #   _compute_loss(model, inputs): wrapped. TRL computes old_per_token_logps only when generation and
     #       optimizer steps are misaligned (or for the correction); otherwise its loss forward runs the very
     #       parameters that sampled, so its log-probs are the clean side of sampling/* and aqn/logprob_shift.
@@ -176,7 +190,8 @@ class QeRLTrainer(GRPOTrainer):
     #   use_vllm: re-used to mean "apply the importance-sampling correction". After __init__ TRL reads it to gate
     #       that correction (the old_per_token_logps forward, the ratio, its loss factor, the sampling/* metrics),
     #       in _generate_single_turn (overridden) and on the tools / rollout_func paths (refused in __init__).
-    #   _metrics[mode][name]: the lists TRL averages and logs; aqn/* and sampling/* values go there.
+    #   _metrics[mode][name]: the lists TRL averages and logs; aqn/*, sampling/* and completions/*_reward_mean go there.
+    #   reward_weights: TRL's weight of each reward function (a tensor), for the earned reward of a completion.
     #   _tokenizer, eos_token_ids, pad_to_multiple_of, generation_config: the rollout's settings, as TRL made them
     #       (_tokenizer also for the EOS warning, _warn_eos_mismatch).
     #   _tag_names, _name: the model card's tags and trainer name.
@@ -293,6 +308,25 @@ class QeRLTrainer(GRPOTrainer):
             self._metrics[mode]["aqn/sigma"].append(sigma)
             self._metrics[mode]["aqn/changed_fraction"].append(self.last_noise.changed_fraction)
         return output.completion_ids, output.logprobs
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        device = rewards_per_func.device
+        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}  # TRL's own test of a truncated completion
+        truncated = torch.tensor([ids[-1] not in ends for ids in completion_ids_list], device=device, dtype=torch.int)
+        truncated = self.accelerator.gather(truncated).bool()
+        # What each completion earned from the task: length rules (the soft overlong punishment) left out.
+        task = torch.tensor([not rewards.is_length_rule(f) for f in self.reward_funcs], device=device)
+        task_rewards = rewards_per_func[:, task] * self.reward_weights.to(device)[task]
+        earned = task_rewards.nansum(dim=1).masked_fill(torch.isnan(task_rewards).all(dim=1), float("nan"))
+        mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            step = self.state.global_step + 1  # the step these completions train, as metrics.jsonl numbers it
+            for name, value in self.truncation_watch.observe(step, truncated.tolist(), earned.tolist()).items():
+                self._metrics[mode][name].append(value)
+        if self.args.fail_truncated_completions:
+            rewards_per_func[truncated] = 0.0
+        return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -454,4 +488,6 @@ class QeRLTrainer(GRPOTrainer):
         # Steps that reuse an earlier generation (num_iterations > 1) still report the schedule's sigma.
         if self.model.training and "loss" in logs and not self._metrics["train"].get("aqn/sigma"):
             self._metrics["train"]["aqn/sigma"].append(self.current_sigma())
+        if "train_runtime" in logs:  # the run's closing line: how many rounds were (nearly) all truncated
+            logs = {**logs, **self.truncation_watch.summary()}
         super().log(logs, start_time)

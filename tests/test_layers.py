@@ -40,7 +40,7 @@ LAYERS = [
         "qerl.dense_weights",
     ],
     ["qerl.aqn", "qerl.base_model", "qerl.lora", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
-    ["qerl.callbacks", "qerl.recipes"],
+    ["qerl.callbacks", "qerl.truncation", "qerl.recipes"],
     ["qerl.trainer", "qerl.run_dir"],
     ["qerl.train", "qerl.demo"],
 ]

@@ -11,14 +11,19 @@ def digit_share_reward(completions, **kwargs) -> list[float]:
 
 def make_trainer(checkpoint, args, dtype=torch.bfloat16, reward=digit_share_reward, num_examples=64):
     """QeRLTrainer on a checkpoint folder, built as qerl.train builds it (base_model.load_base_model, then QeRLTrainer:
-    LoRA through TRL, FP32 masters), on the arithmetic task. `trainer.model` is the policy training uses."""
+    LoRA through TRL, FP32 masters), on the arithmetic task. `trainer.model` is the policy training uses. `reward`: a
+    reward function or a list of them."""
     from qerl import base_model, data
     from qerl.trainer import QeRLTrainer
 
     model = base_model.load_base_model(checkpoint, dtype=dtype, device="cpu")
     task = data.load_task("arithmetic", num_examples=num_examples)
     return QeRLTrainer(
-        model, [reward], args=args, train_dataset=task.train, processing_class=base_model.load_tokenizer(checkpoint)
+        model,
+        reward if isinstance(reward, list) else [reward],
+        args=args,
+        train_dataset=task.train,
+        processing_class=base_model.load_tokenizer(checkpoint),
     )
 
 

@@ -50,7 +50,9 @@ def test_overridden_methods_keep_trl_signatures():
     ]
     assert _params(GRPOTrainer._generate_and_score_completions) == ["self", "inputs"]
     assert _params(GRPOTrainer._compute_loss) == ["self", "model", "inputs"]
-    for name in ("_generate_single_turn", "_generate_and_score_completions", "_compute_loss"):
+    rewards = ["self", "inputs", "prompts", "completions", "completion_ids_list"]
+    assert _params(GRPOTrainer._calculate_rewards) == rewards
+    for name in ("_generate_single_turn", "_generate_and_score_completions", "_calculate_rewards", "_compute_loss"):
         assert _params(getattr(QeRLTrainer, name)) == _params(getattr(GRPOTrainer, name)), name
     logps = _params(GRPOTrainer._get_per_token_logps_and_entropies)
     assert logps[:6] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"]
@@ -88,6 +90,18 @@ def test_an_added_per_sample_key_reaches_the_loss():
     batch = {"completion_ids": torch.arange(4)[:, None], "aqn_noisy_logps": torch.arange(4)[:, None] * 10.0}
     for part in split_tensor_dict(shuffle_sequence_dict(batch), 2):
         assert torch.equal(part["aqn_noisy_logps"], part["completion_ids"] * 10.0)
+
+
+def test_rewards_are_gathered_per_function_before_the_advantages():
+    """_calculate_rewards returns every rank's rows (gathered), one column per reward function; TRL's advantages and
+    its logged reward come from that tensor after the call, weighted by reward_weights, and a truncated completion
+    is one whose last id is neither EOS nor padding: what the extension reads and may change."""
+    assert "rewards_per_func = gather(rewards_per_func)" in _source(GRPOTrainer._calculate_rewards)
+    score = _source(GRPOTrainer._generate_and_score_completions)
+    call = score.index("rewards_per_func = self._calculate_rewards(")
+    assert call < score.index("advantages = rewards - mean_grouped_rewards")
+    assert "self.reward_weights.to(device).unsqueeze(0)" in score
+    assert "ids[-1] not in eos_and_pad" in _source(GRPOTrainer._generate)
 
 
 def test_use_vllm_gates_the_correction_and_nothing_else_we_run():
@@ -187,8 +201,8 @@ def test_transformers_trainer_internals():
 
 # The TRL internals the seam lists: no line of qerl/trainer.py above the seam touches one.
 TRL_INTERNALS = ("_generate_single_turn", "_generate_and_score_completions", "_get_per_token_logps_and_entropies",
-                 "_compute_loss", "use_vllm", "_metrics", "_tokenizer", "eos_token_ids", "pad_to_multiple_of",
-                 "generation_config", "_tag_names", "_name")  # fmt: skip
+                 "_calculate_rewards", "_compute_loss", "use_vllm", "_metrics", "_tokenizer", "eos_token_ids",
+                 "pad_to_multiple_of", "generation_config", "reward_weights", "_tag_names", "_name")  # fmt: skip
 
 
 def test_every_trl_internal_is_used_in_the_seam_and_nowhere_above():
