@@ -37,6 +37,8 @@ CURVE_KEYS = (
     "completions/mean_length",
     "completions/max_length",
     "completions/clipped_ratio",
+    "completions/truncated_reward_mean",
+    "completions/finished_reward_mean",
     "sampling/sampling_logp_difference/mean",
     "aqn/sigma",
 )
