@@ -4,6 +4,7 @@
     python -m experiments.arms probe --model smollm2-135m-instruct --formats gsm8k,gsm8k_hash,gsm8k_lenient
     python -m experiments.arms sweep --model smollm2-135m-instruct --lrs 3e-5,1e-4,3e-4 --steps 25
     python -m experiments.arms train --model smollm2-135m-instruct --seeds 0,1,2 --steps 51 --mps --bases
+    python -m experiments.arms train ... --arms bf16_lora,nvfp4_lora --other-base   # each adapter on both bases
     python -m experiments.arms report --model smollm2-135m-instruct    # tables, JSON and PNG from the records
 
 probe compares prompt formats and their rewards, sweep each arm's learning rate, train the arms x seeds (each run
@@ -238,7 +239,8 @@ def train(args) -> None:
             trained = train_task(args, name, bases[precision], aqn, lr, seed, steps, every)
             trained.expected_seconds = pace.estimate if pace else None
             run = {**setting, "arm": arm, "precision": precision, "aqn": aqn, "seed": seed, "lr": lr}
-            runs.append(run_group(args, name, bases[precision], trained, run, every, steps, pace))
+            other = bases["nvfp4" if precision == "bf16" else "bf16"] if args.other_base else None
+            runs.append(run_group(args, name, bases[precision], trained, run, every, steps, pace, other))
     if kept:
         say(f"train: {len(kept)} run(s) already recorded in {args.results}, not run again: {', '.join(kept)}")
     tasks = []  # the bases first: four short evaluations that delay only the first runs
@@ -349,6 +351,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--bases", action="store_true", help="train: evaluate the bases without an adapter too (unless recorded)"
+    )
+    parser.add_argument(
+        "--other-base",
+        action="store_true",
+        help="train: also evaluate each adapter greedily on the other precision's base (BF16-trained on NVFP4 and the "
+        "reverse), after its own evaluations",
     )
     parser.add_argument("--report-steps", type=int, help="report: the step count pooled (default: the most common)")
     parser.add_argument(

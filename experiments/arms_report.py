@@ -14,7 +14,7 @@ import statistics
 from collections import Counter
 
 from experiments.arms_plot import plot
-from experiments.arms_results import curve_rows, first_nonfinite_step, load_records, logged
+from experiments.arms_results import OTHER_BASE, curve_rows, first_nonfinite_step, load_records, logged
 from experiments.arms_runs import ARM_NAMES, ARMS, PROTOCOLS
 from experiments.arms_stats import fisher_exact, mean_interval, variance_ratio, welch
 from qerl import plotting
@@ -78,6 +78,8 @@ def per_run_measures(runs: list[dict]) -> dict[str, dict[str, float | None]]:
             summary = run["evals"].get(protocol)
             m[protocol] = summary["accuracy"] if summary else None
             m[f"{protocol}_flexible"] = summary.get("accuracy_flexible") if summary else None
+        other = run["evals"].get(OTHER_BASE)
+        m[OTHER_BASE] = other["accuracy"] if other else None
         m["reward_first_tenth"] = tenth(steps, "reward")
         m["reward_last_tenth"] = tenth(steps, "reward", last=True)
         m["entropy_first_tenth"] = tenth(steps, "entropy")
@@ -160,6 +162,46 @@ def without_stuck(runs: list[dict], measures: dict) -> dict:
     }
 
 
+# Issue 49 item 2: the LoRA arms' adapters on both bases. arm -> the precision it trained on.
+LORA_ARMS = {"bf16_lora": "bf16", "nvfp4_lora": "nvfp4"}
+
+
+def base_split(runs: list[dict], measures: dict) -> dict | None:
+    """Greedy accuracy of the BF16- and NVFP4-trained adapters on each base (seeds whose adapter was evaluated on
+    the other base): the 2 x 2 table; what training on the 4-bit base costs, on each base (Welch, NVFP4-trained minus
+    BF16-trained); what sampling from it costs each adapter (paired over seeds: on NVFP4 minus on BF16). None when
+    no run has the other base's evaluation."""
+    table: dict[str, dict[str, dict[int, float]]] = {}  # trained on -> evaluated on -> seed -> accuracy
+    for run in runs:
+        trained = LORA_ARMS.get(run["arm"])
+        m = measures[run["name"]]
+        if trained is None or m.get(OTHER_BASE) is None or m.get("greedy") is None:
+            continue
+        other = "bf16" if trained == "nvfp4" else "nvfp4"
+        table.setdefault(trained, {}).setdefault(trained, {})[run["seed"]] = m["greedy"]
+        table[trained].setdefault(other, {})[run["seed"]] = m[OTHER_BASE]
+    if not table:
+        return None
+    cells = {
+        f"{trained} on {base}": dict(zip(("mean", "ci95"), mean_interval(list(by_seed.values())), strict=True))
+        | {"n": len(by_seed)}
+        for trained, bases in table.items()
+        for base, by_seed in bases.items()
+    }
+    training = {}
+    for base in ("bf16", "nvfp4"):
+        a, b = table.get("nvfp4", {}).get(base, {}), table.get("bf16", {}).get(base, {})
+        diff = welch(list(a.values()), list(b.values()))
+        training[base] = diff.as_dict() if diff else None
+    sampling = {}
+    for trained, bases in table.items():
+        seeds = sorted(set(bases.get("nvfp4", {})) & set(bases.get("bf16", {})))
+        diffs = [bases["nvfp4"][s] - bases["bf16"][s] for s in seeds]
+        if diffs:
+            sampling[trained] = dict(zip(("mean", "ci95"), mean_interval(diffs), strict=True)) | {"n": len(diffs)}
+    return {"cells": cells, "training_cost_on": training, "sampling_cost_of": sampling}
+
+
 def setting_effects(runs: list[dict], measures: dict, pooled: str | None) -> list[dict]:
     """Where an arm ran in more than one way (card, packing of runs on the GPU): greedy accuracy per way (mean,
     interval, sd), and each other way's difference from the first (Welch) and ratio of variances to it (F). The
@@ -205,6 +247,7 @@ def report(args) -> dict:
         "arms": arm_table(runs, measures),
         "comparisons": comparisons(runs, measures),
         "without_stuck": without_stuck(runs, measures),
+        "base_split": base_split(runs, measures),
         "settings": setting_effects(same_experiment, measures, chosen["sharing"]),
         "bases": bases,
         "runs": {r["name"]: {k: v for k, v in measures[r["name"]].items()} for r in same_experiment},
@@ -310,6 +353,30 @@ def markdown(result: dict) -> str:
             f"| {rate['question']} | {rate['stuck_a'][0]} of {rate['stuck_a'][1]} | "
             f"{rate['stuck_b'][0]} of {rate['stuck_b'][1]} | {p} |"
         )
+    split = result.get("base_split")
+    if split:
+        lines += [
+            "",
+            "Each LoRA adapter on both bases (greedy %): what the 4-bit base costs in training (NVFP4-trained minus "
+            "BF16-trained on one base, Welch) and at sampling (one adapter on the NVFP4 base minus on the BF16 base, "
+            "paired over seeds).",
+            "",
+            "| adapter trained on | on the BF16 base | on the NVFP4 base | NVFP4 base minus BF16 base (paired) |",
+            "|---|---|---|---|",
+        ]
+        for trained in ("bf16", "nvfp4"):
+            on = [split["cells"].get(f"{trained} on {base}") for base in ("bf16", "nvfp4")]
+            paired = split["sampling_cost_of"].get(trained)
+            lines.append(
+                f"| {trained.upper()} | {_points(on[0])} | {_points(on[1])} | "
+                + (f"{_points(paired)} (n {paired['n']})" if paired else "-")
+                + " |"
+            )
+        diffs = [
+            f"{diff['difference'] * 100:+.1f} [{diff['low'] * 100:+.1f}, {diff['high'] * 100:+.1f}]" if diff else "-"
+            for diff in (split["training_cost_on"][base] for base in ("bf16", "nvfp4"))
+        ]
+        lines.append(f"| NVFP4-trained minus BF16-trained (Welch) | {diffs[0]} | {diffs[1]} | |")
     for effect in result["settings"]:
         lines += [
             "",

@@ -44,7 +44,10 @@ CURVE_KEYS = (
 )
 # What a run's evaluation summary keeps: the scores and how they were made, not the samples or file paths.
 SUMMARY_KEYS = ("protocol", "format", "do_sample", "temperature", "top_p", "max_new_tokens", "seed", "examples")
-SHARING = ("alone", "shared", "mps")  # one run on its GPU; several, time-sliced; several through CUDA MPS
+SHARING = ("alone", "shared", "mps")
+# A run's adapter evaluated greedily on the other precision's base (a BF16-trained adapter on the NVFP4 base and the
+# reverse: what the 4-bit base costs at sampling time apart from what it costs in training). Its file and record key.
+OTHER_BASE = "greedy_other_base"  # one run on its GPU; several, time-sliced; several through CUDA MPS
 
 
 def metrics(folder: Path) -> list[dict]:
@@ -127,7 +130,8 @@ def record_path(results: Path, name: str) -> Path:
 
 def run_record(folder: Path, setting: dict, protocols: tuple[str, ...]) -> dict:
     """The record of a finished run: `setting` (arm, seed, steps, lr, ... as the runner knows them), its training
-    curve from metrics.jsonl (none for a base) and the summary of each protocol's evaluation in the folder."""
+    curve from metrics.jsonl (none for a base), the summary of each protocol's evaluation in the folder and, where
+    it was made, the greedy evaluation on the other base (OTHER_BASE, with that base's precision)."""
     evals = {}
     for protocol in protocols:
         summary = eval_summary(folder / f"eval-{protocol}.jsonl")
@@ -138,6 +142,12 @@ def run_record(folder: Path, setting: dict, protocols: tuple[str, ...]) -> dict:
         int(p.stem.removeprefix("eval-greedy-step")): eval_summary(p)["accuracy"]
         for p in folder.glob("eval-greedy-step*.jsonl")
     }
+    other = eval_summary(folder / f"eval-{OTHER_BASE}.jsonl")
+    if other is not None:
+        evals[OTHER_BASE] = {
+            **summary_scores(other),
+            "base": "bf16" if setting.get("precision") == "nvfp4" else "nvfp4",
+        }
     record = {**setting, "name": folder.name, "date": time.strftime("%Y-%m-%d"), "evals": evals}
     if setting.get("arm") is not None:
         record["curve"] = curve(metrics(folder))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from benchmarks import launch
 from benchmarks.launch import REPO, run_or_raise
-from experiments.arms_results import current_commit, gpu_name, record_path, run_record, write_record
+from experiments.arms_results import OTHER_BASE, current_commit, gpu_name, record_path, run_record, write_record
 
 # arm -> (base checkpoint precision, AQN on). bf16_lora_aqn is the ablation the reference's users asked for
 # (NVlabs/QeRL#11): AQN's noise without the quantization it is meant to extend.
@@ -215,10 +215,15 @@ def experiment_setting(args, steps: int) -> dict:
     }
 
 
-def run_group(args, name, base, trained, run, save_every, steps, pace) -> list:
-    """A run's training, then its evaluations, then its checkpoints': each evaluation rewrites the run's record."""
+def run_group(args, name, base, trained, run, save_every, steps, pace, other_base: str | None = None) -> list:
+    """A run's training, then its evaluations (with `other_base`, last the adapter greedy on that base too), then its
+    checkpoints': each evaluation rewrites the run's record."""
     folder = args.out / name
     tasks = [trained, *eval_tasks(args, name, base, folder, folder, trained, run, pace)]
+    if other_base is not None:
+        task = eval_task(args, other_base, folder, "greedy", folder / f"eval-{OTHER_BASE}.jsonl", tasks[-1])
+        task.on_done = tasks[-1].on_done
+        tasks.append(task)
     for step in range(save_every, steps, save_every) if save_every else ():
         out = folder / f"eval-greedy-step{step}.jsonl"
         task = eval_task(args, base, folder / f"checkpoint-{step}", "greedy", out, tasks[-1])

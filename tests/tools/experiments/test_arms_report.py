@@ -95,3 +95,37 @@ def _base(folder):
     summary = {"protocol": "greedy", "accuracy": 0.3, "accuracy_ci95": [0.27, 0.33]}
     (folder / "eval-greedy.jsonl").write_text(json.dumps(summary) + "\n")
     return folder
+
+
+def test_each_lora_adapter_on_both_bases_splits_training_and_sampling_costs(tmp_path):
+    """base_split: BF16- and NVFP4-trained adapters each evaluated on their own base and the other's; the training
+    cost on each base against scipy's Welch test, the sampling cost paired over seeds."""
+    results = tmp_path / "results"
+    own = {"bf16_lora": [0.64, 0.62, 0.66], "nvfp4_lora": [0.58, 0.60, 0.57]}
+    other = {"bf16_lora": [0.61, 0.60, 0.62], "nvfp4_lora": [0.60, 0.61, 0.60]}  # bf16-trained on NVFP4, the reverse
+    for arm in own:
+        for seed in range(3):
+            folder = tmp_path / "runs" / f"{arm}-{seed}"
+            _run(folder, [0.5] * 20, accuracy=own[arm][seed])
+            summary = {"protocol": "greedy", "examples": 100, "accuracy": other[arm][seed], "model": "/x"}
+            (folder / f"eval-{arms_results.OTHER_BASE}.jsonl").write_text(json.dumps(summary) + "\n")
+            setting = {"arm": arm, "precision": arm.split("_")[0], "seed": seed, "steps": 20, "sharing": "mps",
+                       "model": "m", "format": "gsm8k_hash", "runs_per_gpu": 5}  # fmt: skip
+            record = arms_results.run_record(folder, setting, arms_runs.PROTOCOLS)
+            assert record["evals"][arms_results.OTHER_BASE]["base"] == ("nvfp4" if arm == "bf16_lora" else "bf16")
+            arms_results.write_record(results / f"{arm}-seed{seed}.json", record)
+    _record(results, "nvfp4_lora_aqn", 0, 0.6)  # no other-base evaluation: not in the split
+    args = argparse.Namespace(results=results, out=tmp_path / "out", png=tmp_path / "out" / "arms.png")
+    split = arms.report(args)["base_split"]
+    assert split["cells"]["bf16 on bf16"]["mean"] == pytest.approx(0.64)
+    assert split["cells"]["bf16 on nvfp4"]["mean"] == pytest.approx(0.61)
+    assert split["cells"]["nvfp4 on bf16"]["n"] == 3
+    on_bf16 = stats.ttest_ind(other["nvfp4_lora"], own["bf16_lora"], equal_var=False)
+    assert split["training_cost_on"]["bf16"]["p"] == pytest.approx(on_bf16.pvalue)
+    on_nvfp4 = split["training_cost_on"]["nvfp4"]
+    assert on_nvfp4["difference"] == pytest.approx(sum(own["nvfp4_lora"]) / 3 - sum(other["bf16_lora"]) / 3)
+    paired = [o - b for o, b in zip(other["bf16_lora"], own["bf16_lora"], strict=True)]
+    assert split["sampling_cost_of"]["bf16"]["mean"] == pytest.approx(sum(paired) / 3)
+    assert split["sampling_cost_of"]["bf16"]["ci95"] == pytest.approx(stats.sem(paired) * stats.t.ppf(0.975, 2))
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| BF16 | 64.0 ± " in text and "| NVFP4-trained minus BF16-trained (Welch) |" in text

@@ -77,3 +77,19 @@ def test_a_training_that_would_end_past_the_deadline_is_not_started(tmp_path):
     assert [t.state for t in (fits, too_long, evaluation, done_before)] == ["done", "skipped", "skipped", "done"]
     assert (tmp_path / "fits").read_text() == "-" and not (tmp_path / "too_long").exists()  # CPU: no GPU given
     assert (tmp_path / "rec").exists()  # output there from an earlier start: its record is still written
+
+
+def test_with_the_other_base_a_run_ends_with_its_adapter_on_that_base(tmp_path):
+    """--other-base: after its own evaluations, the adapter greedy on the other precision's base, into the file the
+    record reads (arms_results.OTHER_BASE), rewriting the record like the others."""
+    args = _args(tmp_path, protocols=("greedy", "reference"))
+    trained = arms_runs.train_task(args, "bf16_lora-seed3", "ckpt/bf16", False, 3e-4, 3, 51)
+    run = {"arm": "bf16_lora", "precision": "bf16", "seed": 3}
+    group = arms_runs.run_group(args, "bf16_lora-seed3", "ckpt/bf16", trained, run, 0, 51, None, "ckpt/nvfp4")
+    assert [t.name for t in group[1:]] == ["bf16_lora-seed3 eval-greedy", "bf16_lora-seed3 eval-reference",
+                                           "bf16_lora-seed3 eval-greedy_other_base"]  # fmt: skip
+    other = group[-1]
+    assert other.command[other.command.index("--model") + 1] == "ckpt/nvfp4"
+    assert other.command[other.command.index("--protocol") + 1] == "greedy"
+    assert other.after is group[-2] and other.on_done is group[-2].on_done is not None
+    assert len(arms_runs.run_group(args, "bf16_lora-seed3", "ckpt/bf16", trained, run, 0, 51, None)) == 3
