@@ -4,7 +4,7 @@
     python -m experiments.arms probe --model smollm2-135m-instruct --formats gsm8k,gsm8k_hash,gsm8k_lenient
     python -m experiments.arms sweep --model smollm2-135m-instruct --lrs 3e-5,1e-4,3e-4 --steps 25
     python -m experiments.arms train --model smollm2-135m-instruct --seeds 0,1,2 --steps 51 --mps --bases
-    python -m experiments.arms train ... --arms bf16_lora,nvfp4_lora --other-base   # each adapter on both bases
+    python -m experiments.arms train --model smollm2-135m-instruct --arms bf16_lora,nvfp4_lora --other-base
     python -m experiments.arms report --model smollm2-135m-instruct    # tables, JSON and PNG from the records
 
 probe compares prompt formats and their rewards, sweep each arm's learning rate, train the arms x seeds (each run
