@@ -2,11 +2,12 @@ r"""What NVFP4 costs a real model: BF16 vs our NVFP4 quantization of the same ch
 
     python -m benchmarks.quant_quality --model smollm2-135m-instruct    # fetches and quantizes it into ckpt/
     python -m benchmarks.quant_quality --bf16 ckpt/smollm2-135m-instruct --nvfp4 ckpt/smollm2-135m-instruct-nvfp4
-    python -m benchmarks.quant_quality --model smollm2-135m-instruct --data tests/data/gsm8k/test_sample.jsonl \
-        --solutions 64 --prompts 64    # the 128 GSM8K test rows a clone carries
+    python -m benchmarks.quant_quality --model smollm2-135m-instruct --data tests/data/gsm8k/train_sample.jsonl \
+        --solutions 64 --prompts 64    # 128 of the 256 GSM8K train rows a clone carries
 
---data is GSM8K's test JSONL (default: ../shared/data/gsm8k/test.jsonl, beside the checkout; the first --solutions
-rows are teacher-forced, the next --prompts rows sampled).
+--data is a GSM8K JSONL (default: the train split, ../shared/data/gsm8k/train.jsonl beside the checkout: a base chosen
+by these measures is chosen without the test set; the first --solutions rows are teacher-forced, the next --prompts
+rows sampled).
 
 Two measurements, each policy in the trainer's compute dtype (BF16 on a GPU):
   teacher-forced  GSM8K reference solutions as the assistant turn of a chat (calculator annotations <<...>>
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # torch and the models load after the flags are read
     import torch
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")
-DEFAULT_DATA = SHARED_GSM8K / "test.jsonl"
+DEFAULT_DATA = SHARED_GSM8K / "train.jsonl"
 
 
 def read_gsm8k(path: str, limit: int, offset: int = 0) -> list[dict]:
