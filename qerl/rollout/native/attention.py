@@ -67,10 +67,19 @@ MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634  # the kernels take exp2: scores are scaled by scale * log2(e)
 
-_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+def _jit(**options):
+    return triton.jit(**options) if triton is not None else (lambda fn: fn)
 
 
-@_jit
+# Runtime integers whose value follows the round's KV capacity (a split count, a window clamped to the capacity, the
+# FP8 scales' batch stride): Triton would specialize them (== 1, divisible by 16) and compile again when a round's
+# capacity crosses a boundary, inside a timed call or a training step. No compile-time constant of these kernels may
+# depend on the capacity (tests/qerl/rollout/native/test_attention.py holds it).
+_CAPACITY_ARGS = ["splits", "window", "stride_sb"]  # the merge kernel has the first two
+
+
+@_jit()
 def _dot(a, b, acc, INTERPRET: tl.constexpr):
     """acc + a @ b on the tensor cores (16-bit operands, fp32 accumulator); the interpreter multiplies 16-bit
     floats as raw integers, so there it takes fp32 operands."""
@@ -80,7 +89,7 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
         return tl.dot(a.to(b.dtype), b, acc)
 
 
-@_jit
+@_jit()
 def _tile(
     q,
     k_ptr,
@@ -128,7 +137,7 @@ def _tile(
     return m_new, denom, acc
 
 
-@_jit
+@_jit(do_not_specialize=_CAPACITY_ARGS)
 def _split_kernel(
     q_ptr,
     k_ptr,
@@ -149,12 +158,13 @@ def _split_kernel(
     stride_ob,
     stride_oh,
     split_len,
+    splits,
     window,
     qk_scale,
     HQ: tl.constexpr,
     GROUP: tl.constexpr,
     D: tl.constexpr,
-    SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -163,8 +173,8 @@ def _split_kernel(
     INTERPRET: tl.constexpr,
 ):
     """Keys [max(split * split_len, seq_len - window), min((split + 1) * split_len, seq_len)) of one sequence and
-    KV head, for the
-    GROUP query heads sharing it: the output itself when SPLITS == 1, else the split's normalized output and
+    KV head, for the GROUP query heads sharing it: the output itself when DIRECT (one split whatever the capacity),
+    else the split's normalized output and
     log2-sum-exp (scores in log2 units: qk_scale = scale * log2(e), so exp2 replaces exp). FP8 caches hold E4M3
     codes with one scale per key (ks_ptr) and value (vs_ptr): the codes go to the tensor cores as they are, the
     key scales multiply the scores' columns and the value scales the probabilities' columns."""
@@ -240,16 +250,16 @@ def _split_kernel(
 
     let_next_kernel_launch(PDL)
     o = acc / denom[:, None]
-    if SPLITS == 1:
+    if DIRECT:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + rd[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
     else:
-        row = (b * HQ + heads) * SPLITS + split  # partials are [B, Hq, SPLITS, D] and [B, Hq, SPLITS]
+        row = (b * HQ + heads) * splits + split  # partials are [B, Hq, splits, D] and [B, Hq, splits]
         tl.store(part_ptr + row[:, None] * D + rd[None, :], o, mask=h_ok[:, None])
         tl.store(lse_ptr + row, m + tl.log2(denom), mask=h_ok)
 
 
-@_jit
+@_jit(do_not_specialize=_CAPACITY_ARGS[:2])
 def _merge_kernel(
     lens_ptr,
     part_ptr,
@@ -258,10 +268,10 @@ def _merge_kernel(
     stride_ob,
     stride_oh,
     split_len,
+    splits,
     window,
     HQ: tl.constexpr,
     D: tl.constexpr,
-    SPLITS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -274,7 +284,7 @@ def _merge_kernel(
     rs = tl.arange(0, BLOCK_SPLITS)
     rd = tl.arange(0, D)
     s_ok = (rs < tl.cdiv(seq_len, split_len)) & (rs >= tl.maximum(seq_len - window, 0) // split_len)
-    row = (b * HQ + head) * SPLITS + rs
+    row = (b * HQ + head) * splits + rs
     lse = tl.load(lse_ptr + row, mask=s_ok, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     part = tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=s_ok[:, None], other=0.0)
@@ -305,6 +315,17 @@ def _splits(
         num_splits = min(want, _cdiv(tiles, MIN_TILES_PER_SPLIT))
     tiles_per_split = _cdiv(tiles, max(1, min(num_splits, tiles, MAX_SPLITS)))
     return _cdiv(tiles, tiles_per_split), tiles_per_split * config.block_s
+
+
+def _most_splits(
+    batch: int, kv_heads: int, device: torch.device, num_splits: int | None, config: DecodeConfig = DEFAULT_CONFIG
+) -> int:
+    """The most splits _splits gives these shapes at any capacity: what the kernels' compile-time constants are
+    sized by (the merge's register block, whether the split kernel writes the output itself), so that a round of
+    another capacity runs the same compiled kernels."""
+    if num_splits is None:
+        num_splits = _cdiv(config.programs_per_sm * sm_count(device), batch * kv_heads)
+    return max(1, min(num_splits, MAX_SPLITS))
 
 
 def default_config(q: torch.Tensor, k_cache: torch.Tensor) -> DecodeConfig:
@@ -387,8 +408,9 @@ def decode_attention(
     group = hq // hkv
     window = max_len if window is None else min(window, max_len)
     splits, split_len = _splits(b, hkv, max_len, q.device, num_splits, config)
+    direct = _most_splits(b, hkv, q.device, num_splits, config) == 1  # else partials and a merge, even if 1 split
     pdl = pdl_enabled(q.device)
-    if splits > 1:
+    if not direct:
         size = b * hq * splits * d
         if workspace is None:
             workspace = torch.empty(size + b * hq * splits, dtype=torch.float32, device=q.device)
@@ -421,12 +443,13 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         split_len,
+        splits,
         window,
         scale * _LOG2E,
         HQ=hq,
         GROUP=group,
         D=d,
-        SPLITS=splits,
+        DIRECT=direct,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_S=config.block_s,
         NUM_STAGES=config.num_stages,
@@ -436,7 +459,7 @@ def decode_attention(
         num_warps=config.num_warps,
         launch_pdl=pdl,
     )
-    if splits > 1:
+    if not direct:
         _merge_kernel[(b, hq)](
             seq_lens,
             part,
@@ -445,11 +468,11 @@ def decode_attention(
             out.stride(0),
             out.stride(1),
             split_len,
+            splits,
             window,
             HQ=hq,
             D=d,
-            SPLITS=splits,
-            BLOCK_SPLITS=triton.next_power_of_2(splits),
+            BLOCK_SPLITS=triton.next_power_of_2(_most_splits(b, hkv, q.device, num_splits, config)),
             PDL=pdl,
             num_warps=4,
             launch_pdl=pdl,

@@ -151,7 +151,7 @@ if triton is not None:
         else:
             tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_sb"])  # the FP8 scales' batch stride follows the KV capacity
     def _rope_cache_kernel(
         qkv_ptr,
         cos_ptr,

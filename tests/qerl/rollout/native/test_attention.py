@@ -144,7 +144,7 @@ def test_split_rule(monkeypatch):
     expected = {  # (B, Hkv, S_max) -> (splits, keys per split)
         (64, 4, 2304): (3, 768),  # Qwen2.5-7B rollout: 768 programs
         (1, 4, 32768): (64, 512),  # one long sequence: capped at MAX_SPLITS
-        (256, 8, 4096): (1, 4096),  # the batch alone fills the GPU: no merge kernel
+        (256, 8, 4096): (1, 4096),  # the batch alone fills the GPU: no merge kernel at any capacity
         (8, 2, 100): (1, 128),  # two tiles: no split shorter than MIN_TILES_PER_SPLIT tiles
     }
     for (b, hkv, s_max), want in expected.items():
@@ -154,6 +154,69 @@ def test_split_rule(monkeypatch):
             splits, split_len = attention._splits(4, 2, s_max, cuda, requested)
             assert split_len % attention.DEFAULT_CONFIG.block_s == 0 and 1 <= splits <= attention.MAX_SPLITS
             assert (splits - 1) * split_len < s_max <= splits * split_len, (s_max, requested)
+
+
+def compiled_for(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles a launch of `kernel` for: its compile-time constants and launch options, each
+    specialized integer's class (1, a multiple of 16, other) and each tensor's dtype and 16-byte alignment; integers
+    the kernel does not specialize (do_not_specialize) and floats are plain runtime values and do not count."""
+    key = []
+    for i, param in enumerate(kernel.params):
+        value = args[i] if i < len(args) else kwargs[param.name]
+        if param.is_constexpr:
+            key.append((param.name, value))
+        elif isinstance(value, torch.Tensor):
+            key.append((param.name, value.dtype, value.data_ptr() % 16 == 0))
+        elif isinstance(value, int) and not param.do_not_specialize:
+            key.append((param.name, value == 1, value % 16 == 0))
+    options = {k: v for k, v in kwargs.items() if k not in {p.name for p in kernel.params}}
+    return (*key, *sorted(options.items()))
+
+
+class Recorder:
+    """Stands in for a Triton kernel: each launch's compiled_for key goes to `keys` (nothing runs)."""
+
+    def __init__(self, kernel, keys: list):
+        self.kernel, self.keys = kernel, keys
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.keys.append(compiled_for(self.kernel, args, kwargs))
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize(("batch", "hq", "hkv", "d"), [(8, 12, 2, 128), (64, 12, 2, 128), (8, 28, 4, 128)])
+def test_no_compiled_constant_follows_the_kv_capacity(monkeypatch, batch, hq, hkv, d, kv_dtype):
+    """A round's KV capacity (longest prompt + new tokens) changes from round to round; the kernels of the decode
+    step (attention's split and merge, the rotary + cache write) must compile once for a batch shape, never again
+    inside a timed call or a training step (issue 50). Every capacity from 1 token to 4,352, the 1.5B's and 7B's
+    head shapes, with and without a sliding window."""
+    pytest.importorskip("triton")
+    from qerl.rollout.native import elementwise
+
+    keys = {"split": [], "merge": [], "rope": []}
+    monkeypatch.setattr(attention, "sm_count", lambda device: 132)  # an H100's/H200's split rule
+    monkeypatch.setattr(attention, "triton_runs_on", lambda tensor: True)
+    monkeypatch.setattr(attention, "_split_kernel", Recorder(attention._split_kernel, keys["split"]))
+    monkeypatch.setattr(attention, "_merge_kernel", Recorder(attention._merge_kernel, keys["merge"]))
+    monkeypatch.setattr(elementwise, "triton_runs_on", lambda tensor: True)
+    monkeypatch.setattr(elementwise, "_rope_cache_kernel", Recorder(elementwise._rope_cache_kernel, keys["rope"]))
+    fp8 = kv_dtype == "fp8"
+    for capacity in [*range(1, 300, 7), *range(300, 4353, 61), 4352]:
+        cache = torch.zeros(2, batch, capacity, hkv, d, dtype=kv_cache.FP8 if fp8 else torch.bfloat16)
+        scales = torch.ones(2, batch, capacity, hkv) if fp8 else (None, None)
+        lens = torch.full((batch,), capacity, dtype=torch.int32)
+        q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
+        for window in (None, 4096):
+            attention.decode_attention(q, cache[0], cache[1], lens, 0.1, k_scale=scales[0], v_scale=scales[1],
+                                       window=window)  # fmt: skip
+        qkv = torch.zeros(batch, (hq + 2 * hkv) * d, dtype=torch.bfloat16)
+        table = torch.zeros(capacity, d // 2)
+        positions = torch.zeros(batch, dtype=torch.int32)
+        elementwise.rope_cache(qkv, table, table, positions, positions, cache[0], cache[1], hq, hkv,
+                               k_scale=scales[0], v_scale=scales[1])  # fmt: skip
+    assert keys["split"] and keys["rope"]
+    for name, seen in keys.items():
+        assert len(set(seen)) <= 1, f"{name}: {len(set(seen))} compilations over the capacities: {set(seen)}"
 
 
 # ------------------------------------------------------------------------------------ CPU, interpreter
@@ -172,6 +235,7 @@ def _interpreter_checks():
         (4, 2, 32, [65, 1, 160], 0.5, (None, 3), torch.float16),
         (7, 1, 16, [300, 5, 129, 64], 0.25, (None, 1, 5), torch.bfloat16),
         (14, 2, 16, [2, 130], 0.6, (2,), torch.bfloat16),
+        (3, 1, 16, [40, 7], 0.4, (None,), torch.bfloat16),  # one tile: one split, through the merge the batch sizes
     )
     for hq, hkv, d, lens, scale, split_counts, dtype in cases:
         q, k, v, seq_lens = _inputs(len(lens), hq, hkv, d, max(lens), lens, dtype)
