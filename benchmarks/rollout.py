@@ -12,7 +12,9 @@ adapter is not zero) and samples through the rollout backend exactly as the trai
 `generate`), at temperature 1, with `batch` random prompts of `prompt-len` tokens and no EOS (random weights almost
 never sample one anyway). vllm gets the same model written as a checkpoint under --workdir.
 
-Per row: tokens/s of the whole batch, ms per decode step, and for native the bytes floor of a decode step
+Per row, after one untimed rollout of the same prompts and length (the timed shapes and KV capacity, so that nothing
+compiles inside a timed call; a row names any Triton kernel that did): the median of --repeats timed rollouts, in
+tokens/s of the whole batch and ms per decode step with its min-max, and for native the bytes floor of a decode step
 (weights + LoRA + the valid KV of an average step, over the measured copy bandwidth) and the row's peak GPU memory.
 --profile adds, for native, the GPU time per decode step by kernel family (an eager run of 40 more tokens minus
 one of 8, so prefill cancels out), against the graph's measured step. It profiles at the timed run's average
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -170,9 +173,12 @@ def setup_for(model, new_tokens: int, model_path: str | None, vllm: VLLMSettings
 def time_batch(
     args, backend, base, gb: float, precision: str, batch: int, gen: torch.Generator, kv_dtype: str = "auto"
 ) -> dict:
-    """One timed rollout of `batch` random prompts (after a short warm-up at the same batch) as a result row."""
+    """`args.repeats` timed rollouts of `batch` random prompts as a result row (median and spread), after one untimed
+    rollout of the same prompts at the same length: the KV capacity, the CUDA graph's batch and every kernel's
+    shapes are the timed ones, so nothing compiles inside a timed call (the row counts what did anyway)."""
     import torch
 
+    from benchmarks.timing import compilations, spread
     from qerl.rollout import no_noise
     from qerl.rollout.native import kv_cache
 
@@ -180,17 +186,22 @@ def time_batch(
         backend.engine.kv_fp8 = kv_cache.resolve(kv_dtype)
     torch.cuda.reset_peak_memory_stats()
     prompts = torch.randint(10, base.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-    with max_new_tokens(backend, 16):
-        backend.generate(prompts, no_noise)  # warm-up at the timed batch: Triton compiles per shape
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = backend.generate(prompts, no_noise)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    backend.generate(prompts, no_noise)  # warm-up, as long as the timed runs
+    seconds = []
+    with compilations() as compiled:
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = backend.generate(prompts, no_noise)
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
     tokens = sum(len(c) for c in out.completion_ids)
     steps = max(len(c) for c in out.completion_ids)
-    row = {"engine": args.rollout_backend, "precision": precision, "batch": batch, "tokens": tokens, "seconds": seconds,
-           "tokens_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / steps, "weights_gb": gb,
+    ms = spread([1e3 * s / steps for s in seconds])
+    row = {"engine": args.rollout_backend, "precision": precision, "batch": batch, "tokens": tokens,
+           "seconds": seconds, "tokens_per_s": tokens / statistics.median(seconds), "ms_per_step": ms["median"],
+           "ms_per_step_range": [ms["min"], ms["max"]], "repeats": args.repeats,
+           "compiled_in_timed_runs": compiled.names if compiled.known else None, "weights_gb": gb,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
     if args.rollout_backend == "native":
         engine = backend.engine
@@ -264,6 +275,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=2048)
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="timed rollouts per row (median and min-max shown)")
     parser.add_argument("--profile", action="store_true", help="native: GPU time per decode step by kernel family")
     parser.add_argument(
         "--kv-cache-dtypes", default="auto", help=f"native: KV-cache dtypes to time, of {', '.join(KV_CACHE_DTYPES)}"
@@ -296,8 +308,8 @@ def main(argv=None) -> None:
         f"copy bandwidth {args.bw / 1e12:.2f} TB/s"
     )
     print(
-        f"{'weights':8s} {'KV':5s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'floor ms':>8s} {'KV GiB':>7s} "
-        f"{'waves':>5s} {'peak GiB':>8s}"
+        f"{'weights':8s} {'KV':5s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'min-max':>11s} {'floor ms':>8s} "
+        f"{'KV GiB':>7s} {'waves':>5s} {'peak GiB':>8s}"
     )
     for r in rows:
         kv = r.get("kv_cache", "auto")
@@ -306,10 +318,13 @@ def main(argv=None) -> None:
             continue
         floor = f"{r['floor_ms']:8.2f}" if "floor_ms" in r else f"{'':8s}"
         kv_gib = f"{r['kv_gib']:7.2f} {r['waves']:5d}" if "kv_gib" in r else f"{'':13s}"
+        low, high = r["ms_per_step_range"]
         print(
-            f"{r['precision']:8s} {kv:5s} {r['batch']:5d} {r['tokens_per_s']:8.0f} {r['ms_per_step']:8.2f} {floor} "
-            f"{kv_gib} {r['peak_gib']:8.1f}"
+            f"{r['precision']:8s} {kv:5s} {r['batch']:5d} {r['tokens_per_s']:8.0f} {r['ms_per_step']:8.2f} "
+            f"{low:5.2f}-{high:5.2f} {floor} {kv_gib} {r['peak_gib']:8.1f}"
         )
+        if r["compiled_in_timed_runs"]:
+            print(f"    compiled inside the timed runs (the figure is not clean): {r['compiled_in_timed_runs']}")
         for family, us in r.get("kernels_us_per_step", {}).items():
             print(f"    {family:42s} {us:8.1f} us/step")
     by = {
