@@ -15,8 +15,11 @@ mean completion, since a step's time follows its longest.
 
 1. Rollout throughput: `trainer.rollout.generate` (LoRA push, AQN, sampling: what a training round runs) on
    --rollout-batches prompts of the training set, --rollout-tokens new tokens each.
-2. --steps optimizer steps of the recipe (LoRA r16, trainable norms, DAPO, gradient checkpointing), each split
-   into rollout (of which LoRA push), log-prob forwards, backward and the rest (rewards, optimizer, logging).
+2. --steps optimizer steps of the recipe (LoRA r16, trainable norms, DAPO, gradient checkpointing), timed as
+   benchmarks.trl_baseline times TRL's (one synchronisation at each step's start and end, nothing inside); with
+   --phases each step is also split into rollout (of which LoRA push), log-prob forwards, backward and the rest
+   (rewards, optimizer, logging), which synchronises at every phase boundary (those step times are not comparable
+   with TRL's).
 Peak GPU memory is torch's (the trainer) plus what vLLM holds, read from the driver.
 """
 
@@ -34,6 +37,21 @@ from benchmarks.rollout import max_new_tokens
 from qerl import data, train
 from qerl.field_rules import ROLLOUT_BACKENDS
 from qerl.recipes import load_recipe
+
+
+def wrap_phases(timer, trainer) -> None:
+    """Time the step's phases (benchmarks.step_profile.PhaseTimer: synchronised at every boundary)."""
+    backend = trainer.rollout
+    timer.wrap(backend, "generate", "rollout")
+    if backend.name == "vllm":
+        timer.wrap(backend.engine, "load_lora", "lora push")
+        timer.wrap(backend.engine, "load_norms", "lora push")
+        timer.wrap(backend.engine, "generate", "sampling")  # ends before the engine sleeps: its peak memory
+    elif backend.name == "native":
+        timer.wrap(backend.engine.decoder, "refresh", "lora push")  # LoRA and norms into the engine's buffers
+        timer.wrap(backend.engine, "generate", "sampling")
+    timer.wrap(trainer, "_get_per_token_logps_and_entropies", "log-prob forwards")
+    timer.wrap(trainer.accelerator, "backward", "backward")
 
 
 def checkpoint(size: str, precision: str, workdir: Path) -> str:
@@ -191,6 +209,12 @@ def main(argv=None) -> None:
         help="build the random model on the GPU instead of writing a checkpoint (not for vllm)",
     )
     parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="split each step into its phases (a GPU synchronisation at every boundary, which the step times then "
+        "include)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="split each step into every phase (benchmarks/step_profile.py); the last step also runs "
@@ -210,7 +234,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    from benchmarks.step_profile import PhaseTimer, StepClock
+    from benchmarks.step_profile import PhaseTimer, StepClock, gpu_used_gib
     from qerl.rollout import no_noise
 
     if not torch.cuda.is_available():
@@ -268,24 +292,17 @@ def main(argv=None) -> None:
         profile_steps(trainer, args, rollout_rows)
         return
     timer.total.clear()
-    timer.wrap(backend, "generate", "rollout")
-    if backend.name == "vllm":
-        timer.wrap(backend.engine, "load_lora", "lora push")
-        timer.wrap(backend.engine, "load_norms", "lora push")
-        timer.wrap(backend.engine, "generate", "sampling")  # ends before the engine sleeps: its peak memory
-    elif backend.name == "native":
-        timer.wrap(backend.engine.decoder, "refresh", "lora push")  # LoRA and norms into the engine's buffers
-        timer.wrap(backend.engine, "generate", "sampling")
-    timer.wrap(trainer, "_get_per_token_logps_and_entropies", "log-prob forwards")
-    timer.wrap(trainer.accelerator, "backward", "backward")
+    if args.phases:
+        wrap_phases(timer, trainer)
     clock = StepClock()
     step_times = clock.times
     trainer.add_callback(clock)
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     phases = {k: v / len(step_times) for k, v in timer.total.items()}
-    nested = ("lora push", "sampling")  # parts of the rollout
-    phases["other"] = sum(step_times) / len(step_times) - sum(v for k, v in phases.items() if k not in nested)
+    if args.phases:
+        nested = ("lora push", "sampling")  # parts of the rollout
+        phases["other"] = sum(step_times) / len(step_times) - sum(v for k, v in phases.items() if k not in nested)
     mismatch = [
         row["sampling/sampling_logp_difference/mean"]
         for row in trainer.state.log_history
@@ -302,10 +319,13 @@ def main(argv=None) -> None:
     median = print_steps(step_times, lengths)
     for name, seconds in phases.items():
         print(f"  {name:18s} {seconds:7.2f} s/step")
-    peak = {"torch_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_peak_gib": timer.peak_gpu_gib}
+    peak = {
+        "torch_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "gpu_peak_gib": max(timer.peak_gpu_gib, gpu_used_gib()),  # without --phases: read at the end only
+    }
     print(
-        f"peak GPU memory: {peak['gpu_peak_gib']:.1f} GiB in use (driver, all of it), trainer's torch peak "
-        f"{peak['torch_peak_gib']:.1f} GiB"
+        f"{'peak GPU memory' if args.phases else 'GPU memory at the end'}: {peak['gpu_peak_gib']:.1f} GiB in use "
+        f"(driver, all of it), trainer's torch peak {peak['torch_peak_gib']:.1f} GiB"
     )
     # TRL logs None for a step whose metric list came back empty (all NaN): say so rather than crash after the run
     print(
