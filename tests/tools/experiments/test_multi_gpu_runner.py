@@ -2,6 +2,7 @@
 earlier skipped on a second start."""
 
 import json
+import threading
 
 from multi_gpu_args import _args
 
@@ -16,9 +17,18 @@ def test_jobs_take_aligned_free_gpus():
 
 def test_phase_places_jobs_in_order_and_skips_done_ones(tmp_path):
     ran = []
+    pair_started = threading.Event()  # "one" holds GPU 0 until "pair" is placed, however fast the machine
 
     def job(name, gpus, share=0):
-        return runner.Job(name, gpus, lambda ids, name=name: ran.append((name, ids)) or {"ok": 1}, 1.0, share)
+        def work(ids, name=name):
+            ran.append((name, ids))
+            if name == "pair":
+                pair_started.set()
+            if name == "one":
+                assert pair_started.wait(timeout=30)
+            return {"ok": 1}
+
+        return runner.Job(name, gpus, work, 1.0, share)
 
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "done.json").write_text(json.dumps({"ok": 1}))
