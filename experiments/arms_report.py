@@ -8,13 +8,19 @@ card or the packing of runs on it moved an arm; report.json, report.md (the tabl
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections import Counter
 
 from experiments.arms_plot import plot
-from experiments.arms_results import OTHER_BASE, curve_rows, first_nonfinite_step, load_records, logged
+from experiments.arms_results import (
+    OTHER_BASE,
+    curve_rows,
+    first_nonfinite_step,
+    load_records,
+    logged,
+    write_report,
+)
 from experiments.arms_runs import ARM_NAMES, ARMS, PROTOCOLS
 from experiments.arms_stats import fisher_exact, mean_interval, variance_ratio, welch
 from qerl import plotting
@@ -252,14 +258,10 @@ def report(args) -> dict:
         "bases": bases,
         "runs": {r["name"]: {k: v for k, v in measures[r["name"]].items()} for r in same_experiment},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "report.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    (args.out / "report.md").write_text(text)
-    print(text)
+    written = write_report(args.out, "report", result, markdown(result))
     if runs:
         plot(runs, result, args.png)
-        print(f"report: {args.out / 'report.json'}, {args.out / 'report.md'}; plot: {args.png}")
+        print(f"report: {written}; plot: {args.png}")
     return result
 
 

@@ -170,6 +170,15 @@ def write_record(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
+def write_report(folder: Path, stem: str, result: dict, text: str) -> str:
+    """A report's numbers as STEM.json and its tables as STEM.md in `folder`, the tables printed; returns where."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (folder / f"{stem}.md").write_text(text)
+    print(text)
+    return f"{folder / f'{stem}.json'}, {folder / f'{stem}.md'}"
+
+
 def load_records(results: Path) -> list[dict]:
     """Every record under `results`, in name order; a file that is not a record is named in the error."""
     records = []

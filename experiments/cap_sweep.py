@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from experiments.arms_results import (
     record_path,
     run_record,
     write_record,
+    write_report,
 )
 from experiments.arms_runs import RunPace, Task, experiment_setting, mps_daemon, run_tasks, say, train_task
 from experiments.arms_stats import fisher_exact, mean_interval, welch
@@ -277,14 +277,10 @@ def plot(cells: dict[str, list[dict]], png: Path) -> None:
 def report(args) -> dict:
     cells = collect(args)
     result = {**summarise(cells), "steps": args.steps, "format": args.format}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cap_sweep.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    (args.out / "cap_sweep.md").write_text(text)
-    print(text)
+    written = write_report(args.out, "cap_sweep", result, markdown(result))
     if cells:
         plot(cells, args.png)
-        print(f"report: {args.out / 'cap_sweep.json'}, {args.out / 'cap_sweep.md'}; plot: {args.png}")
+        print(f"report: {written}; plot: {args.png}")
     return result
 
 
