@@ -7,18 +7,16 @@ from __future__ import annotations
 import contextlib
 import statistics
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 
+@dataclass
 class Compilations:
-    """The names of the Triton kernels compiled inside the block (`names`); `known` is False where this Triton has no
-    compile hook (then nothing can be said)."""
+    """The names of the Triton kernels compiled inside the block; `known` is False where this Triton has no compile
+    hook (then nothing can be said)."""
 
-    def __init__(self):
-        self.names: list[str] = []
-        self.known = False
-
-    def __bool__(self) -> bool:
-        return bool(self.names)
+    names: list[str] = field(default_factory=list)
+    known: bool = False
 
 
 @contextlib.contextmanager

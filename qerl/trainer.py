@@ -99,11 +99,10 @@ class QeRLTrainer(GRPOTrainer):
         self._loss_logps: list[torch.Tensor] | None = None  # filled by the loss forward, see _compute_loss
         self._micro_batch: dict | None = None  # the loss's inputs, kept for dump_nonfinite_grads
         self.nonfinite_dump: str | None = None
-        self.add_callback(
-            TruncationWatch(
-                args.max_completion_length, args.mask_truncated_completions, quiet=not self.accelerator.is_main_process
-            )
+        self.truncation_watch = TruncationWatch(
+            args.max_completion_length, args.mask_truncated_completions, quiet=not self.accelerator.is_main_process
         )
+        self.add_callback(self.truncation_watch)
         if args.metrics_jsonl:
             self.add_callback(JsonlMetrics(os.path.join(args.output_dir, "metrics.jsonl")))
 
@@ -151,10 +150,6 @@ class QeRLTrainer(GRPOTrainer):
             include_head_norms=a.aqn_head_norms,
         ) as stats:
             yield stats
-
-    @property
-    def truncation_watch(self) -> TruncationWatch:
-        return next(c for c in self.callback_handler.callbacks if isinstance(c, TruncationWatch))
 
     def train(self, *args, **kwargs):
         try:

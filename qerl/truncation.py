@@ -2,9 +2,10 @@
 
 A DAPO run masks truncated completions out of the loss. When the completions grow toward the cap, more and more of
 them teach nothing, and once every completion of a round is truncated no token carries a gradient: the run cannot
-leave that state (issue 49 found one run in eight of the real 1.5B stuck there). What pushes a run there shows in
-the rewards: when the truncated completions earn more than the finished ones (they wrote "#### N" and went on), the
-finished completions' advantage falls, and stopping is what the policy learns not to do.
+leave that state (issue 49 found one run in eight of the real 1.5B stuck there). The rewards tell what is pushing:
+where the truncated completions earn more than the finished ones (they wrote "#### N" and went on), they raise their
+group's baseline and the finished completions' advantage falls; where they earn less, nothing but masking keeps
+length from growing (what the length-cap sweep saw in the one run that locked: docs/benchmarks.md).
 
 TruncationWatch takes each round's truncation flags and earned rewards (the task's reward functions, before any
 length rule), adds two metrics beside TRL's completions/clipped_ratio (the mean reward of the truncated and of the

@@ -408,7 +408,8 @@ def decode_attention(
     group = hq // hkv
     window = max_len if window is None else min(window, max_len)
     splits, split_len = _splits(b, hkv, max_len, q.device, num_splits, config)
-    direct = _most_splits(b, hkv, q.device, num_splits, config) == 1  # else partials and a merge, even if 1 split
+    most_splits = _most_splits(b, hkv, q.device, num_splits, config)
+    direct = most_splits == 1  # else partials and a merge, even at a capacity that needs one split
     pdl = pdl_enabled(q.device)
     if not direct:
         size = b * hq * splits * d
@@ -472,7 +473,7 @@ def decode_attention(
             window,
             HQ=hq,
             D=d,
-            BLOCK_SPLITS=triton.next_power_of_2(_most_splits(b, hkv, q.device, num_splits, config)),
+            BLOCK_SPLITS=triton.next_power_of_2(most_splits),
             PDL=pdl,
             num_warps=4,
             launch_pdl=pdl,

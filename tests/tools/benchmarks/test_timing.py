@@ -20,12 +20,12 @@ def test_compilations_inside_the_block_are_named_and_the_hook_restored():
     original, runtime.jit_post_compile_hook = runtime.jit_post_compile_hook, previous
     try:
         with compilations() as compiled:
-            assert not compiled and compiled.known
+            assert compiled.names == [] and compiled.known
             runtime.jit_post_compile_hook(key="k", repr="_split_kernel[num_warps=4](...)", fn=Info(), compile={},
                                           is_manual_warmup=False, already_compiled=False)  # fmt: skip
             runtime.jit_post_compile_hook(key="k2", repr="_merge_kernel[num_warps=4](...)", fn=None, compile={},
                                           is_manual_warmup=False, already_compiled=False)  # fmt: skip
-        assert compiled.names == ["_split_kernel", "_merge_kernel"] and compiled
+        assert compiled.names == ["_split_kernel", "_merge_kernel"]
         assert len(seen_by_previous) == 2  # the hook that was there still saw both
         assert runtime.jit_post_compile_hook is previous
     finally:
