@@ -1,19 +1,15 @@
 """Fixtures shared across the suite. The helpers the tests import (fakes, clis, bad_input, ...) are in tests/helpers,
 on sys.path through pyproject.toml's [tool.pytest.ini_options] pythonpath."""
 
-import os
-
 import pytest
 import torch
+from seeds import seed_torch
 
 
 @pytest.fixture
 def seed():
-    """A fresh random seed per test, printed so that a failure can be replayed (pytest shows it on failure)."""
-    value = int.from_bytes(os.urandom(4), "little")
-    print(f"torch seed {value}")
-    torch.manual_seed(value)
-    return value
+    """A fresh random seed per test (seeds.seed_torch: printed, replayed by QERL_TEST_SEED)."""
+    return seed_torch()
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,11 @@ a LoRA in the same launch) against a float64 reference.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from interpreter import run_under_interpreter
 from nvfp4_weights import _bits, _check_linear_and_input_grad, _reference, _rel_err, _weight
+from seeds import seed_torch
 
 from qerl.nvfp4 import codec, ops
 
@@ -25,9 +24,7 @@ def _interpreter_checks():
     from qerl.nvfp4 import triton_kernels as tk
 
     assert tk.INTERPRET and ops._tk is tk
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"torch seed {seed}")  # the subprocess's output is shown when the test fails
-    torch.manual_seed(seed)
+    seed_torch()  # the subprocess's output is shown when the test fails
     # Dequant: odd N, K/2 not a multiple of the tile, every output dtype, output poisoned beforehand.
     for n, k in ((37, 96), (5, 16)):
         q = _weight(n, k)

@@ -1,10 +1,9 @@
 """The native engine's fused elementwise kernels (qerl/rollout/native/elementwise.py) against their plain-torch twins,
 under the Triton interpreter on the CPU (GPU: exercised through test_engine_gpu.py)."""
 
-import os
-
 import torch
 from interpreter import run_under_interpreter
+from seeds import seed_torch
 
 from qerl.rollout.native import elementwise, kv_cache
 
@@ -15,9 +14,7 @@ BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 
 def _interpreter_checks():
     assert elementwise.INTERPRET
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"torch seed {seed}")
-    torch.manual_seed(seed)
+    seed_torch()  # the subprocess's output is shown when the test fails
     bf16 = torch.bfloat16
 
     # Residual add + RMSNorm, FP32 scale, hidden not a power of two; the residual is updated in place.

@@ -2,10 +2,9 @@
 CPU: draws that follow softmax(logits / T), the log-probs of what it drew, fresh draws per call, reproducible under
 torch.manual_seed. (GPU: test_engine_gpu.py compares the engine's sampled log-probs with the trainer's.)"""
 
-import os
-
 import torch
 from interpreter import run_under_interpreter
+from seeds import seed_torch
 from transformers import GenerationConfig
 
 from qerl.rollout.native import sampling
@@ -14,9 +13,7 @@ CHI2_19_P1E6 = 63.68  # chi-square critical value, 19 degrees of freedom, p = 1e
 
 
 def _interpreter_checks():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"torch seed {seed}")
-    torch.manual_seed(seed)
+    seed = seed_torch()  # the subprocess's output is shown when the test fails
     sampler = sampling.Sampler(GenerationConfig(do_sample=True, temperature=0.7), vocab_chunk=16)
     assert sampler.temperature == 0.7
 
