@@ -12,7 +12,12 @@ wave:
      that decode overwrites before it reads them) and samples each sequence's first token from its last prompt row;
   3. captures one decode step (embedding -> layers -> LM head -> sampling -> bookkeeping) in a CUDA graph and
      replays it, checking every `sync_every` steps whether all sequences have emitted EOS;
-  4. frees the cache and the graph, so the trainer gets the memory back for its log-prob and backward passes.
+  4. with `compact_rows`, at that check, once at most half the rows are live, moves the live rows (their KV cache
+     rows and decode state) to the front, decodes only those (rounded up to a multiple of `row_multiple`) and
+     captures the smaller step: finished rows stop costing GEMM rows and attention reads. Completions are about half
+     as long as the longest on average, so about half of a wave's row-steps are finished rows. Each compaction costs
+     one copy of the live rows' KV and one capture; halving bounds them at log2(B / row_multiple) a wave;
+  5. frees the cache and the graph, so the trainer gets the memory back for its log-prob and backward passes.
 Capturing per wave (~0.1 s) rather than once keeps no KV cache alive between rounds.
 """
 
@@ -41,6 +46,8 @@ class NativeEngine:
         sync_every: int = 16,
         cuda_graphs: bool | None = None,
         kv_cache_dtype: str = "auto",
+        compact_rows: bool = False,
+        row_multiple: int = 8,
     ):
         self.decoder = decoder
         self.sampler = sampler
@@ -51,7 +58,10 @@ class NativeEngine:
         self.prefill_tokens = prefill_tokens
         self.sync_every = sync_every
         self.cuda_graphs = decoder.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.compact_rows = compact_rows
+        self.row_multiple = row_multiple  # compacted batches: multiples of it (few captured shapes, whole GEMM tiles)
         self.last_waves = 0  # waves of the last round (for benchmarks and logs)
+        self.last_compactions = 0  # ... and the times their live rows were compacted
 
     # ------------------------------------------------------------------------------------------------ sizing
 
@@ -90,7 +100,7 @@ class NativeEngine:
         self.decoder.lay_out_head_norms()
         size = self.wave_size(len(prompts), capacity)
         ids, logprobs = [], []
-        self.last_waves = 0
+        self.last_waves = self.last_compactions = 0
         for start in range(0, len(prompts), size):
             wave_ids, wave_lps = self._wave(prompts[start : start + size], max_new_tokens)
             ids += wave_ids
@@ -100,22 +110,60 @@ class NativeEngine:
 
     def _wave(self, prompts: list[list[int]], max_new_tokens: int):
         d, device = self.decoder, self.decoder.device
-        batch = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
         capacity = max(len(p) for p in prompts) + max_new_tokens
         cache = kv_cache.KVCache(
-            len(d.layers), batch, capacity, d.num_kv_heads, d.head_dim, d.dtype, self.kv_fp8, device
+            len(d.layers), len(prompts), capacity, d.num_kv_heads, d.head_dim, d.dtype, self.kv_fp8, device
         )
         first, first_logprob = self._prefill(prompts, cache)
-
         state = DecodeState(first, first_logprob, lengths, max_new_tokens, self.pad_token_id)
         state.done |= self._is_eos(first)
-        scale = d.scaling
+        out_ids, out_logprobs = state.out_ids, state.out_logprobs  # every row's, written back after compactions
+        rows = None  # the wave's row of each of the state's rows, once compacted (None: all rows, in order)
+        pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # one pool: captures replace each other
+        t, steps = 0, max_new_tokens - 1
+        while t < steps:
+            step = self._decode_step(state, cache)
+            run = self._capture(step, state, pool) if self.cuda_graphs else step
+            smaller = None
+            while t < steps and smaller is None:
+                run()
+                t += 1
+                if t % self.sync_every == 0:
+                    live = int((~state.done).sum())  # the one host sync of the check
+                    if live == 0:
+                        t = steps
+                    elif self.compact_rows:
+                        smaller = self._compacted_size(live, len(state.tokens))
+            if smaller is not None:
+                keep = torch.sort(state.done.to(torch.int8), stable=True).indices[:smaller]  # live rows first
+                keep = keep.sort().values  # in wave order: each row moves to a lower index (kv_cache.keep_rows)
+                if rows is not None:
+                    out_ids.index_copy_(0, rows, state.out_ids)
+                    out_logprobs.index_copy_(0, rows, state.out_logprobs)
+                rows = keep if rows is None else rows[keep]
+                cache, state = cache.keep_rows(keep), state.keep_rows(keep)
+                self.last_compactions += 1
+        if rows is not None:
+            out_ids.index_copy_(0, rows, state.out_ids)
+            out_logprobs.index_copy_(0, rows, state.out_logprobs)
+        return out_ids.tolist(), out_logprobs.tolist()  # the cache and graph go with this frame
+
+    def _compacted_size(self, live: int, batch: int) -> int | None:
+        """The batch `live` rows move to, or None to stay at `batch`: once at most half are live (so that each
+        compaction at least halves the work a step does), rounded up to a multiple of row_multiple."""
+        size = -(-live // self.row_multiple) * self.row_multiple
+        return size if live <= batch // 2 and size < batch else None
+
+    def _decode_step(self, state: DecodeState, cache: kv_cache.KVCache):
+        """One decode step of the state's rows over their cache rows (what a CUDA graph captures)."""
+        d = self.decoder
+        batch = len(state.tokens)
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             k, v, k_scale, v_scale = cache.layer(i)
             return decode_attention(
-                q, k, v, state.seq_lens, scale, k_scale=k_scale, v_scale=v_scale, window=d.layers[i].window
+                q, k, v, state.seq_lens, d.scaling, k_scale=k_scale, v_scale=v_scale, window=d.layers[i].window
             ).reshape(batch, -1)
 
         def step():
@@ -130,18 +178,12 @@ class NativeEngine:
             state.positions += 1
             state.step += 1
 
-        steps = max_new_tokens - 1
-        run = self._capture(step, state) if self.cuda_graphs and steps > 0 else step
-        for t in range(steps):
-            run()
-            if (t + 1) % self.sync_every == 0 and bool(state.done.all()):
-                break
-        return state.out_ids.tolist(), state.out_logprobs.tolist()  # the cache and graph go with this frame
+        return step
 
     def _is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[:, None] == self.eos[None]).any(-1)
 
-    def _capture(self, step, state: DecodeState):
+    def _capture(self, step, state: DecodeState, pool):
         """One decode step as a CUDA graph. A first eager step on a side stream compiles the Triton kernels and
         sets up cuBLAS; the state and the random generator it advanced are put back (the KV rows it wrote are
         rewritten by the first replay, which feeds the same tokens at the same positions), so that graph and
@@ -155,7 +197,7 @@ class NativeEngine:
         state.restore(saved)
         torch.cuda.set_rng_state(rng)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             step()
         return graph.replay
 
@@ -240,3 +282,12 @@ class DecodeState:
     def restore(self, saved) -> None:
         for t, s in zip((self.tokens, self.positions, self.done, self.step), saved, strict=True):
             t.copy_(s)
+
+    def keep_rows(self, rows: torch.Tensor) -> DecodeState:
+        """The state of rows `rows` only (new tensors, numbered 0..len(rows)-1 in the cache: kv_cache.keep_rows)."""
+        kept = object.__new__(DecodeState)
+        for name in ("tokens", "positions", "seq_lens", "done", "out_ids", "out_logprobs"):
+            setattr(kept, name, getattr(self, name)[rows])
+        kept.batch_idx = torch.arange(len(rows), dtype=torch.int32, device=rows.device)
+        kept.step = self.step.clone()
+        return kept

@@ -4,6 +4,8 @@
         k, v [layers, B, S, Hkv, D]; with fp8, E4M3 codes and k_scale, v_scale [layers, B, S, Hkv] FP32.
     KVCache.layer(i) -> (k, v, k_scale, v_scale) of layer i (scales None without fp8), for the write and decode kernels
     KVCache.read(i, rows, length) -> K, V of rows `rows`, positions [0, length), in the model's dtype (prefill)
+    KVCache.keep_rows(rows) -> the cache of those rows only, moved to the front of the same memory (the engine's
+        live-row compaction)
 
 The FP8 format (one scale per token and KV head, set when the token is written): scale = 2^(e - 7) for the
 largest magnitude amax = m * 2^e (1 <= m < 2) of the head's D values, so every value / scale is below 256 and
@@ -14,6 +16,8 @@ under the interpreter and for values on the GPU, whose fused rotation may put a 
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -133,6 +137,19 @@ class KVCache:
         if not self.fp8:
             return self.k[i], self.v[i], None, None
         return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
+
+    def keep_rows(self, rows: torch.Tensor) -> KVCache:
+        """The cache of rows `rows` (ascending, so each moves to a lower index) as rows 0..len(rows)-1 of this one's
+        memory: copied there one layer at a time (extra memory: one layer's kept rows), then viewed."""
+        n = len(rows)
+        kept = copy.copy(self)
+        for name in ("k", "v", "k_scale", "v_scale"):
+            full = getattr(self, name)
+            if full is not None:
+                for layer in full:
+                    layer[:n] = layer.index_select(0, rows)
+                setattr(kept, name, full[:, :n])
+        return kept
 
     def read(self, i: int, rows: slice, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.k[i][rows, :length], self.v[i][rows, :length]

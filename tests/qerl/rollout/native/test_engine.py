@@ -5,6 +5,9 @@ sequence, waves and prefill chunks. On the tiny policies of tests/helpers/native
 import pytest
 from native_policies import ARCHITECTURES, _engine, _hf_greedy, _logprob_differences, _policy, _prompts
 
+from qerl.rollout import truncate_at_eos
+from qerl.rollout.native.engine import NativeEngine
+
 
 @ARCHITECTURES
 def test_greedy_tokens_equal_a_plain_forward_loop(arch):
@@ -58,3 +61,70 @@ def test_waves_and_prefill_chunks_give_the_same_tokens():
     engine.kv_cache_bytes = engine._kv_bytes_per_sequence(11 + 6) - 1
     with pytest.raises(RuntimeError, match="KV cache of one sequence"):
         engine.generate(prompts, 6)
+
+
+def _ending_at_different_steps(model, tokenizer, prompts, steps):
+    """EOS ids that end the prompts' greedy completions at different steps (a token each of a few rows, taken at
+    steps 2, 5 and 8 of a free run), so that rows finish while others decode on."""
+    engine = _engine(model, [-1], tokenizer.pad_token_id)
+    engine.decoder.refresh()
+    free, _ = engine.generate(prompts, steps)
+    return sorted({free[0][2], free[3][5], free[5][8]})
+
+
+@pytest.mark.parametrize("kv_cache_dtype,row_multiple", [("auto", 1), ("fp8", 1), ("auto", 3)])
+def test_live_row_compaction_gives_every_row_the_same_tokens(kv_cache_dtype, row_multiple):
+    """Compaction (engine.compact_rows) moves the live rows' KV and state to the front as rows finish: every row's
+    greedy tokens up to its EOS, their log-probs, and the padding after it are those of the engine without it
+    (log-probs past EOS are padding too: truncate_at_eos cuts them). With a row multiple of 3, finished rows fill
+    the compacted batches up to it and decode on as padding."""
+    model, tokenizer = _policy()
+    prompts = _prompts(tokenizer, (5, 11, 2, 8, 3, 9, 4, 7))
+    eos = _ending_at_different_steps(model, tokenizer, prompts, 24)
+    runs = {}
+    for compact in (False, True):
+        engine = _engine(model, eos, tokenizer.pad_token_id)
+        engine.kv_fp8 = kv_cache_dtype == "fp8"
+        engine.compact_rows, engine.row_multiple, engine.sync_every = compact, row_multiple, 2
+        engine.decoder.refresh()
+        ids, logprobs = engine.generate(prompts, 24)
+        runs[compact] = ids, truncate_at_eos(ids, logprobs, eos), engine.last_compactions
+    plain_ids, plain, never = runs[False]
+    ids, compacted, compactions = runs[True]
+    assert never == 0 and compactions >= (2 if row_multiple == 1 else 1)  # rows finished at several checks
+    assert ids == plain_ids
+    assert len({len(row) for row in compacted.completion_ids}) >= 3  # the rows did end at different steps
+    for row, plain_row in zip(compacted.logprobs, plain.logprobs, strict=True):
+        assert row == pytest.approx(plain_row, abs=1e-5)
+
+
+def test_live_row_compaction_samples_each_row_from_its_own_context(seed):
+    """Sampled rows after compactions: every token's log-prob up to EOS is the trainer's for that row's own prompt
+    and tokens (a row that read another row's KV or state would be far off)."""
+    model, tokenizer = _policy()
+    prompts = _prompts(tokenizer, (5, 11, 2, 8, 3, 9, 4, 7))
+    eos = _ending_at_different_steps(model, tokenizer, prompts, 16)
+    engine = _engine(model, eos, tokenizer.pad_token_id, temperature=0.7)
+    engine.compact_rows, engine.row_multiple, engine.sync_every = True, 1, 1
+    engine.decoder.refresh()
+    out = truncate_at_eos(*engine.generate(prompts, 16), eos)
+    assert engine.last_compactions >= 1
+    assert _logprob_differences(model, prompts, out.completion_ids, out.logprobs, 0.7).max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "live,batch,multiple,expected",
+    [
+        (40, 64, 8, None),
+        (32, 64, 8, 32),
+        (30, 64, 8, 32),
+        (5, 32, 8, 8),
+        (7, 8, 8, None),
+        (3, 8, 1, 3),
+        (4, 8, 8, None),
+    ],
+)
+def test_compaction_halves_at_least_and_rounds_to_the_row_multiple(live, batch, multiple, expected):
+    engine = NativeEngine.__new__(NativeEngine)
+    engine.row_multiple = multiple
+    assert engine._compacted_size(live, batch) == expected
