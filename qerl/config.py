@@ -103,9 +103,9 @@ class QeRLConfig(GRPOConfig):
         default="auto",
         metadata={
             "help": "Rollout engine. auto: native on a CUDA device (vllm or transformers where native cannot run "
-            "the model, or under DeepSpeed/FSDP), transformers on CPU. native reads rollout_kv_cache_gib and "
-            "rollout_kv_cache_dtype; vllm reads TRL's vllm_gpu_memory_utilization, vllm_max_model_length and "
-            "vllm_enable_sleep_mode.",
+            "the model, or under DeepSpeed/FSDP), transformers on CPU. native reads rollout_kv_cache_gib, "
+            "rollout_kv_cache_dtype and rollout_compact_rows; vllm reads TRL's vllm_gpu_memory_utilization, "
+            "vllm_max_model_length and vllm_enable_sleep_mode.",
             "choices": list(ROLLOUT_BACKENDS),
         },
     )
@@ -123,6 +123,14 @@ class QeRLConfig(GRPOConfig):
             "per token and KV head (half the memory and attention reads; adds rounding to the sampled "
             "log-probs, see docs/benchmarks.md).",
             "choices": list(KV_CACHE_DTYPES),
+        },
+    )
+    rollout_compact_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "rollout_backend native: once at most half of a round's completions are still running, decode "
+            "only those (their KV rows moved together, a smaller CUDA graph captured); off until measured on a GPU "
+            "(docs/benchmarks.md)."
         },
     )
     vllm_enable_sleep_mode: bool = field(

@@ -250,7 +250,9 @@ class QeRLTrainer(GRPOTrainer):
             model_path=model_path,
             pad_to_multiple_of=self.pad_to_multiple_of,
             sharding=self._sharding(),
-            native=rollout.NativeSettings(args.rollout_kv_cache_gib, args.rollout_kv_cache_dtype),
+            native=rollout.NativeSettings(
+                args.rollout_kv_cache_gib, args.rollout_kv_cache_dtype, args.rollout_compact_rows
+            ),
             vllm=rollout.VLLMSettings(
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 max_model_len=args.vllm_max_model_length,

@@ -206,16 +206,18 @@ def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
     """A Gemma-3 text model (tiny: (1 + w) norms, four per layer, q/k norms, tied scaled embeddings, GELU-tanh,
     local and global layers) quantized by our quantizer, DAPO steps with AQN on the native engine: the noise goes on
     w of the four hidden-size norms per layer (w + Z scales by 1 + w + Z, the same shift), reaches the engine's
-    scales at every noisy round, and leaves the per-head norms alone."""
+    scales at every noisy round, and leaves the per-head norms alone. (Live-row compaction on: the flag reaches the
+    engine.)"""
     from qerl.tiny import build_tiny
 
     model, tokenizer = build_tiny(architecture="gemma3", head_dim=32)
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "gemma3"), model, tokenizer)
-    trainer = make_trainer(
-        nvfp4_dir, recipe_config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3, rollout_backend="native")
+    args = recipe_config(
+        tmp_path, trainable_norms=True, max_steps=3, num_stages=3, rollout_backend="native", rollout_compact_rows=True
     )
+    trainer = make_trainer(nvfp4_dir, args)
     policy_model = trainer.model
-    assert trainer.rollout.name == "native" and trainer.is_nvfp4
+    assert trainer.rollout.name == "native" and trainer.is_nvfp4 and trainer.rollout.engine.compact_rows
     assert isinstance(
         policy_model.get_submodule("base_model.model.model.layers.0.mlp.down_proj.base_layer"), NVFP4Linear
     )

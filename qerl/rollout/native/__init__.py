@@ -53,6 +53,7 @@ class NativeRollout(RolloutBackend):
                 self.setup.pad_token_id,
                 kv_cache_bytes=None if gib is None else int(gib * 2**30),
                 kv_cache_dtype=settings.kv_cache_dtype,
+                compact_rows=settings.compact_rows,
             )
             self._policy_id = id(policy)
         return self.engine
