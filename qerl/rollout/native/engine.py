@@ -7,9 +7,10 @@ wave:
      (per-sequence rows: attention reads only each sequence's valid keys, so the capacity costs memory, not time),
      in the model's dtype or, with kv_cache_dtype "fp8", as E4M3 codes with a scale per token and head (kv_cache.py:
      half the bytes, so twice the sequences per wave and half the attention reads);
-  2. prefills the prompts in chunks of at most `prefill_tokens` tokens (right-padded, causal attention through
-     PyTorch's SDPA, masked to each layer's sliding window where it has one; pad rows write keys past the prompt
-     that decode overwrites before it reads them) and samples each sequence's first token from its last prompt row;
+  2. prefills each distinct prompt once, in chunks of at most `prefill_tokens` tokens (right-padded, causal
+     attention through PyTorch's SDPA, masked to each layer's sliding window where it has one; pad rows write keys
+     past the prompt that decode overwrites before it reads them), copies its keys and values to the rows that
+     repeat it, and samples each sequence's first token from its prompt's last row;
   3. captures one decode step (embedding -> layers -> LM head -> sampling -> bookkeeping) in a CUDA graph and
      replays it, checking every `sync_every` steps whether all sequences have emitted EOS;
   4. with `compact_rows`, at that check, once at most half the rows are live, moves the live rows (their KV cache
@@ -202,29 +203,37 @@ class NativeEngine:
         return graph.replay
 
     def _prefill(self, prompts: list[list[int]], cache: kv_cache.KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the prompts through the model in chunks; returns each sequence's first sampled token and log-prob."""
+        """Run each distinct prompt through the model once, in chunks, and give its keys and values to the rows
+        that repeat it (GRPO samples every prompt num_generations times); returns each row's first sampled token
+        and log-prob, drawn independently from its prompt's last logits."""
         d, device = self.decoder, self.decoder.device
-        tokens_out, logprobs_out = [], []
+        first_row: dict[tuple[int, ...], int] = {}
+        source = [first_row.setdefault(tuple(p), row) for row, p in enumerate(prompts)]  # the row prefilled for it
+        distinct = list(first_row.values())
+        last_hidden = []
         start = 0
-        while start < len(prompts):
-            longest = len(prompts[start])
+        while start < len(distinct):
+            longest = len(prompts[distinct[start]])
             end = start + 1
-            while end < len(prompts) and max(longest, len(prompts[end])) * (end + 1 - start) <= self.prefill_tokens:
-                longest = max(longest, len(prompts[end]))
+            while end < len(distinct) and max(longest, len(prompts[distinct[end]])) * (end + 1 - start) <= (
+                self.prefill_tokens
+            ):
+                longest = max(longest, len(prompts[distinct[end]]))
                 end += 1
-            chunk = prompts[start:end]
+            chunk = [prompts[row] for row in distinct[start:end]]
             rows = torch.full((len(chunk), longest), self.pad_token_id, dtype=torch.long)
             for i, p in enumerate(chunk):
                 rows[i, : len(p)] = torch.tensor(p)
             rows = rows.to(device).reshape(-1)
-            batch_idx = torch.arange(start, end, dtype=torch.int32, device=device).repeat_interleave(longest)
+            cache_rows = torch.tensor(distinct[start:end], device=device)
+            batch_idx = cache_rows.to(torch.int32).repeat_interleave(longest)
             positions = torch.arange(longest, dtype=torch.int32, device=device).repeat(len(chunk))
-            span, n = slice(start, end), len(chunk)
+            n = len(chunk)
             masks = _window_masks({layer.window for layer in d.layers} - {None}, longest, device)
 
-            def attend(i: int, q: torch.Tensor, span=span, n=n, length=longest, masks=masks) -> torch.Tensor:
+            def attend(i: int, q: torch.Tensor, rows=cache_rows, n=n, length=longest, masks=masks) -> torch.Tensor:
                 q = q.view(n, length, d.num_heads, d.head_dim).transpose(1, 2)
-                k, v = (t.transpose(1, 2) for t in cache.read(i, span, length))  # as decode will read them
+                k, v = (t.transpose(1, 2) for t in cache.read(i, rows, length))  # as decode will read them
                 mask = masks.get(d.layers[i].window)
                 out = F.scaled_dot_product_attention(
                     q,
@@ -239,11 +248,18 @@ class NativeEngine:
 
             hidden = d.forward(rows, batch_idx, positions, cache, attend)
             last = torch.tensor([i * longest + len(p) - 1 for i, p in enumerate(chunk)], device=device)
-            tokens, logprobs = self.sampler(d.logits(hidden[last]))
-            tokens_out.append(tokens)
-            logprobs_out.append(logprobs)
+            last_hidden.append(hidden[last])
             start = end
-        return torch.cat(tokens_out), torch.cat(logprobs_out)
+        repeats = [row for row, src in enumerate(source) if src != row]
+        if repeats:
+            cache.copy_rows(
+                torch.tensor([source[row] for row in repeats], device=device),
+                torch.tensor(repeats, device=device),
+                max(len(prompts[row]) for row in repeats),
+            )
+        position = {row: i for i, row in enumerate(distinct)}  # distinct row -> its index in last_hidden
+        index = torch.tensor([position[src] for src in source], device=device)
+        return self.sampler(d.logits(torch.cat(last_hidden)[index]))
 
 
 def _window_masks(windows: set[int], length: int, device) -> dict[int, torch.Tensor]:

@@ -3,7 +3,9 @@
     KVCache(layers, batch, capacity, kv_heads, head_dim, model_dtype, fp8, device)
         k, v [layers, B, S, Hkv, D]; with fp8, E4M3 codes and k_scale, v_scale [layers, B, S, Hkv] FP32.
     KVCache.layer(i) -> (k, v, k_scale, v_scale) of layer i (scales None without fp8), for the write and decode kernels
-    KVCache.read(i, rows, length) -> K, V of rows `rows`, positions [0, length), in the model's dtype (prefill)
+    KVCache.read(i, rows, length) -> K, V of rows `rows` (an index), positions [0, length), in the model's dtype
+        (prefill)
+    KVCache.copy_rows(sources, targets, length) -> positions [0, length) of some rows into others (a repeated prompt)
     KVCache.keep_rows(rows) -> the cache of those rows only, moved to the front of the same memory (the engine's
         live-row compaction)
 
@@ -151,7 +153,16 @@ class KVCache:
                 setattr(kept, name, full[:, :n])
         return kept
 
-    def read(self, i: int, rows: slice, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def copy_rows(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
+        """Positions [0, length) of rows `sources` into rows `targets` (a prompt's keys and values to the rows that
+        repeat it), one layer at a time (extra memory: one layer's copied rows)."""
+        for name in ("k", "v", "k_scale", "v_scale"):
+            full = getattr(self, name)
+            if full is not None:
+                for layer in full:
+                    layer[targets, :length] = layer[sources, :length]
+
+    def read(self, i: int, rows: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.k[i][rows, :length], self.v[i][rows, :length]
         if not self.fp8:
             return k, v

@@ -128,3 +128,44 @@ def test_compaction_halves_at_least_and_rounds_to_the_row_multiple(live, batch, 
     engine = NativeEngine.__new__(NativeEngine)
     engine.row_multiple = multiple
     assert engine._compacted_size(live, batch) == expected
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_repeated_prompt_is_prefilled_once_and_shared(kv_cache_dtype):
+    """GRPO's rounds repeat every prompt num_generations times: the prefill runs each distinct prompt once (rows
+    through the model counted) and copies its keys and values to the rows that repeat it, whose greedy tokens and
+    log-probs are those of the prompt decoded alone (and of a plain forward loop)."""
+    model, tokenizer = _policy()
+    a, b, c = _prompts(tokenizer, (5, 11, 3))
+    prompts = [a, a, b, a, c, c, b]
+    engine = _engine(model, [-1], tokenizer.pad_token_id)
+    engine.kv_fp8 = kv_cache_dtype == "fp8"
+    engine.decoder.refresh()
+    alone = {tuple(p): engine.generate([p], 10) for p in (a, b, c)}
+    forward, prefilled_tokens = engine.decoder.forward, []
+
+    def counting_forward(tokens, *args):
+        if tokens.numel() > len(prompts):  # a prefill chunk (a decode step has one token a row)
+            prefilled_tokens.append(tokens.numel())
+        return forward(tokens, *args)
+
+    engine.decoder.forward = counting_forward
+    ids, logprobs = engine.generate(prompts, 10)
+    assert sum(prefilled_tokens) == 3 * 11  # the three distinct prompts, padded to the longest, in one chunk
+    for prompt, row, lps in zip(prompts, ids, logprobs, strict=True):
+        alone_ids, alone_lps = alone[tuple(prompt)]
+        assert row == alone_ids[0] and lps == pytest.approx(alone_lps[0], abs=1e-5)
+    if kv_cache_dtype == "auto":
+        assert ids[2] == _hf_greedy(model, b, 10)
+
+
+def test_rows_of_a_repeated_prompt_sample_independently(seed):
+    """The rows sharing a prompt's prefill draw their own first tokens and go their own ways; each token's log-prob
+    is the trainer's for that row."""
+    model, tokenizer = _policy()
+    (prompt,) = _prompts(tokenizer, (6,))
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=1.0)
+    engine.decoder.refresh()
+    ids, logprobs = engine.generate([prompt] * 8, 8)
+    assert len({tuple(row) for row in ids}) > 1
+    assert _logprob_differences(model, [prompt] * 8, ids, logprobs, 1.0).max() < 1e-4
