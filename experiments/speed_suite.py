@@ -13,7 +13,8 @@ redoes only what was lost); a job whose inputs are still arriving waits for them
                the dense training weights, BF16                                                          (needs --site)
   real-prep    the GGUF converted to BF16 and quantized to NVFP4, beside another job          (needs --site, --gguf)
   real-*       benchmarks.step --profile on the real Qwen2.5-Coder-1.5B-Instruct, its recipe as written, --steps
-               steps: NVFP4 without / with the dense training weights, BF16, and both compiled (--compile-layers)
+               steps: NVFP4 without / with the dense training weights, BF16, both compiled (--compile-layers),
+               and both with live-row compaction (--rollout-compact-rows)
   trl-baseline benchmarks.trl_baseline on the BF16 checkpoint, the same recipe and steps
   gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
   vllm-rollout benchmarks.rollout --rollout-backend vllm at 1.5B (vLLM's share from the free memory)  (needs --site)
@@ -44,6 +45,8 @@ REAL_RUNS = {
     "real-bf16": ("bf16", []),
     "real-nvfp4-dense-compiled": ("nvfp4", ["--dense-training-weights", "true", "--compile-layers", "true"]),
     "real-bf16-compiled": ("bf16", ["--compile-layers", "true"]),
+    "real-nvfp4-dense-compact": ("nvfp4", ["--dense-training-weights", "true", "--rollout-compact-rows", "true"]),
+    "real-bf16-compact": ("bf16", ["--rollout-compact-rows", "true"]),
 }
 
 
