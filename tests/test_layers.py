@@ -24,7 +24,7 @@ TOOL_BASES = {
 # Lowest first; a module may import its own layer and those below it (patterns: fnmatch on the dotted name).
 LAYERS = [
     ["qerl", "qerl.errors", "qerl.device_facts", "qerl.plotting"],  # facts and one-line errors
-    ["qerl.cli", "qerl.sniff", "qerl.dependent_launch"],  # the command-line convention, file sniffing, launch flags
+    ["qerl.cli", "qerl.sniff", "qerl.dependent_launch", "qerl.master_port"],  # command line, sniffing, launch facts
     ["qerl.field_rules", "qerl.config"],  # what each setting accepts; the training config
     ["qerl.nvfp4", "qerl.nvfp4.*"],  # the format, its kernels, checkpoints
     [

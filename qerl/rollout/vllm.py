@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl import master_port
 from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
 from qerl.sharding import whole
 
@@ -163,7 +164,6 @@ class VLLMEngine:
         seed: int = 0,
         enforce_eager: bool = False,
     ):
-        from trl.trainer.utils import ensure_master_addr_port
         from vllm import LLM
 
         if fp32_norms:
@@ -173,31 +173,31 @@ class VLLMEngine:
         os.environ.setdefault("RANK", str(torch.distributed.get_rank() if dist else 0))
         os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
         os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size() if dist else 1))
-        ensure_master_addr_port()
         self.sleep_enabled = sleep
         self.asleep = False
-        self.llm = LLM(
-            model=model_path,
-            # A sampler, never a pooling model: "auto" makes an embedding model of an architecture named like a
-            # base model (Qwen3Model, Gemma3TextModel: what vLLM assumes when config.json names none).
-            runner="generate",
-            skip_tokenizer_init=True,  # prompts arrive as token ids
-            dtype="bfloat16",
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            enable_lora=lora_rank is not None,
-            max_lora_rank=lora_rank or 16,
-            max_loras=1,
-            enable_sleep_mode=sleep,
-            distributed_executor_backend="external_launcher",
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            # KV cached across rounds was computed under another round's LoRA weights and AQN noise; a GRPO
-            # round's samples of one prompt would share its prefill, but the prompt is short next to the decode.
-            enable_prefix_caching=False,
-            enforce_eager=enforce_eager,
-        )
+        with master_port.held_until_bound():  # runs started together on one host get ports of their own
+            self.llm = LLM(
+                model=model_path,
+                # A sampler, never a pooling model: "auto" makes an embedding model of an architecture named like a
+                # base model (Qwen3Model, Gemma3TextModel: what vLLM assumes when config.json names none).
+                runner="generate",
+                skip_tokenizer_init=True,  # prompts arrive as token ids
+                dtype="bfloat16",
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                enable_lora=lora_rank is not None,
+                max_lora_rank=lora_rank or 16,
+                max_loras=1,
+                enable_sleep_mode=sleep,
+                distributed_executor_backend="external_launcher",
+                seed=seed,
+                logprobs_mode="processed_logprobs",
+                # KV cached across rounds was computed under another round's LoRA weights and AQN noise; a GRPO
+                # round's samples of one prompt would share its prefill, but the prompt is short next to the decode.
+                enable_prefix_caching=False,
+                enforce_eager=enforce_eager,
+            )
         self.lora_request = None
         self._params: dict[str, nn.Parameter] | None = None
 
