@@ -69,11 +69,14 @@ def quantize_checkpoint(
     ignore=DEFAULT_IGNORE,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    quantized: dict[str, codec.NVFP4Weight] | None = None,
 ) -> Path:
     """Quantize a BF16 (or FP16/FP32) checkpoint folder to NVFP4A16, one decoder layer at a time.
 
     Memory: one layer's weights plus one output shard, whatever the model size. Which Linears are
     quantized comes from the architecture (every nn.Linear but `ignore`), as in llmcompressor's recipe.
+    `quantized`: every one of them already quantized (GPTQ: gptq.py), by module name, written instead of
+    rounding to nearest; their global scales must be the ones the fused-group rule gives.
     """
     from transformers import AutoConfig
 
@@ -86,6 +89,8 @@ def quantize_checkpoint(
     index = tensor_index(src)
     meta = meta_model(AutoConfig.from_pretrained(src), dtype)
     targets = {f"{name}.weight" for name in quantization_targets(meta, ignore)}
+    if quantized is not None and {f"{name}.weight" for name in quantized} != targets:
+        raise CheckpointError(f"{src}: the quantized weights given are not the {len(targets)} Linears to quantize")
     absent = sorted(targets - index.keys())
     if absent:
         raise CheckpointError(f"{src}: checkpoint lacks Linear weights the architecture has: {', '.join(absent[:8])}")
@@ -110,9 +115,14 @@ def quantize_checkpoint(
                     writer.add(name, tensor)
             weights = {n[: -len(".weight")]: tensors[n].to(device=device, dtype=dtype) for n in names if n in targets}
             for module_name, scale in global_scales(weights).items():
-                q = codec.quantize(
-                    weights[module_name], scale, name=f"{module_name}.weight ({index[module_name + '.weight'].name})"
+                label = f"{module_name}.weight ({index[module_name + '.weight'].name})"
+                q = (
+                    codec.quantize(weights[module_name], scale, name=label)
+                    if quantized is None
+                    else quantized[module_name]
                 )
+                if not torch.equal(q.global_scale.cpu(), scale.cpu()):
+                    raise CheckpointError(f"{label}: the given quantization's global scale is not its fused group's")
                 writer.add(f"{module_name}.weight_packed", q.packed)
                 writer.add(f"{module_name}.weight_scale", q.scale)
                 writer.add(f"{module_name}.weight_global_scale", q.global_scale.clone())  # fused siblings share one

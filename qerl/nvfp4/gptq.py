@@ -1,0 +1,156 @@
+"""Error-compensating NVFP4 quantization (GPTQ, Frantar et al. 2022) on calibration text.
+
+Round-to-nearest (codec.quantize) makes each weight's error as small as it can alone. GPTQ makes the layer's
+output error || X W^T - X Q^T || small over calibration inputs X: it rounds one input column at a time and moves
+what that column's rounding lost onto the columns not yet rounded, weighted by the inverse of the inputs' second
+moment H = 2 X^T X / n. The stored format is the same (E2M1 codes, an FP8 scale per 16 inputs, the fused groups'
+global scale): any NVFP4 reader loads the result, and only the numbers differ.
+
+    gptq_weight(W, H, global_scale)          one Linear, given its inputs' H
+    gptq_model(model, sequences, ignore)     every quantized Linear of a causal LM, layer after layer: each
+                                             layer's H comes from the outputs of the layers before it already
+                                             quantized (what the model will really feed it), as llmcompressor's
+                                             sequential pipeline does
+Group scales are set when GPTQ reaches a group's first column, from the weights as updated so far (so they cover
+what earlier columns' errors moved there). Columns go in order (no activation reordering: a group's 16 inputs
+must stay together).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from qerl.nvfp4 import DEFAULT_IGNORE, codec
+from qerl.nvfp4.quantize import global_scales, quantization_targets
+
+BLOCK = 128  # columns updated together (a multiple of the group size, so no group straddles two blocks)
+DAMPING = 0.01  # added to H's diagonal, as a share of its mean: keeps the Cholesky factorisation well posed
+
+
+class InputMoments:
+    """X^T X and the row count of a Linear's inputs over calibration batches; `add` is its forward pre-hook."""
+
+    def __init__(self):
+        self.sum: torch.Tensor | None = None
+        self.rows = 0
+
+    def add(self, _module, args) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        self.sum = x.T @ x if self.sum is None else self.sum.addmm_(x.T, x)
+        self.rows += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        """H = 2 X^T X / n in FP32."""
+        return 2 * self.sum / self.rows
+
+
+def _round_column(w: torch.Tensor, effective: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E2M1 codes, their values) of column w [N] FP32 under its groups' effective scales [N]."""
+    codes = codec.round_to_codes(w / effective)
+    return codes, codec.FP4_CODE_VALUES.to(w.device)[codes.long()] * effective
+
+
+@torch.no_grad()
+def gptq_weight(
+    weight: torch.Tensor, h: torch.Tensor, global_scale: torch.Tensor, name: str = "weight"
+) -> codec.NVFP4Weight:
+    """GPTQ of one [N, K] weight given its inputs' H [K, K]; `global_scale` as codec.quantize takes it (the fused
+    group's). An input that never fired (H's diagonal 0) gets its weights rounded alone."""
+    codec.check_weight(weight, name)
+    n, k = weight.shape
+    w = weight.float().clone()
+    h = h.float().clone()
+    global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1)
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    h.diagonal().add_(DAMPING * h.diagonal().mean())
+    # The upper Cholesky factor of H^-1: row i holds how column i's error spreads onto columns > i.
+    h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(n, k // codec.GROUP_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
+    for start in range(0, k, BLOCK):
+        end = min(start + BLOCK, k)
+        block, inv = w[:, start:end], h_inv[start:end, start:end]
+        errors = torch.empty_like(block)
+        for i in range(end - start):
+            column = start + i
+            if column % codec.GROUP_SIZE == 0:
+                group = column // codec.GROUP_SIZE
+                # in the weight's dtype, as codec.quantize sets them: with H = I this is round-to-nearest
+                group_weights = block[:, i : i + codec.GROUP_SIZE].to(weight.dtype)
+                scales[:, group : group + 1] = codec.compute_group_scales(group_weights, global_scale)
+                effective = scales[:, group].float() / global_scale
+            codes[:, column], rounded = _round_column(block[:, i], effective)
+            errors[:, i] = (block[:, i] - rounded) / inv[i, i]
+            block[:, i:] -= errors[:, i : i + 1] * inv[i : i + 1, i:]
+        w[:, end:] -= errors @ h_inv[start:end, end:]
+    return codec.NVFP4Weight(codec.pack_codes(codes), scales, global_scale)
+
+
+@torch.no_grad()
+def gptq_model(
+    model: nn.Module, sequences: list[torch.Tensor], ignore=DEFAULT_IGNORE, progress: bool = True
+) -> dict[str, codec.NVFP4Weight]:
+    """GPTQ of every Linear quantization_targets names, on `sequences` (token ids [1, T] each, on the model's
+    device), decoder layer by decoder layer; returns the quantized weights by module name. The model's targeted
+    weights are left holding their dequantized values (what the next layers were calibrated on)."""
+    from qerl.base_model import decoder_layers
+
+    layers = decoder_layers(model)
+    targets = set(quantization_targets(model, ignore))
+    modules = dict(model.named_modules())
+    inside = {module for layer in layers for module in layer.modules()}
+    outside = sorted(t for t in targets if modules[t] not in inside)
+    if outside:
+        raise ValueError(f"GPTQ quantizes decoder layers' Linears; these lie outside them: {', '.join(outside[:4])}")
+    scales = global_scales({name: modules[name].weight for name in targets})  # from the weights as they are
+
+    # One forward per sequence records what the model passes each layer besides the hidden states (masks and
+    # rotary tables differ between local and global layers), and the first layer's hidden states.
+    hidden: list[torch.Tensor] = []
+    extras: list[list[tuple[tuple, dict]]] = [[] for _ in layers]
+
+    def record(index):
+        def hook(_module, args, kwargs):
+            if not args:  # the hidden states passed by name
+                kwargs = dict(kwargs)
+                args = (kwargs.pop("hidden_states"),)
+            if index == 0:
+                hidden.append(args[0])
+            extras[index].append((args[1:], kwargs))
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        for ids in sequences:
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    quantized: dict[str, codec.NVFP4Weight] = {}
+    names = {module: name for name, module in modules.items()}
+    for index, layer in enumerate(tqdm(layers, desc="GPTQ", unit="layer", disable=not progress)):
+        linears = {names[m]: m for m in layer.modules() if names.get(m) in targets}
+        sums = {name: InputMoments() for name in linears}
+        handles = [module.register_forward_pre_hook(sums[name].add) for name, module in linears.items()]
+        try:
+            for h, (args, kwargs) in zip(hidden, extras[index], strict=True):
+                layer(h, *args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for name, module in linears.items():
+            q = gptq_weight(module.weight, sums[name].hessian(), scales[name], name=f"{name}.weight")
+            quantized[name] = q
+            module.weight.copy_(q.dequantize(module.weight.dtype))
+        hidden = [_hidden(layer(h, *args, **kwargs)) for h, (args, kwargs) in zip(hidden, extras[index], strict=True)]
+    return quantized
+
+
+def _hidden(output):
+    """A decoder layer's hidden states, whether it returns them alone or first in a tuple."""
+    return output[0] if isinstance(output, tuple) else output
