@@ -98,14 +98,14 @@ def gptq_weights(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qerl.base_model import load_tokenizer
+    from qerl.base_model import decoder_layers, load_tokenizer
     from qerl.nvfp4.gptq import gptq_model
 
     tokenizer = load_tokenizer(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype(args.dtype)).to(args.device).eval()
     rows = calibration_rows(args.gptq_calibration, args.gptq_rows)
     sequences = [torch.tensor([gsm8k_solution_ids(tokenizer, row)[0]], device=args.device) for row in rows]
-    return gptq_model(model, sequences, ignore=args.ignore)
+    return gptq_model(model, decoder_layers(model), sequences, ignore=args.ignore)
 
 
 def torch_dtype(name: str):

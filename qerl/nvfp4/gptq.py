@@ -7,7 +7,7 @@ moment H = 2 X^T X / n. The stored format is the same (E2M1 codes, an FP8 scale 
 global scale): any NVFP4 reader loads the result, and only the numbers differ.
 
     gptq_weight(W, H, global_scale)          one Linear, given its inputs' H
-    gptq_model(model, sequences, ignore)     every quantized Linear of a causal LM, layer after layer: each
+    gptq_model(model, layers, sequences)     every quantized Linear of a causal LM, layer after layer: each
                                              layer's H comes from the outputs of the layers before it already
                                              quantized (what the model will really feed it), as llmcompressor's
                                              sequential pipeline does
@@ -91,14 +91,15 @@ def gptq_weight(
 
 @torch.no_grad()
 def gptq_model(
-    model: nn.Module, sequences: list[torch.Tensor], ignore=DEFAULT_IGNORE, progress: bool = True
+    model: nn.Module,
+    layers: nn.ModuleList,
+    sequences: list[torch.Tensor],
+    ignore=DEFAULT_IGNORE,
+    progress: bool = True,
 ) -> dict[str, codec.NVFP4Weight]:
     """GPTQ of every Linear quantization_targets names, on `sequences` (token ids [1, T] each, on the model's
-    device), decoder layer by decoder layer; returns the quantized weights by module name. The model's targeted
-    weights are left holding their dequantized values (what the next layers were calibrated on)."""
-    from qerl.base_model import decoder_layers
-
-    layers = decoder_layers(model)
+    device), one of the model's decoder `layers` after another; returns the quantized weights by module name. The
+    model's targeted weights are left holding their dequantized values (what the next layers were calibrated on)."""
     targets = set(quantization_targets(model, ignore))
     modules = dict(model.named_modules())
     inside = {module for layer in layers for module in layer.modules()}

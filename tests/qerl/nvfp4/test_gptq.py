@@ -10,6 +10,7 @@ from checkpoint_models import QUANTIZE
 
 from benchmarks.launch import REPO
 from qerl import quantize
+from qerl.base_model import decoder_layers
 from qerl.nvfp4 import codec, gptq
 from qerl.nvfp4.checkpoint import load_nvfp4_model
 from qerl.nvfp4.quantize import quantization_targets, quantize_model
@@ -86,7 +87,7 @@ def test_every_linear_of_a_model_layer_after_layer():
         reference = [model(ids).logits for ids in sequences]
     nearest = quantize_model(copy.deepcopy(model))
     targets = quantization_targets(model)
-    quantized = gptq.gptq_model(model, sequences, progress=False)
+    quantized = gptq.gptq_model(model, decoder_layers(model), sequences, progress=False)
     assert sorted(quantized) == sorted(targets)
     modules = dict(model.named_modules())
     for name, q in quantized.items():
