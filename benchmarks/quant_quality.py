@@ -27,19 +27,21 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import time
 from typing import TYPE_CHECKING
 
 from benchmarks.launch import SHARED_GSM8K
-from qerl import data, rewards
+from qerl import data, quantize, rewards
 
 if TYPE_CHECKING:  # torch and the models load after the flags are read
     import torch
 
-_CALCULATOR = re.compile(r"<<[^>]*>>")
 DEFAULT_DATA = SHARED_GSM8K / "train.jsonl"
+
+
+def _question_alone(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
 
 
 def read_gsm8k(path: str, limit: int, offset: int = 0) -> list[dict]:
@@ -86,13 +88,7 @@ def token_logprobs(model, sequences: list[tuple[list[int], int]], pad: int, batc
 def teacher_forced(bf16, nvfp4, tokenizer, rows: list[dict], batch_size: int) -> dict:
     import torch
 
-    sequences = []
-    for row in rows:
-        prompt = [{"role": "user", "content": row["question"]}]
-        answer = _CALCULATOR.sub("", row["answer"])
-        start = len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"])
-        full = tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": answer}])["input_ids"]
-        sequences.append((full, start))
+    sequences = [quantize.gsm8k_solution_ids(tokenizer, row, prompt=_question_alone) for row in rows]
     pad = tokenizer.pad_token_id
     per_seq = {"kl": [], "top1": [], "nll_bf16": [], "nll_nvfp4": []}
     tokens = 0
@@ -188,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--nvfp4", help="its NVFP4 quantization")
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="GSM8K JSONL (question, answer)")
     parser.add_argument("--solutions", type=int, default=200, help="reference solutions, teacher-forced")
-    parser.add_argument("--prompts", type=int, default=128, help="prompts sampled from each policy")
+    parser.add_argument("--prompts", type=int, default=128, help="prompts sampled from each policy (0: none)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--aqn-sigma", type=float, default=1e-2, help="AQN noise of the extra NVFP4 row (0: none)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -221,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True)["input_ids"] for p in prompts]
         answers = [rewards.gsm8k_gold(row["answer"]) for row in rows]
         runs = [("bf16", 0.0), ("nvfp4", 0.0)] + ([("nvfp4", args.aqn_sigma)] if args.aqn_sigma > 0 else [])
+        runs = runs if prompt_ids else []  # --prompts 0: teacher-forced only
         policies = {}
         for name, sigma in runs:
             label = name if sigma == 0 else f"{name}+aqn"
@@ -242,8 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{f_['top1']:.1%} ± {f_['top1_ci95']:.1%}; perplexity BF16 {f_['ppl_bf16']:.2f}, "
         f"NVFP4 {f_['ppl_nvfp4']:.2f}"
     )
-    print(f"sampled at temperature 1, {len(prompt_ids)} GSM8K prompts (gsm8k_hash), {args.max_new_tokens} new tokens:")
-    print(f"  {'policy':<12} {'entropy (nats/token)':>22} {'length':>8} {'rewarded':>9} {'truncated':>10}")
+    if policies:
+        print(f"sampled at temperature 1, {len(prompt_ids)} GSM8K prompts (gsm8k_hash), {args.max_new_tokens} tokens:")
+        print(f"  {'policy':<12} {'entropy (nats/token)':>22} {'length':>8} {'rewarded':>9} {'truncated':>10}")
     for label, r in policies.items():
         print(
             f"  {label:<12} {r['entropy']:>12.3f} ± {r['entropy_ci95']:.3f}  {r['length']:>8.1f} "

@@ -126,7 +126,7 @@ def gptq_model(
 
     handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
-        for ids in sequences:
+        for ids in tqdm(sequences, desc="GPTQ calibration inputs", unit="sequence", disable=not progress):
             model(input_ids=ids, use_cache=False)
     finally:
         for handle in handles:
