@@ -148,7 +148,7 @@ class KVCache:
         for name in ("k", "v", "k_scale", "v_scale"):
             full = getattr(self, name)
             if full is not None:
-                for layer in full:
+                for layer in _bytes(full):
                     layer[:n] = layer.index_select(0, rows)
                 setattr(kept, name, full[:, :n])
         return kept
@@ -159,7 +159,7 @@ class KVCache:
         for name in ("k", "v", "k_scale", "v_scale"):
             full = getattr(self, name)
             if full is not None:
-                for layer in full:
+                for layer in _bytes(full):
                     layer[targets, :length] = layer[sources, :length]
 
     def read(self, i: int, rows: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +170,11 @@ class KVCache:
             dequantize_reference(k, self.k_scale[i][rows, :length], self.model_dtype),
             dequantize_reference(v, self.v_scale[i][rows, :length], self.model_dtype),
         )
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 codes as bytes, for row copies (indexing kernels need not know FP8 dtypes); other tensors as they are."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
 def resolve(name: str) -> bool:
