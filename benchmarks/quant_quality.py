@@ -104,7 +104,7 @@ def teacher_forced(bf16, nvfp4, tokenizer, rows: list[dict], batch_size: int) ->
         per_seq["nll_bf16"].append(-p.gather(-1, target[:, None]).mean().item())
         per_seq["nll_nvfp4"].append(-q.gather(-1, target[:, None]).mean().item())
         tokens += len(target)
-    result = {"sequences": len(sequences), "tokens": tokens}
+    result = {"sequences": len(sequences), "tokens": tokens, "per_sequence": per_seq}
     for key, values in per_seq.items():
         result[key], result[f"{key}_ci95"] = mean_ci(values)
     for name in ("bf16", "nvfp4"):  # perplexity of the per-sequence mean NLL, as exp of its mean
