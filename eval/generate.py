@@ -48,17 +48,9 @@ def generate(spec: ModelSpec, prompts: list[list[dict]], sampling: Sampling) -> 
 def _backend(spec: ModelSpec, sampling: Sampling, tokenizer, policy, name: str):
     """The engine `name` on the checkpoint (vllm) or on the policy (`policy()`: loaded once, should auto fall back from
     one engine on it to another)."""
-    from transformers import GenerationConfig
-
     from qerl import rollout
 
-    config = GenerationConfig(
-        do_sample=sampling.do_sample,
-        temperature=sampling.temperature if sampling.do_sample else None,
-        top_p=sampling.top_p,
-        top_k=0,
-        max_new_tokens=sampling.max_new_tokens,
-    )
+    config = generation_config(sampling)
     eos, pad = generation_eos(spec.model, tokenizer), tokenizer.pad_token_id
     if name == "vllm":  # the whole card but what its graphs need: nothing else of the evaluation is on it
         settings = rollout.VLLMSettings(gpu_memory_utilization=0.85, sleep=False, seed=sampling.seed)
@@ -73,6 +65,20 @@ def _backend(spec: ModelSpec, sampling: Sampling, tokenizer, policy, name: str):
             transformers=rollout.TransformersSettings(batch_size=spec.batch_size),
         )
     return rollout.build_backend(name, setup)
+
+
+def generation_config(sampling: Sampling):
+    """The GenerationConfig of `sampling`: top_k 0 (none) when sampling, as the reference samples; greedy decoding
+    sets no sampling flag (transformers warns of each one set beside do_sample False)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=sampling.do_sample,
+        temperature=sampling.temperature if sampling.do_sample else None,
+        top_p=sampling.top_p,
+        top_k=0 if sampling.do_sample else None,
+        max_new_tokens=sampling.max_new_tokens,
+    )
 
 
 def _policy(spec: ModelSpec):

@@ -56,7 +56,9 @@ class TransformersRollout(RolloutBackend):
         config = GenerationConfig.from_dict(setup.generation_config.to_dict())
         self.warpers = sampling_warpers(config)
         # The warpers run in SampledTokenLogprobs; neutral values here keep generate() from applying them twice.
-        config.update(temperature=1.0, top_k=0, top_p=1.0, min_p=None)
+        # Greedy decoding applies none, and transformers warns of sampling flags set beside do_sample False.
+        if config.do_sample:
+            config.update(temperature=1.0, top_k=0, top_p=1.0, min_p=None)
         self.generation_config = config
 
     def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:

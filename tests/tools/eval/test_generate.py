@@ -3,11 +3,13 @@ rollout engines training uses, seeded, and auto falling back where the native en
 
 import json
 
+import pytest
 import torch
 from eval_runs import _eval
 from peft import LoraConfig, get_peft_model
 
 from eval import gsm8k
+from eval.protocols import PROTOCOLS, Sampling
 from qerl.base_model import load_base_model
 
 
@@ -76,3 +78,20 @@ def test_native_backend_runs_on_the_policy_and_auto_falls_back_as_training_does(
     _, rows = _eval(gsm8k, [*argv, "--protocol", "greedy"], tmp_path / "auto.jsonl")
     assert [r["completion"] for r in rows] == greedy["transformers"]
     assert "eval: the native engine cannot run this model; using transformers" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_each_protocol_sets_no_flag_its_decoding_ignores(checkpoints, protocol):
+    """transformers warns of a sampling flag set beside greedy decoding ("The following generation flags are not
+    valid and may be ignored: ['top_k']"): neither the protocol's config nor the one the transformers backend runs
+    carries one (strict validation raises on what would be warned)."""
+    from eval.generate import ModelSpec, _backend, generation_config
+    from qerl.base_model import load_tokenizer
+
+    _, nvfp4_dir = checkpoints
+    sampling = Sampling.of(PROTOCOLS[protocol], 4, 0)
+    generation_config(sampling).validate(strict=True)
+    spec = ModelSpec(nvfp4_dir, "auto", None, "cpu", rollout_backend="transformers")
+    policy = lambda: load_base_model(nvfp4_dir, device="cpu")  # noqa: E731
+    backend = _backend(spec, sampling, load_tokenizer(nvfp4_dir), policy, "transformers")
+    backend.generation_config.validate(strict=True)
