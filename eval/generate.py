@@ -86,8 +86,11 @@ def _policy(spec: ModelSpec):
     from peft import PeftModel
 
     from qerl.base_model import load_base_model
+    from qerl.dense_weights import DenseWeights
 
     model = load_base_model(spec.model, precision=spec.load, device=spec.device)
+    if model.device.type == "cpu":  # decoded once, as training samples on the CPU (QeRLTrainer._generate_single_turn)
+        DenseWeights(model).materialize()
     if spec.adapter:
         model = PeftModel.from_pretrained(model, spec.adapter)
     return model.eval()

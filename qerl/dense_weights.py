@@ -7,7 +7,8 @@ launch-bound already (docs/benchmarks.md, "The whole step, phase by phase"). The
 the trainer decodes them once after each rollout (`materialize`), the passes read the copies through F.linear as a
 BF16 base's passes read theirs (same dequantization, same GEMM: the same numbers as the per-call path above 64 rows),
 and the copies go before the next rollout (`release`), so the engine's KV cache gets its memory back and the rollout
-still samples from the 4-bit weights.
+still samples from the 4-bit weights. On the CPU, where an NVFP4 linear is this very dequantization then F.linear, the
+copies stay for the rollout too (QeRLTrainer._generate_single_turn): the same numbers, no decoding at every token.
 
 The copy costs 2 bytes per frozen weight while the passes run: 2.6 GB at Qwen2.5-1.5B, 13 GB at 7B, 62 GB at 32B.
 `enabled=None` (auto) takes it when it is at most AUTO_SHARE of the memory available after the round (the device's
