@@ -1,5 +1,6 @@
 """The trainer's callbacks (transformers' TrainerCallback): each log line to metrics.jsonl, the model's EOS ids
-kept as its configs had them, and a one-line progress report for the demo. Apart from the trainer, as TRL keeps its
+kept as its configs had them, and a readable line per logging step for qerl.train and the demo (with the closing
+lines both print: where the outputs are and how to evaluate the adapter). Apart from the trainer, as TRL keeps its
 callbacks.py.
 """
 
@@ -11,6 +12,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 from transformers import TrainerCallback
 
@@ -78,22 +80,41 @@ class KeepModelEos(TrainerCallback):
 
 
 class CompactProgress(TrainerCallback):
-    """One line every `every` steps (mean reward and entropy since the last line, sigma, time so far) instead of the
-    full log dict of every step; every step still goes to metrics.jsonl."""
+    """A readable line every `every` steps instead of the trainer's dict of every logged key (every key still goes to
+    metrics.jsonl): the step, the means since the last line of the reward, of the share of completions cut at
+    max_completion_length and of the token entropy, AQN's sigma, seconds per step and the time so far. `say` writes
+    the line (print, a logger's info)."""
 
-    def __init__(self, every: int, prefix: str = "[demo]"):
-        self.every, self.prefix, self.start, self.window = max(every, 1), prefix, time.time(), []
+    def __init__(self, every: int = 1, say: Callable[[str], object] = print):
+        self.every, self.say, self.window = max(every, 1), say, []
+        self.start = self.last_time = time.time()
+        self.last_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = self.last_time = time.time()
+        self.last_step = state.global_step  # a resumed run's first step time counts from its checkpoint
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "reward" not in logs:
+        if not state.is_world_process_zero or not logs or "reward" not in logs:
             return
         self.window.append(logs)
         if state.global_step % self.every == 0 or state.global_step == state.max_steps:
             mean = lambda key: statistics.fmean(row.get(key, 0.0) for row in self.window)  # noqa: E731
-            print(
-                f"{self.prefix} step {state.global_step:4d}/{state.max_steps}  reward {mean('reward'):.3f}  "
-                f"entropy {mean('entropy'):.3f}  sigma {logs.get('aqn/sigma', 0.0):.1e}  "
-                f"({time.time() - self.start:.0f} s)",
-                flush=True,
+            now = time.time()
+            per_step = (now - self.last_time) / max(state.global_step - self.last_step, 1)
+            self.say(
+                f"step {state.global_step:4d}/{state.max_steps}  reward {mean('reward'):.3f}  "
+                f"truncated {mean('completions/clipped_ratio'):4.0%}  entropy {mean('entropy'):.3f}  "
+                f"sigma {logs.get('aqn/sigma', 0.0):.1e}  {per_step:.1f} s/step  ({now - self.start:.0f} s)"
             )
-            self.window = []
+            self.window, self.last_time, self.last_step = [], now, state.global_step
+
+
+def say_outputs(say: Callable[[str], object], metrics: str, plot: str | None, adapter: str, base: str, command: str):
+    """The closing lines of a run (qerl.train, the demo): where its metrics, plot and adapter are, and the command
+    that evaluates the adapter, on a line of its own to run as printed."""
+    say(f"metrics: {metrics}")
+    if plot is not None:
+        say(f"plot:    {plot}")
+    say(f"adapter: {adapter} (on the base {base}); evaluate it with")
+    say(f"  {command}")

@@ -24,6 +24,7 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qerl import rewards
@@ -44,6 +45,8 @@ GSM8K_HASH_INSTRUCTION = (
 )  # verbatim from the reference's first commit, appended to the question after a space
 
 MAX_PROMPT_CHARS = 1024  # the reference drops longer Big-Math / DAPO prompts
+# GSM8K rows a clone carries (MIT licensed): train_sample.jsonl (256 training rows), test_sample.jsonl (128 test rows)
+GSM8K_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k"
 
 
 @dataclass(frozen=True)

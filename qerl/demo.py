@@ -25,16 +25,15 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from qerl import cli
+from qerl.data import GSM8K_DATA
 from qerl.errors import UsageError
 from qerl.field_rules import ROLLOUT_BACKENDS
 
 # torch, transformers and the trainer are imported after the flags are read: --help answers at once.
 
 MAX_OPERAND = 20
-GSM8K_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k"  # shipped with the checkout
 
 
 def say(message: str) -> None:
@@ -294,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import PrinterCallback
 
     from qerl import plotting
-    from qerl.callbacks import CompactProgress
+    from qerl.callbacks import CompactProgress, say_outputs
     from qerl.trainer import QeRLTrainer
 
     cuda = torch.cuda.is_available()
@@ -311,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
         setup.base, setup.reward_funcs, args=config, train_dataset=setup.problems, processing_class=setup.tokenizer
     )
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(CompactProgress(every=max(args.rl_steps // 20, 1)))
+    trainer.add_callback(CompactProgress(every=max(args.rl_steps // 20, 1), say=say))
     trainer.train()
     if real:
         say("3/3 saving the adapter, the metrics and the plot")
@@ -333,10 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
                "eval": f"{setup.eval_hint} --adapter {adapter_dir}"}  # fmt: skip
     say(f"mean reward, first tenth of steps {first:.3f} -> last tenth {last:.3f} ({last - first:+.3f}) in "
         f"{summary['seconds']:.0f} s")  # fmt: skip
-    say(f"metrics: {summary['metrics']}")
-    say(f"plot:    {summary['plot']}")
-    say(f"adapter: {summary['adapter']} (on the NVFP4 base {summary['base']}); evaluate it with")
-    say(f"  {summary['eval']}")
+    say_outputs(say, summary["metrics"], summary["plot"], summary["adapter"], summary["base"], summary["eval"])
     return summary
 
 
