@@ -32,6 +32,7 @@ class Benchmark:
     formats: dict[str, PromptFormat]
     default_data: str
     builtin: dict[str, Callable] = field(default_factory=dict)
+    local_rows: str | None = None  # a file of the same rows that a clone carries, named when the hub is out of reach
 
     def rows(
         self, data: str, split: str | None, prompt_format: PromptFormat, limit: int | None

@@ -81,6 +81,8 @@ def _check_out(path: str) -> None:
 
 def _check_data(benchmark: Benchmark, data: str) -> None:
     columns = input_checks.check_dataset(data, [*benchmark.datasets, *benchmark.builtin], "--data")
+    if data in benchmark.datasets:
+        input_checks.check_hub_dataset(benchmark.datasets[data][0], "--data", data, benchmark.local_rows)
     if columns is None:
         return
     questions, gold = benchmark.columns

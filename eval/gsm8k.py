@@ -70,6 +70,7 @@ BENCHMARK = Benchmark(
     },
     default_data="gsm8k",
     builtin={"arithmetic": _arithmetic},
+    local_rows=str(data.GSM8K_DATA / "test_sample.jsonl"),
 )
 
 

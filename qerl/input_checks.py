@@ -223,6 +223,42 @@ def require_columns(path: str, columns: list[str], needed: Iterable[str], what: 
         )
 
 
+HUB_TIMEOUT = 2.0  # seconds the hub has to answer before a dataset on it is called out of reach
+
+
+def check_hub_dataset(repo_id: str, flag: str, name: str, local_rows: str | os.PathLike | None = None) -> None:
+    """A dataset of the Hugging Face hub that can load: the hub answers within HUB_TIMEOUT, or `datasets` has it cached.
+    Else one line naming `flag FILE` (and `local_rows`, the same kind of rows a clone carries), instead of datasets'
+    ~30 s of retries and its traceback."""
+    import httpx
+    from datasets import config
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    try:
+        HfApi(endpoint=config.HF_ENDPOINT).dataset_info(repo_id, timeout=HUB_TIMEOUT)
+        return
+    except HfHubHTTPError:
+        return  # the hub answered (a gated or missing dataset): datasets says what it says
+    except OfflineModeIsEnabled:
+        why = "HF_HUB_OFFLINE is set"
+    except httpx.TransportError as err:  # no connection, no name resolution, no answer in time
+        why = f"no answer from {config.HF_ENDPOINT} within {HUB_TIMEOUT:g} s: {one_line(err) or type(err).__name__}"
+    cached = Path(config.HF_DATASETS_CACHE) / "___".join(repo_id.split("/"))  # where datasets keeps what it loaded
+    if any(path.is_dir() for path in cached.glob("*/*/*")):
+        return
+    instead = f"{flag} FILE (a local {' / '.join(DATA_EXTENSIONS)} file)"
+    if local_rows is not None:
+        relative = os.path.relpath(local_rows)  # as typed from the clone's root; a path from elsewhere
+        instead += (
+            f", such as the rows this clone carries: {flag} {local_rows if relative.startswith('..') else relative}"
+        )
+    raise UsageError(
+        f"{flag} {name}: {repo_id} is on the Hugging Face hub, which is out of reach ({why}), and not in the datasets "
+        f"cache; pass {instead}"
+    )
+
+
 def check_dataset(name: str, known: Sequence[str], flag: str) -> list[str] | None:
     """A dataset name: one of `known` (None), or a local data file, whose column names are returned. A name that is
     neither and cannot be a path (no such file, no data file extension, no folder in it) is refused, with the nearest

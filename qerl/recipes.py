@@ -10,9 +10,10 @@ import argparse
 import glob
 import json
 import os
+import sys
 import textwrap
 from collections.abc import Callable
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import yaml
@@ -62,6 +63,24 @@ FLAG_TABLE = Path(__file__).with_name("train_flags.json")
 RECIPES = Path(__file__).resolve().parents[1] / "configs"  # in a checkout; the short --help says what they set
 # What the table was made with: another version of either makes other flags.
 MADE_WITH = ("trl", "transformers")
+
+
+def installed(name: str) -> str | None:
+    """The installed version of the distribution `name`, or None."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def check_installed() -> None:
+    """A run needs TRL and transformers (--help does not: the table describes their flags)."""
+    missing = [name for name in MADE_WITH if installed(name) is None]
+    if missing:
+        raise UsageError(
+            f"{' and '.join(missing)} not installed in this Python ({sys.executable}): `make setup` (or `pip install "
+            "-e .`) installs QeRL with its dependencies"
+        )
 
 
 def _boolean(text: str) -> bool:
@@ -157,9 +176,10 @@ def table(flags: list[dict]) -> str:
 
 def build_parser(live: Callable[[], list[dict]]) -> RecipeParser:
     """The parser from the flag table; from `live()` (TRL's parser described now: seconds, as it imports TRL and
-    torch) where TRL or transformers is not the version the table was made with."""
+    torch) where TRL or transformers is another version than the table was made with. Where one is not installed
+    the table is all there is: --help answers, a run is refused (check_installed)."""
     written = json.loads(FLAG_TABLE.read_text())
-    current = all(version(name) == made for name, made in written["made_with"].items())
+    current = all(installed(name) in (made, None) for name, made in written["made_with"].items())
     return RecipeParser(written["flags"] if current else live())
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 import warnings
 from dataclasses import dataclass, field, fields
@@ -112,9 +113,9 @@ def build_parser() -> recipes.RecipeParser:
     return recipes.build_parser(flag_table)
 
 
-def read_settings(argv: list[str] | None = None) -> dict:
-    """The settings of a run, flags over recipe over defaults, checked against field_rules; nothing heavy imported.
-    -h/--help prints the short help, --help-all every flag, and exits."""
+def read_settings(argv: list[str] | None = None) -> tuple[dict, set[str]]:
+    """The settings of a run, flags over recipe over defaults, checked against field_rules, and the names of those
+    given as flags; nothing heavy imported. -h/--help prints the short help, --help-all every flag, and exits."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -150,15 +151,61 @@ def read_settings(argv: list[str] | None = None) -> dict:
         # The rollout engine's context: the longest prompt kept plus a full completion (the reference's
         # max_seq_length), rather than the model's whole context window.
         settings["vllm_max_model_length"] = settings["max_prompt_length"] + settings["max_completion_length"]
-    return settings
+    return settings, given
+
+
+# `--help`'s "float32 for CPU runs": BF16 matmuls are slow on a CPU without native BF16 (a SmolLM2 step 10x slower).
+CPU_SETTINGS = {"use_cpu": True, "bf16": False, "dtype": "float32"}
+# transformers' bitsandbytes optimizers (trainer_optimizer._BITSANDBYTES_OPTIMIZERS, pinned in tests/qerl/test_train.py)
+BITSANDBYTES_OPTIMIZERS = (
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "ademamix", "ademamix_8bit",
+    "paged_ademamix_32bit", "paged_ademamix_8bit", "lion_32bit", "lion_8bit", "paged_lion_32bit", "paged_lion_8bit",
+    "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
+)  # fmt: skip
+# Of those, the AdamW ones: torch's AdamW makes the same update, with FP32 moments.
+BITSANDBYTES_ADAMW = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
+
+
+def fit_the_machine(settings: dict, given: set[str]) -> None:
+    """Settings a recipe chose for a GPU machine with bitsandbytes, fitted to this one where the flags leave them open,
+    each change said in one line: without CUDA (or with --use-cpu True) the CPU settings; without bitsandbytes,
+    torch's AdamW for the recipes' 8-bit one. What the flags ask for and this machine cannot do is one line."""
+    import torch
+    from transformers.utils import is_bitsandbytes_available
+
+    cuda = torch.cuda.is_available()
+    if settings["use_cpu"] or not cuda:
+        taken = {name: value for name, value in CPU_SETTINGS.items() if name not in given and settings[name] != value}
+        settings.update(taken)
+        if taken:
+            flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in taken.items())
+            where = "" if cuda else " (no CUDA device here)"
+            logger.warning("training on the CPU%s: taking %s (give a flag to choose otherwise)", where, flags)
+        if settings["bf16"] and not settings["use_cpu"]:  # both given: transformers would say "assign use_cpu"
+            raise UsageError("--bf16 True --use-cpu False: no CUDA device here; pass --use-cpu True or --bf16 False")
+    optim = settings["optim"]
+    if optim in BITSANDBYTES_OPTIMIZERS and not is_bitsandbytes_available():
+        if "optim" in given or optim not in BITSANDBYTES_ADAMW:
+            raise UsageError(
+                f"--optim {optim} needs bitsandbytes, which is not installed here: pip install bitsandbytes, or "
+                "pass --optim adamw_torch"
+            )
+        settings["optim"] = "adamw_torch"
+        logger.warning(
+            "bitsandbytes is not installed: taking --optim adamw_torch for the recipe's %s (the same AdamW update, "
+            "FP32 moments; pip install bitsandbytes for the 8-bit one)",
+            optim,
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRLConfig]:
-    settings = read_settings(argv)
+    settings, given = read_settings(argv)
     if not settings["model_name"]:
         raise UsageError("--model-name is required (a checkpoint folder or hub id)")
+    recipes.check_installed()
     if settings["deepspeed"]:  # TrainingArguments' own --deepspeed, beside accelerate's DeepSpeed configs
         cli.allow_deepspeed()
+    fit_the_machine(settings, given)
     from qerl.config import QeRLConfig
 
     own = {f.name for f in fields(QeRLScriptArguments)}
@@ -173,10 +220,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[QeRLScriptArguments, QeRL
     return script_args, config
 
 
-def _check_dataset(name: str, dataset_format: str) -> None:
+def _check_dataset(name: str, dataset_format: str) -> str:
+    """The dataset's format, once its name, its columns or its hub's reach are checked."""
     columns = input_checks.check_dataset(name, data.KNOWN_DATASETS, "--dataset")
+    if name in data.HUB_DATASETS:
+        source = data.HUB_DATASETS[name]
+        rows = data.GSM8K_DATA / "train_sample.jsonl" if source.path == "openai/gsm8k" else None
+        input_checks.check_hub_dataset(source.path, "--dataset", name, rows)
+        return source.format
     if columns is None:
-        return
+        return name  # built in
     fmt = dataset_format
     if fmt == "auto":
         try:
@@ -184,10 +237,12 @@ def _check_dataset(name: str, dataset_format: str) -> None:
         except ValueError as err:
             raise UsageError(str(err)) from None
     input_checks.require_columns(name, columns, data.FORMAT_COLUMNS[fmt], f"format {fmt!r}")
+    return fmt
 
 
-def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
-    """Every check that needs no model or dataset loaded, so that a mistake costs seconds, not a 7B load."""
+def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> str:
+    """Every check that needs no model or dataset loaded, so that a mistake costs seconds, not a 7B load. Returns the
+    dataset's format (data.FORMAT_COLUMNS)."""
     if os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
         raise UsageError(f"--output-dir {config.output_dir}: is a file")
     input_checks.check_model(script_args.model_name, "--model-name")
@@ -204,7 +259,7 @@ def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> None:
         )
     if script_args.long_prompts not in data.LONG_PROMPTS:
         raise UsageError(f"--long-prompts {script_args.long_prompts!r}: use one of {', '.join(data.LONG_PROMPTS)}")
-    _check_dataset(script_args.dataset, script_args.dataset_format)
+    return _check_dataset(script_args.dataset, script_args.dataset_format)
 
 
 def prompts_and_rewards(script_args: QeRLScriptArguments, config: QeRLConfig, tokenizer):
@@ -250,14 +305,57 @@ def build_trainer(script_args: QeRLScriptArguments, config: QeRLConfig, model=No
     return QeRLTrainer(model, reward_funcs, args=config, train_dataset=train_dataset, processing_class=tokenizer)
 
 
+def eval_command(script_args: QeRLScriptArguments, config: QeRLConfig, task_format: str) -> str:
+    """The command that scores the run's adapter greedily at its completion cap, on held-out problems of its task,
+    asked as it was trained: GSM8K's test set (the hub's, or the rows a clone carries when the run trained on a local
+    file), competition math (MATH-500) for Big-Math and DAPO-Math, the arithmetic task's own problems."""
+    if task_format in ("bigmath", "dapomath"):
+        argv = ["python", "-m", "eval.competition_math"]
+    else:
+        argv = ["python", "-m", "eval.gsm8k"]
+        if task_format == "arithmetic":
+            argv += ["--data", "arithmetic"]
+        elif script_args.dataset not in data.HUB_DATASETS:
+            argv += ["--data", str(data.GSM8K_DATA / "test_sample.jsonl")]
+        if task_format in ("gsm8k_hash", "gsm8k_lenient"):
+            argv += ["--format", "gsm8k_hash"]
+    model = script_args.model_name
+    model = os.path.abspath(model) if os.path.isdir(model) else model  # a hub id stays one
+    argv += ["--protocol", "greedy", "--max-new-tokens", str(config.max_completion_length), "--model", model]
+    return shlex.join([*argv, "--adapter", os.path.abspath(config.output_dir)])
+
+
+def report(script_args: QeRLScriptArguments, config: QeRLConfig, task_format: str) -> None:
+    """The run's closing lines, as the demo's: the metrics (plotted beside them), the adapter, the eval command."""
+    from qerl import plotting
+    from qerl.callbacks import say_outputs
+
+    metrics, plot = os.path.abspath(os.path.join(config.output_dir, "metrics.jsonl")), None
+    if not config.metrics_jsonl:
+        metrics = "not written (--metrics-jsonl false)"
+    elif plotting.read_metrics(metrics):
+        title = f"qerl.train: {os.path.basename(os.path.normpath(script_args.model_name))}, {script_args.dataset}"
+        plot = plotting.plot_metrics(metrics, metrics.replace("metrics.jsonl", "metrics.png"), title=title)
+    adapter = os.path.abspath(config.output_dir)
+    say_outputs(print, metrics, plot, adapter, script_args.model_name, eval_command(script_args, config, task_format))
+
+
 def main(argv: list[str] | None = None) -> QeRLTrainer:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     script_args, config = parse_args(argv)
-    validate(script_args, config)
+    task_format = validate(script_args, config)
     lock = RunLock(config.output_dir) if config.process_index == 0 else None  # the other ranks share rank 0's
     resume = prepare_output_dir(config, script_args.model_name, script_args.overwrite_output_dir, lock)
     try:
         trainer = build_trainer(script_args, config)
+        from transformers import PrinterCallback, ProgressCallback
+
+        from qerl.callbacks import CompactProgress
+
+        # A line per logging step instead of transformers' progress bar and dict of every key (metrics.jsonl has them).
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(CompactProgress(say=logger.info))
         try:
             trainer.train(resume_from_checkpoint=resume)
         except KeyboardInterrupt:
@@ -275,6 +373,8 @@ def main(argv: list[str] | None = None) -> QeRLTrainer:
         # unjoined on one rank ("terminate called without an active exception", exit -6) after a finished run.
         trainer.accelerator.wait_for_everyone()
         torch.distributed.destroy_process_group()
+    if config.process_index == 0:
+        report(script_args, config, task_format)
     return trainer
 
 
