@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from qerl.nvfp4 import DEFAULT_IGNORE, codec
-from qerl.nvfp4.quantize import global_scales, quantization_targets
+from qerl.nvfp4.quantize import fused_siblings, global_scales, quantization_targets
 
 BLOCK = 128  # columns updated together (a multiple of the group size, so no group straddles two blocks)
 DAMPING = 0.01  # added to H's diagonal, as a share of its mean: keeps the Cholesky factorisation well posed
@@ -136,8 +136,10 @@ def gptq_model(
     names = {module: name for name, module in modules.items()}
     for index, layer in enumerate(tqdm(layers, desc="GPTQ", unit="layer", disable=not progress)):
         linears = {names[m]: m for m in layer.modules() if names.get(m) in targets}
-        sums = {name: InputMoments() for name in linears}
-        handles = [module.register_forward_pre_hook(sums[name].add) for name, module in linears.items()]
+        # Fused siblings (q/k/v, gate/up) read the same input: one sum serves the group.
+        reader = {name: next(m for m in fused_siblings(name) if m in linears) for name in linears}
+        sums = {name: InputMoments() for name in set(reader.values())}
+        handles = [linears[name].register_forward_pre_hook(moments.add) for name, moments in sums.items()]
         try:
             for h, (args, kwargs) in zip(hidden, extras[index], strict=True):
                 layer(h, *args, **kwargs)
@@ -145,7 +147,7 @@ def gptq_model(
             for handle in handles:
                 handle.remove()
         for name, module in linears.items():
-            q = gptq_weight(module.weight, sums[name].hessian(), scales[name], name=f"{name}.weight")
+            q = gptq_weight(module.weight, sums[reader[name]].hessian(), scales[name], name=f"{name}.weight")
             quantized[name] = q
             module.weight.copy_(q.dequantize(module.weight.dtype))
         hidden = [_hidden(layer(h, *args, **kwargs)) for h, (args, kwargs) in zip(hidden, extras[index], strict=True)]
