@@ -259,7 +259,7 @@ class NativeEngine:
             )
         position = {row: i for i, row in enumerate(distinct)}  # distinct row -> its index in last_hidden
         index = torch.tensor([position[src] for src in source], device=device)
-        return self.sampler(d.logits(torch.cat(last_hidden)[index]))
+        return self.sampler(d.logits(torch.cat(last_hidden))[index])  # each row draws its own token
 
 
 def _window_masks(windows: set[int], length: int, device) -> dict[int, torch.Tensor]:
