@@ -67,7 +67,8 @@ def gptq_weight(
     h[dead, dead] = 1.0
     h.diagonal().add_(DAMPING * h.diagonal().mean())
     # The upper Cholesky factor of H^-1: row i holds how column i's error spreads onto columns > i.
-    h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    identity = torch.eye(k, dtype=h.dtype, device=h.device)
+    h_inv = torch.linalg.cholesky(torch.cholesky_solve(identity, torch.linalg.cholesky(h)), upper=True)
     codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     scales = torch.empty(n, k // codec.GROUP_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
     for start in range(0, k, BLOCK):
