@@ -154,7 +154,7 @@ def read_settings(argv: list[str] | None = None) -> tuple[dict, set[str]]:
     return settings, given
 
 
-# `--help`'s "float32 for CPU runs": BF16 matmuls are slow on a CPU without native BF16 (a SmolLM2 step 10x slower).
+# `--help`'s "float32 for CPU runs": BF16 matmuls are slow on a CPU without native BF16.
 CPU_SETTINGS = {"use_cpu": True, "bf16": False, "dtype": "float32"}
 # transformers' bitsandbytes optimizers (trainer_optimizer._BITSANDBYTES_OPTIMIZERS, pinned in tests/qerl/test_train.py)
 BITSANDBYTES_OPTIMIZERS = (
