@@ -1,8 +1,9 @@
 """Which 4-bit base of a model is closest to its BF16 base (issue 49 item 3c), before any of them is trained on:
 several NVFP4 quantizations of one model side by side, on GSM8K train rows none was calibrated on.
 
-    python -m experiments.base_quality --bf16 ckpt/M --base rtn=ckpt/M-nvfp4 --base gptq=ckpt/M-gptq \\
-        [--data ../shared/data/gsm8k/train.jsonl] [--solutions 200] [--prompts 128] [--name M]
+    python -m experiments.base_quality --bf16 ckpt/M --base rtn=ckpt/M-nvfp4 --base gptq=ckpt/M-gptq --prompts 128
+
+--data: GSM8K's train split (default: ../shared/data/gsm8k/train.jsonl beside the checkout).
 
 Teacher-forced on the first --solutions train solutions (benchmarks.quant_quality.teacher_forced): each base's
 KL(BF16 || base) per token, top-1 agreement and perplexity with 95% t intervals over sequences, and every base

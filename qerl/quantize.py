@@ -7,13 +7,14 @@ well under 24 GiB of RAM, on the CPU or a GPU (--device cuda), into the bytes an
 writes (its own oneshot as the quantizer: llm-compressor/quantize_nvfp4.py --backend llmcompressor). The output
 appears only when complete: the work happens in a hidden sibling folder that is renamed into place at the end.
 
-    python -m qerl.quantize --model ckpt/qwen2.5-coder-1.5b-instruct --output ckpt/qwen15-gptq --device cuda \
-        --gptq-calibration ../shared/data/gsm8k/train.jsonl
+    python -m qerl.quantize --model ckpt/qwen2.5-coder-1.5b-instruct --output ckpt/qwen15-gptq --device cuda \\
+        --gptq-calibration tests/data/gsm8k/train_sample.jsonl
 
 rounds with GPTQ instead of to nearest (qerl/nvfp4/gptq.py): each Linear's rounding error is moved onto the inputs
 not yet rounded, so that its outputs on the calibration text change least. The calibration text is the last
---gptq-rows solutions of a GSM8K JSONL (the train split: never the rows a model is scored on), each as a chat in
-the recipes' gsm8k_hash format. This path holds the whole BF16 model in memory on --device.
+--gptq-rows solutions of a GSM8K JSONL (the train split, never the rows a model is scored on: the whole split where
+there is one, such as ../shared/data/gsm8k/train.jsonl beside a checkout), each as a chat in the recipes'
+gsm8k_hash format. This path holds the whole BF16 model in memory on --device.
 """
 
 from __future__ import annotations
