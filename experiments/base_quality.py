@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from qerl import base_model
 
-    start = time.time()
+    start, commit = time.time(), current_commit()  # the code that runs, whatever is committed meanwhile
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     tokenizer = base_model.load_tokenizer(args.bf16)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "name": args.name or args.bf16.rstrip("/").rsplit("/", 1)[-1],
         "card": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-        "commit": current_commit(),
+        "commit": commit,
         "command": "python -m experiments.base_quality " + " ".join(sys.argv[1:] if argv is None else argv),
         "data": args.data,
         "solutions": args.solutions,
