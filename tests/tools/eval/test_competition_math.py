@@ -9,6 +9,7 @@ from eval_runs import _eval
 
 from eval import cli as eval_cli
 from eval import competition_math
+from qerl import input_checks
 
 
 def test_math_eval_on_a_local_file_scores_boxed_answers(checkpoints, tmp_path, monkeypatch):
@@ -58,11 +59,13 @@ def test_math_eval_named_competition_sets(checkpoints, tmp_path, monkeypatch, na
         return datasets.Dataset.from_list(rows)
 
     monkeypatch.setattr(datasets, "load_dataset", hub)
+    checked = []  # the hub's reachability check answers as a reachable hub would
+    monkeypatch.setattr(input_checks, "check_hub_dataset", lambda repo_id, *args: checked.append(repo_id))
     canned = [f"<think>...</think> <answer>$\\boxed{{{right}}}$</answer>", "so $\\boxed{7}$"]  # right, wrong
     monkeypatch.setattr(eval_cli, "generate", lambda spec, prompts, sampling: canned)
     argv = ["--model", nvfp4_dir, "--data", name, "--device", "cpu"]
     summary, scored = _eval(competition_math, argv, tmp_path / "m.jsonl")
-    assert asked == [(hub_id, None, split)] and summary["data"] == name
+    assert asked == [(hub_id, None, split)] and checked == [hub_id] and summary["data"] == name
     assert [r["question"] for r in scored] == [row.get("question", row.get("problem")) for row in rows]
     assert [r["gold"] for r in scored] == [str(row["answer"]) for row in rows]
     assert [r["correct"] for r in scored] == [True, False] and summary["accuracy"] == 0.5
