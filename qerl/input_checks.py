@@ -10,7 +10,7 @@ import csv
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from qerl.errors import UsageError, nearest, one_line
@@ -164,8 +164,9 @@ def check_file(path: str, flag: str) -> str:
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 
 
-def _jsonl_columns(path: str) -> list[str]:
-    columns = None
+def jsonl_rows(path: str) -> Iterator[tuple[int, dict]]:
+    """(line number, row) of each non-blank line of a JSON Lines file; a line that is not a JSON object is one line
+    naming the file and the line."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -176,10 +177,14 @@ def _jsonl_columns(path: str) -> list[str]:
                 raise UsageError(f"{path}, line {number}: not JSON ({err})") from None
             if not isinstance(row, dict):
                 raise UsageError(f"{path}, line {number}: expected a JSON object per line, got {type(row).__name__}")
-            columns = columns if columns is not None else list(row)
-    if columns is None:
+            yield number, row
+
+
+def _jsonl_columns(path: str) -> list[str]:
+    rows = [row for _, row in jsonl_rows(path)]  # every line read: a malformed one is named now, not mid-run
+    if not rows:
         raise UsageError(f"{path}: no rows")
-    return columns
+    return list(rows[0])
 
 
 def data_file_columns(path: str, flag: str = "--dataset") -> list[str]:

@@ -19,7 +19,6 @@ gsm8k_hash format. This path holds the whole BF16 model in memory on --device.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -78,17 +77,10 @@ def gsm8k_solution_ids(tokenizer, row: dict, prompt=data.gsm8k_hash_prompt) -> t
 def calibration_rows(path: str, count: int) -> list[dict]:
     """The last `count` rows of a GSM8K JSONL; one line names the file and line of a row that is not one."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                raise UsageError(f"--gptq-calibration {path}: line {number} is not JSON") from None
-            if not isinstance(row, dict) or not {"question", "answer"} <= row.keys():
-                raise UsageError(f"--gptq-calibration {path}: line {number} lacks 'question' or 'answer'")
-            rows.append(row)
+    for number, row in input_checks.jsonl_rows(path):
+        if not {"question", "answer"} <= row.keys():
+            raise UsageError(f"--gptq-calibration {path}, line {number}: lacks 'question' or 'answer'")
+        rows.append(row)
     if not rows:
         raise UsageError(f"--gptq-calibration {path}: no rows")
     return rows[-count:]

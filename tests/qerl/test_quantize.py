@@ -44,8 +44,12 @@ TRIALS = [
     ("qerl.quantize", ["--model", "model.gguf", "--output", "out"], "model.gguf is a GGUF file", FETCH_COMMAND),
     ("qerl.quantize", ["--model", "t5", "--output", "out"], "T5ForConditionalGeneration (model_type 't5') is not a"),
     ("qerl.quantize", [*Q, "--gptq-calibration", "nothere.jsonl"], "--gptq-calibration nothere.jsonl: no such file"),
-    ("qerl.quantize", [*Q, "--gptq-calibration", "broken.jsonl"], "broken.jsonl: line 2 is not JSON"),
-    ("qerl.quantize", [*Q, "--gptq-calibration", "nocolumn.jsonl"], "line 1 lacks 'question' or 'answer'"),
+    ("qerl.quantize", [*Q, "--gptq-calibration", "broken.jsonl"], "broken.jsonl, line 2: not JSON"),
+    (
+        "qerl.quantize",
+        [*Q, "--gptq-calibration", "nocolumn.jsonl"],
+        "nocolumn.jsonl, line 1: lacks 'question' or 'answer'",
+    ),
 ]
 
 
