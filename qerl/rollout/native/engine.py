@@ -231,9 +231,9 @@ class NativeEngine:
             n = len(chunk)
             masks = _window_masks({layer.window for layer in d.layers} - {None}, longest, device)
 
-            def attend(i: int, q: torch.Tensor, rows=cache_rows, n=n, length=longest, masks=masks) -> torch.Tensor:
+            def attend(i: int, q: torch.Tensor, span=cache_rows, n=n, length=longest, masks=masks) -> torch.Tensor:
                 q = q.view(n, length, d.num_heads, d.head_dim).transpose(1, 2)
-                k, v = (t.transpose(1, 2) for t in cache.read(i, rows, length))  # as decode will read them
+                k, v = (t.transpose(1, 2) for t in cache.read(i, span, length))  # as decode will read them
                 mask = masks.get(d.layers[i].window)
                 out = F.scaled_dot_product_attention(
                     q,

@@ -145,22 +145,22 @@ class KVCache:
         memory: copied there one layer at a time (extra memory: one layer's kept rows), then viewed."""
         n = len(rows)
         kept = copy.copy(self)
-        for name in ("k", "v", "k_scale", "v_scale"):
-            full = getattr(self, name)
-            if full is not None:
-                for layer in _bytes(full):
-                    layer[:n] = layer.index_select(0, rows)
-                setattr(kept, name, full[:, :n])
+        for name, full in self._stored():
+            for layer in _bytes(full):
+                layer[:n] = layer.index_select(0, rows)
+            setattr(kept, name, full[:, :n])
         return kept
 
     def copy_rows(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
         """Positions [0, length) of rows `sources` into rows `targets` (a prompt's keys and values to the rows that
         repeat it), one layer at a time (extra memory: one layer's copied rows)."""
-        for name in ("k", "v", "k_scale", "v_scale"):
-            full = getattr(self, name)
-            if full is not None:
-                for layer in _bytes(full):
-                    layer[targets, :length] = layer[sources, :length]
+        for _, full in self._stored():
+            for layer in _bytes(full):
+                layer[targets, :length] = layer[sources, :length]
+
+    def _stored(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of what the cache holds per row: k and v, and their scales with fp8."""
+        return [(name, t) for name in ("k", "v", "k_scale", "v_scale") if (t := getattr(self, name)) is not None]
 
     def read(self, i: int, rows: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.k[i][rows, :length], self.v[i][rows, :length]
