@@ -338,6 +338,11 @@ def main(argv: list[str] | None = None) -> None:
         "--mps", action="store_true", help="share each GPU's SMs between its runs through CUDA MPS (starts the daemon)"
     )
     parser.add_argument(
+        "--recipe-sha256",
+        help="report: pool the runs of this version of the recipe (a prefix of its SHA-256, as the records carry "
+        "it; default: the recipe file as it is now, where runs of it are recorded)",
+    )
+    parser.add_argument(
         "--results",
         type=Path,
         help="train: where each finished run's record goes (a run recorded there is not run again); report: the "

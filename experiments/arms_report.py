@@ -21,7 +21,7 @@ from experiments.arms_results import (
     logged,
     write_report,
 )
-from experiments.arms_runs import ARM_NAMES, ARMS, PROTOCOLS
+from experiments.arms_runs import ARM_NAMES, ARMS, PROTOCOLS, recipe_sha256
 from experiments.arms_stats import fisher_exact, mean_interval, variance_ratio, welch
 from qerl import plotting
 
@@ -53,22 +53,46 @@ def tenth(rows: list[dict], key: str, last: bool = False) -> float:
 
 
 def experiment(record: dict) -> tuple:
-    """What runs must share to be pooled: step count, extra training flags, prompt format, rollout temperature."""
-    return record["steps"], tuple(record.get("train_flags") or ()), record.get("format"), record.get("temperature")
+    """What runs must share to be pooled: step count, extra training flags, prompt format, rollout temperature, and
+    the recipe file (its SHA-256)."""
+    return (record["steps"], tuple(record.get("train_flags") or ()), record.get("format"), record.get("temperature"),
+            record.get("recipe_sha256"))  # fmt: skip
 
 
-def select(records: list[dict], steps: int | None, sharing: str | None) -> tuple[list[dict], list[dict], dict]:
+def select(
+    records: list[dict], steps: int | None, sharing: str | None, recipe: str | None = None
+) -> tuple[list[dict], list[dict], dict]:
     """(the runs the arms table pools, every trained run of that experiment, what was chosen). The table pools one
-    experiment (the most common; with `steps`, the most common of that step count) and one packing of runs on the
-    GPUs (the most common unless given); runs made otherwise are left out of it and named."""
+    experiment (the most common; with `steps`, the most common of that step count; with `recipe`, a prefix of its
+    SHA-256, of that recipe) and one packing of runs on the GPUs (the most common unless given); runs made otherwise
+    are left out of it and named."""
     trained = [r for r in records if r["arm"] is not None and (steps is None or r["steps"] == steps)]
+    if recipe is not None:
+        trained = [r for r in trained if (r.get("recipe_sha256") or "").startswith(recipe)]
     key = Counter(experiment(r) for r in trained).most_common(1)[0][0] if trained else None
     same = [r for r in trained if experiment(r) == key]
     sharing = sharing or (Counter(r["sharing"] for r in same).most_common(1)[0][0] if same else None)
     pooled = [r for r in same if r["sharing"] == sharing]
     left_out = sorted(r["name"] for r in records if r["arm"] is not None and r not in pooled)
-    chosen = {"steps": key[0] if key else None, "train_flags": list(key[1]) if key else [], "sharing": sharing}
+    chosen = {"steps": key[0] if key else None, "train_flags": list(key[1]) if key else [], "sharing": sharing,
+              "recipe_sha256": key[4] if key else None}  # fmt: skip
     return pooled, same, {**chosen, "left_out": left_out}
+
+
+def pooled_recipe(args, records: list[dict]) -> str | None:
+    """The recipe whose runs the report pools: --recipe-sha256 (a prefix) where given, else the recipe file as it is
+    now where runs of it are recorded, else None (the most common experiment, as before the recipe changed)."""
+    wanted = getattr(args, "recipe_sha256", None)
+    digests = Counter(r.get("recipe_sha256") for r in records if r["arm"] is not None)
+    if wanted:
+        if not any((d or "").startswith(wanted) for d in digests):
+            found = ", ".join(f"{(d or 'none')[:8]} ({n} runs)" for d, n in digests.most_common())
+            raise SystemExit(f"--recipe-sha256 {wanted}: no run in {args.results} has it; they have {found or 'none'}")
+        return wanted
+    if getattr(args, "model", None) is None:
+        return None
+    current = recipe_sha256(args)
+    return current if current in digests else None
 
 
 def per_run_measures(runs: list[dict]) -> dict[str, dict[str, float | None]]:
@@ -242,7 +266,9 @@ def setting_effects(runs: list[dict], measures: dict, pooled: str | None) -> lis
 def report(args) -> dict:
     """report.json, report.md and the plot from the records in --results; prints the tables."""
     records = load_records(args.results)
-    runs, same_experiment, chosen = select(records, getattr(args, "report_steps", None), getattr(args, "sharing", None))
+    runs, same_experiment, chosen = select(
+        records, getattr(args, "report_steps", None), getattr(args, "sharing", None), pooled_recipe(args, records)
+    )
     measures = per_run_measures(same_experiment)
     bases = {r["precision"]: r["evals"] for r in records if r["arm"] is None}
     result = {
@@ -306,6 +332,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"Runs pooled: {result['steps']} steps"
         + (f" with {' '.join(result['train_flags'])}" if result["train_flags"] else "")
+        + (f", recipe {result['recipe_sha256'][:8]}" if result.get("recipe_sha256") else "")
         + f", runs packed '{result['sharing']}' on their GPUs; left out: {', '.join(result['left_out']) or 'none'}.",
         "",
         "| arm | seeds | greedy % (mean ± 95% CI) | sd | reference % | reward first -> last tenth | entropy, first "

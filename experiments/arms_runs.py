@@ -197,6 +197,12 @@ def eval_task(args, base: str, adapter: Path | None, protocol: str, out: Path, a
 # A run's tasks and its record
 
 
+def recipe_sha256(args) -> str:
+    """The SHA-256 of the recipe file the runs train on now (--recipe, else the model's): records carry it, so that
+    runs of a recipe since changed are never pooled with runs of the recipe as it is."""
+    return hashlib.sha256(launch.recipe_for(args.model, args.recipe).read_bytes()).hexdigest()
+
+
 def experiment_setting(args, steps: int) -> dict:
     """What every record of this invocation shares: the recipe and how the runs were packed on the machine."""
     recipe = launch.recipe_for(args.model, args.recipe)
@@ -204,7 +210,7 @@ def experiment_setting(args, steps: int) -> dict:
     return {
         "model": Path(args.model).name.removesuffix("-nvfp4"),
         "recipe": str(recipe.relative_to(REPO)) if recipe.is_relative_to(REPO) else str(recipe),
-        "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest(),
+        "recipe_sha256": recipe_sha256(args),
         "format": args.format,
         "temperature": args.temperature,
         "steps": steps,

@@ -9,10 +9,11 @@ On a lent machine: experiments/lease.sh starts it in a session of its own and pa
 (docs/benchmarks.md gives the lease's commands; --gguf takes the model's GGUF carried there).
 
 A cell is the model's recipe plus a few `qerl.train` flags (CELLS), run on the NVFP4 base without AQN for the recipe's
-51 steps. The control cell `recipe` is the recipe as it stands: experiments.arms' NVFP4 + LoRA records of the same
-experiment (results/arms/MODEL) count toward it. Each finished run is a record under results/cap_sweep/MODEL (the
-arms' format, experiments/arms_results.py, with its cell and the cell's flags), written as soon as it ends and never
-run again, so that seeds from several leases add up.
+51 steps. The control cell `recipe` is the recipe the sweep ran on: experiments.arms' NVFP4 + LoRA records of the
+same experiment and recipe file (SHA-256; results/arms/MODEL) count toward it. Once the recipe takes the winner, the
+sweep's records stay a sweep of the recipe as it was: `train` refuses to add runs of the changed file to them. Each
+finished run is a record under results/cap_sweep/MODEL (the arms' format, experiments/arms_results.py, with its cell
+and the cell's flags), written as soon as it ends and never run again, so that seeds from several leases add up.
 
 Endpoints, per run, fixed before the runs (docs/benchmarks.md, "The length-cap sweep"):
   any_half         a step with >= 50% of its completions truncated
@@ -59,7 +60,7 @@ class Cell:
 
 
 CELLS = {
-    "recipe": Cell("the recipe as it stands: truncated completions masked out of the loss (DAPO)"),
+    "recipe": Cell("the recipe as swept: truncated completions masked out of the loss (DAPO)"),
     "fail": Cell(
         "(a) truncated completions kept in the loss, their reward cut to a failure (0)",
         ("--mask-truncated-completions", "false", "--fail-truncated-completions", "true"),
@@ -135,8 +136,14 @@ def prepare(args) -> dict[str, str]:
 def train(args) -> None:
     """Each cell x seed not yet recorded, as `python -m qerl.train` on the NVFP4 base without AQN; a run's record is
     written as soon as it ends."""
-    nvfp4 = prepare(args)["nvfp4"]
     setting = experiment_setting(args, args.steps)
+    swept = swept_recipe(args)
+    if swept not in (None, setting["recipe_sha256"]):
+        raise SystemExit(
+            f"{args.results} holds a sweep of {setting['recipe']} as it was (SHA-256 {swept[:8]}); the file is now "
+            f"{setting['recipe_sha256'][:8]}: pass --results DIR for a sweep of the recipe as it is"
+        )
+    nvfp4 = prepare(args)["nvfp4"]
     pace = RunPace(60 * args.run_minutes) if args.run_minutes else None
     tasks, kept = [], []
     for seed in args.seeds:
@@ -175,9 +182,21 @@ def _recorder(args, run: str, setting: dict, pace: RunPace | None):
 # Report
 
 
+def swept_recipe(args) -> str | None:
+    """The recipe (SHA-256) the sweep's records in --results ran on: one, since a cell is that recipe plus its flags."""
+    digests = {r.get("recipe_sha256") for r in load_records(args.results)}
+    if len(digests) > 1:
+        raise SystemExit(f"{args.results}: runs of {len(digests)} recipes ({', '.join(sorted(map(str, digests)))}); "
+                         "a sweep's cells are one recipe plus their flags")  # fmt: skip
+    return next(iter(digests), None)
+
+
 def collect(args) -> dict[str, list[dict]]:
-    """The records of each cell, the control's arms records included (same step count and format only)."""
-    records = load_records(args.results) + load_records(args.arms_results)
+    """The records of each cell, the control's arms records included (same step count, format and recipe only)."""
+    recipe = swept_recipe(args)
+    records = load_records(args.results) + [
+        r for r in load_records(args.arms_results) if recipe is None or r.get("recipe_sha256") == recipe
+    ]
     cells: dict[str, list[dict]] = {}
     for record in records:
         name = cell_of(record)

@@ -97,6 +97,30 @@ def _base(folder):
     return folder
 
 
+def test_runs_of_a_changed_recipe_are_not_pooled_with_the_recipe_as_it_is(tmp_path):
+    """The recipe file is part of the experiment: the report pools the runs of the recipe as it is now where there
+    are any (else the most common experiment), --recipe-sha256 picks another, and one no run has is refused."""
+    results = tmp_path / "results"
+    now = arms_runs.recipe_sha256(argparse.Namespace(model="qwen2.5-coder-1.5b-instruct", recipe=None))
+    for seed in range(3):  # the older recipe: more runs
+        record = _record(results, "bf16_lora", seed, 0.5)
+        arms_results.write_record(results / f"{record['name']}.json", {**record, "recipe_sha256": "0ld" + "0" * 61})
+    for seed in (10, 11):
+        record = _record(results, "bf16_lora", seed, 0.7)
+        arms_results.write_record(results / f"{record['name']}.json", {**record, "recipe_sha256": now})
+    args = argparse.Namespace(results=results, out=tmp_path / "out", png=tmp_path / "out" / "arms.png",
+                              model="qwen2.5-coder-1.5b-instruct", recipe=None, recipe_sha256=None)  # fmt: skip
+    result = arms.report(args)
+    assert result["arms"]["bf16_lora"]["seeds"] == [10, 11] and result["recipe_sha256"] == now
+    assert f"recipe {now[:8]}" in (tmp_path / "out" / "report.md").read_text()
+    args.recipe_sha256 = "0ld"
+    assert arms.report(args)["arms"]["bf16_lora"]["seeds"] == [0, 1, 2]
+    args.recipe_sha256 = "feed"
+    with pytest.raises(SystemExit, match=f"--recipe-sha256 feed: no run in {results} has it; they have 0ld00000 "
+                       f"\\(3 runs\\), {now[:8]} \\(2 runs\\)"):  # fmt: skip
+        arms.report(args)
+
+
 def test_each_lora_adapter_on_both_bases_splits_training_and_sampling_costs(tmp_path):
     """base_split: BF16- and NVFP4-trained adapters each evaluated on their own base and the other's; the training
     cost on each base against scipy's Welch test, the sampling cost paired over seeds."""

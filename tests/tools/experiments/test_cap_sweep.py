@@ -100,6 +100,36 @@ def test_the_control_cell_takes_the_arms_nvfp4_records(tmp_path):
     assert cap_sweep.collect(args) == {}
 
 
+def test_a_sweep_stays_with_the_recipe_it_ran_on(tmp_path):
+    """Once the recipe takes the winner, the control pools only arms runs of the recipe the sweep ran on, a sweep
+    folder holding two recipes is refused, and train will not add runs of the changed file to the old sweep."""
+    arms, sweep = tmp_path / "arms", tmp_path / "sweep"
+    for name, digest in (("nvfp4_lora-seed0", "aaaa"), ("nvfp4_lora-seed1", "bbbb")):
+        _run(tmp_path / "runs" / name, [0.5] * 4)
+        setting = {"arm": "nvfp4_lora", "seed": int(name[-1]), "steps": 4, "format": "gsm8k_hash", "train_flags": [],
+                   "recipe_sha256": digest}  # fmt: skip
+        arms_results.write_record(
+            arms / f"{name}.json", arms_results.run_record(tmp_path / "runs" / name, setting, ("greedy",))
+        )
+    swept = {
+        **record("fail-seed100", [0.0] * 4, [0.5] * 4),
+        "recipe_sha256": "aaaa",
+        "evals": {},
+        "format": "gsm8k_hash",
+    }
+    arms_results.write_record(sweep / "fail-seed100.json", swept)
+    args = argparse.Namespace(results=sweep, arms_results=arms, steps=4, format="gsm8k_hash", train_flags=[])
+    cells = cap_sweep.collect(args)
+    assert [r["name"] for r in cells["recipe"]] == ["nvfp4_lora-seed0"] and len(cells["fail"]) == 1
+    arms_results.write_record(sweep / "fail-seed101.json", {**swept, "name": "fail-seed101", "recipe_sha256": "cccc"})
+    with pytest.raises(SystemExit, match="runs of 2 recipes"):
+        cap_sweep.collect(args)
+    (sweep / "fail-seed101.json").unlink()
+    recipe = launch.RECIPES["qwen2.5-coder-1.5b-instruct"].relative_to(launch.REPO)
+    with pytest.raises(SystemExit, match=f"holds a sweep of {recipe} as it was \\(SHA-256 aaaa\\)"):
+        cap_sweep.main(["train", "--results", str(sweep), "--out", str(tmp_path / "out"), "--gpu-ids", ""])
+
+
 @pytest.mark.slow
 def test_train_record_report_on_the_tiny_model(checkpoints, tmp_path, capsys):
     """The lease's road on CPU: two cells x one seed of the 1.5B recipe shrunk (BF16 base quantized here, the recipe's
@@ -110,9 +140,9 @@ def test_train_record_report_on_the_tiny_model(checkpoints, tmp_path, capsys):
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--train-data",
             str(DATA / "train_sample.jsonl"), "--results", str(tmp_path / "results"), "--arms-results",
             str(tmp_path / "none"), "--cells", "fail,lr1e-4", "--seeds", "7", "--steps", "2", "--per-gpu", "2",
-            "--train-flags", "--max-completion-length", "3", "--max-prompt-length", "4096",
-            "--per-device-train-batch-size", "8", "--gradient-accumulation-steps", "1", "--num-generations", "4",
-            "--use-cpu", "true"]  # fmt: skip
+            "--train-flags", "--max-completion-length", "3", "--soft-overlong-cache", "0", "--max-prompt-length",
+            "4096", "--per-device-train-batch-size", "8", "--gradient-accumulation-steps", "1", "--num-generations",
+            "4", "--use-cpu", "true"]  # fmt: skip
     cap_sweep.main(argv)
     results = tmp_path / "results"
     assert sorted(p.stem for p in results.glob("*.json")) == ["fail-seed7", "lr1e-4-seed7"]
