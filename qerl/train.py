@@ -259,6 +259,12 @@ def validate(script_args: QeRLScriptArguments, config: QeRLConfig) -> str:
         )
     if script_args.long_prompts not in data.LONG_PROMPTS:
         raise UsageError(f"--long-prompts {script_args.long_prompts!r}: use one of {', '.join(data.LONG_PROMPTS)}")
+    cache, cap = script_args.soft_overlong_cache, config.max_completion_length
+    if not 0 <= cache <= cap:  # a recipe's cache outlives a --max-completion-length shrunk below it
+        raise UsageError(
+            f"--soft-overlong-cache {cache}: the punishment ramps over the last N tokens before the cap, "
+            f"--max-completion-length {cap}; give 0 (off) to {cap}"
+        )
     return _check_dataset(script_args.dataset, script_args.dataset_format)
 
 

@@ -18,7 +18,7 @@ from interrupts import assert_interrupted, start, wait_for
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from benchmarks.launch import SHARED_GSM8K
+from benchmarks.launch import REPO, SHARED_GSM8K
 from qerl import cli, data, input_checks, rewards, train
 from qerl.errors import UsageError
 from qerl.input_checks import FETCH_COMMAND
@@ -206,6 +206,17 @@ def test_long_prompts_keep_last_trains_on_every_row(checkpoints, tmp_path):
     assert seen == [cap] * 8  # 2 prompts x 4 samples
     with pytest.raises(UsageError, match="--long-prompts 'truncate': use one of drop, keep_last"):
         train.validate(*train.parse_args([*argv, "--long-prompts", "truncate"]))
+
+
+def test_a_soft_overlong_cache_longer_than_the_cap_is_one_line(checkpoints, tmp_path):
+    """The 1.5B recipe punishes the last 128 tokens before its 512 cap; a cap shrunk under that is refused before
+    anything loads, naming both flags."""
+    bf16_dir, _ = checkpoints
+    recipe = str(REPO / "configs" / "qwen2.5_coder_1.5b_gsm8k_hash.yaml")
+    argv = ["--config", recipe, "--model-name", bf16_dir, "--output-dir", str(tmp_path), "--dataset", "gsm8k_hash"]
+    assert train.parse_args(argv)[0].soft_overlong_cache == 128
+    with pytest.raises(UsageError, match="^--soft-overlong-cache 128: .* --max-completion-length 64; give 0 .* to 64$"):
+        train.validate(*train.parse_args([*argv, "--max-completion-length", "64"]))
 
 
 def _run(checkpoint, output_dir, steps, *extra):

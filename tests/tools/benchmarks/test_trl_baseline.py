@@ -12,8 +12,9 @@ from benchmarks.launch import REPO
 from qerl import train
 
 RECIPE = os.path.join(REPO, "configs", "qwen2.5_coder_1.5b_gsm8k_hash.yaml")
-TOY = ["--max-prompt-length", "600", "--max-completion-length", "8", "--per-device-train-batch-size", "8",
-       "--num-generations", "4", "--gradient-accumulation-steps", "1", "--use-cpu", "true"]  # fmt: skip
+TOY = ["--max-prompt-length", "600", "--max-completion-length", "8", "--soft-overlong-cache", "4",
+       "--per-device-train-batch-size", "8", "--num-generations", "4", "--gradient-accumulation-steps", "1",
+       "--use-cpu", "true"]  # fmt: skip
 
 
 def test_the_recipe_reaches_trls_config_field_for_field(checkpoints, tmp_path):

@@ -33,9 +33,9 @@ def test_sweep_train_report_on_the_tiny_model(checkpoints, tmp_path, capsys):
               str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--train-data", str(DATA / "train_sample.jsonl"),
               "--test-data", str(DATA / "test_sample.jsonl"), "--per-gpu", "2", "--eval-limit", "2", "--eval-tokens",
               "4", "--protocols", "greedy", "--results", str(tmp_path / "results")]  # fmt: skip
-    shrink = ["--train-flags", "--max-completion-length", "6", "--max-prompt-length", "4096",
-              "--per-device-train-batch-size", "8", "--gradient-accumulation-steps", "1", "--num-generations", "4",
-              "--use-cpu", "true"]  # fmt: skip
+    shrink = ["--train-flags", "--max-completion-length", "6", "--soft-overlong-cache", "2", "--max-prompt-length",
+              "4096", "--per-device-train-batch-size", "8", "--gradient-accumulation-steps", "1", "--num-generations",
+              "4", "--use-cpu", "true"]  # fmt: skip
     arms.main(
         [
             "sweep",
