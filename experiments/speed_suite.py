@@ -14,7 +14,7 @@ redoes only what was lost); a job whose inputs are still arriving waits for them
   real-prep    the GGUF converted to BF16 and quantized to NVFP4, beside another job          (needs --site, --gguf)
   real-*       benchmarks.step --profile on the real Qwen2.5-Coder-1.5B-Instruct, its recipe as written, --steps
                steps: NVFP4 without / with the dense training weights, BF16, both compiled (--compile-layers),
-               and both with live-row compaction (--rollout-compact-rows)
+               both with live-row compaction (--rollout-compact-rows), and both with TRL's random micro-batches
   trl-baseline benchmarks.trl_baseline on the BF16 checkpoint, the same recipe and steps
   gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
   vllm-rollout benchmarks.rollout --rollout-backend vllm at 1.5B (vLLM's share from the free memory)  (needs --site)
@@ -47,6 +47,12 @@ REAL_RUNS = {
     "real-bf16-compiled": ("bf16", ["--compile-layers", "true"]),
     "real-nvfp4-dense-compact": ("nvfp4", ["--dense-training-weights", "true", "--rollout-compact-rows", "true"]),
     "real-bf16-compact": ("bf16", ["--rollout-compact-rows", "true"]),
+    # TRL's random split into micro-batches, the training passes' layout before qerl/micro_batches.py
+    "real-nvfp4-dense-random-split": (
+        "nvfp4",
+        ["--dense-training-weights", "true", "--group-micro-batches-by-length", "false"],
+    ),  # fmt: skip
+    "real-bf16-random-split": ("bf16", ["--group-micro-batches-by-length", "false"]),
 }
 
 

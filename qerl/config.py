@@ -84,6 +84,17 @@ class QeRLConfig(GRPOConfig):
             "false: TRL's padded layout with a padding mask. Text-only models."
         },
     )
+    group_micro_batches_by_length: bool = field(
+        default=True,
+        metadata={
+            "help": "Split each generation batch into micro-batches of rows of similar length (sorted by real "
+            "tokens) instead of TRL's random split, so that the unpadded forward cuts each micro-batch near its "
+            "rows' lengths. Only where the accumulated gradient does not depend on the split "
+            "(qerl/micro_batches.py: dapo/grpo-style losses, one optimizer step per generation batch, no "
+            "per-micro-batch entropy statistic, the unpadded forward); elsewhere TRL's split stays, with one line "
+            "saying why. false: TRL's split always."
+        },
+    )
     # The QeRL reference's names of two TrainingArguments fields (transformers 5 reads a warmup_steps below 1 as a
     # ratio, so the reference's --warmup-ratio is that).
     seed: int = _also_as("seed", "--random-state", "--random_state")

@@ -44,7 +44,7 @@ QUICK_HELP_TEXT = {
     "sampling",
     "mask_truncated_completions": "Completions cut at the cap left out of the loss",
     "fail_truncated_completions": "Completions cut at the cap earn 0",
-    "soft_overlong_cache": "DAPO's soft overlong punishment over the last N tokens (0: off)",
+    "soft_overlong_cache": "DAPO overlong punishment, last N tokens (0: off)",
     "max_steps": "Optimizer steps (-1: as many as --num-train-epochs make)",
     "epsilon_high": "Upper bound of the clipped ratio, DAPO's clip-higher (default: --epsilon's value)",
     "rollout_kv_cache_gib": "Native engine: GPU memory (GiB) for a round's KV cache; more sequences than fit run in "

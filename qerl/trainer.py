@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
-from qerl import aqn, base_model, cli, lora, norms, rewards, rollout, sharding, unpadded_forward
+from qerl import aqn, base_model, cli, lora, micro_batches, norms, rewards, rollout, sharding, unpadded_forward
 from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
 from qerl.dense_weights import DenseWeights
@@ -103,6 +103,11 @@ class QeRLTrainer(GRPOTrainer):
             args.max_completion_length, args.mask_truncated_completions, quiet=not self.accelerator.is_main_process
         )
         self.add_callback(self.truncation_watch)
+        self.group_by_length = args.group_micro_batches_by_length
+        if self.group_by_length and (why := micro_batches.split_free(args, self._entropy_bonus_enabled)):
+            self.group_by_length = False
+            if self.accelerator.is_main_process:
+                logger.info("micro-batches: TRL's random split, not grouped by length (%s)", why)
         if args.metrics_jsonl:
             self.add_callback(JsonlMetrics(os.path.join(args.output_dir, "metrics.jsonl")))
 
@@ -437,6 +442,15 @@ class QeRLTrainer(GRPOTrainer):
         finally:
             self._loss_logps = None
         return loss
+
+    def _prepare_inputs(self, generation_batch):
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        fresh = self.model.training and (self._step % generate_every == 0 or self._buffered_inputs is None)
+        inputs = super()._prepare_inputs(generation_batch)
+        if fresh and self.group_by_length:  # TRL just split a new generation batch at random: regroup its rows
+            self._buffered_inputs = micro_batches.by_length(self._buffered_inputs)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         with sdpa_kernel(TRAINING_SDPA_BACKENDS):  # the backward runs inside too; see TRAINING_SDPA_BACKENDS
