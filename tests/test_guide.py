@@ -3,8 +3,13 @@ it, in a folder laid out as a clone (its configs/ and tests/data/), with a tiny 
 SmolLM2: the fetch finds it already there (its record says so) and reuses it, as a second fetch does."""
 
 import json
+import os
 import re
 import shlex
+import time
+
+import pytest
+import torch
 
 from benchmarks.launch import REPO
 from eval import gsm8k
@@ -23,9 +28,9 @@ PROGRAMS = {
 }
 
 
-def cpu_path() -> list[list[str]]:
+def guide_path(section: str = SECTION) -> list[list[str]]:
     """The argument lists of the commands in the section's code block, continuations joined, comments dropped."""
-    block = re.search(r"```bash\n(.*?)```", GUIDE.read_text().split(SECTION, 1)[1], flags=re.S).group(1)
+    block = re.search(r"```bash\n(.*?)```", GUIDE.read_text().split(section, 1)[1], flags=re.S).group(1)
     return [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
@@ -51,7 +56,7 @@ def word_tokenizer(texts):
 def test_the_guides_cpu_path_runs_as_printed(tmp_path, monkeypatch, capsys):
     from qerl import data
 
-    commands = cpu_path()
+    commands = guide_path()
     assert [argv[:3] for argv in commands] == [["python", "-m", program] for program in PROGRAMS]
     fetch = commands[0]
     name, folder = fetch[4], tmp_path / fetch[fetch.index("--output") + 1]
@@ -72,3 +77,34 @@ def test_the_guides_cpu_path_runs_as_printed(tmp_path, monkeypatch, capsys):
     assert f"qerl.models: {name} -> {fetch[fetch.index('--output') + 1]} (already there, reused" in out
     limit = commands[-1][commands[-1].index("--limit") + 1]
     assert re.search(rf"eval.gsm8k: accuracy \d+\.\d% \(95% CI .*, n={limit}\)", out), out
+
+
+GPU_SECTION = "### On one GPU: fetch, quantize, train, evaluate"
+GPU_INPUTS = ("QERL_Q15_GGUF", "GSM8K_TRAIN", "GSM8K_TEST")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not all(os.path.isfile(os.environ.get(name, "")) for name in GPU_INPUTS),
+    reason=f"needs CUDA and the files {', '.join(GPU_INPUTS)} name",
+)
+def test_the_guides_gpu_path_runs_as_printed(tmp_path, monkeypatch, capsys):
+    """The 1.5B's path on one GPU, as the guide prints it (the GGUF given to the fetch as its comment says, the
+    GSM8K files from the environment), each command timed; the adapter it trains scores on all 1,319 problems."""
+    commands = guide_path(GPU_SECTION)
+    assert [argv[:3] for argv in commands] == [["python", "-m", program] for program in PROGRAMS]
+    for name in GPU_INPUTS:  # the commands run in a folder of their own
+        monkeypatch.setenv(name, os.path.abspath(os.environ[name]))
+    commands[0] += ["--gguf", os.environ["QERL_Q15_GGUF"]]
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    monkeypatch.chdir(tmp_path)
+    seconds = {}
+    for argv in commands:
+        argv = [os.path.expandvars(arg) for arg in argv]
+        start = time.perf_counter()
+        assert cli.run_cli(PROGRAMS[argv[2]], argv[2], argv[3:]) == 0, argv
+        seconds[argv[2]] = round(time.perf_counter() - start, 1)
+    out = capsys.readouterr().out
+    with capsys.disabled():
+        print(f"\nthe guide's GPU path on {torch.cuda.get_device_name()}: {json.dumps(seconds)} s")
+    assert re.search(r"eval.gsm8k: accuracy \d+\.\d% \(95% CI .*, n=1319\)", out), out
