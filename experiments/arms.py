@@ -5,6 +5,7 @@
     python -m experiments.arms sweep --model smollm2-135m-instruct --lrs 3e-5,1e-4,3e-4 --steps 25
     python -m experiments.arms train --model smollm2-135m-instruct --seeds 0,1,2 --steps 51 --mps --bases
     python -m experiments.arms train --model smollm2-135m-instruct --arms bf16_lora,nvfp4_lora --other-base
+    python -m experiments.arms train --model smollm2-135m-instruct --arms nvfp4_gptq_lora,nvfp4_lora   # GPTQ base
     python -m experiments.arms report --model smollm2-135m-instruct    # tables, JSON and PNG from the records
 
 probe compares prompt formats and their rewards, sweep each arm's learning rate, train the arms x seeds (each run
@@ -36,20 +37,23 @@ import contextlib
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from benchmarks.launch import SHARED_GSM8K
+from benchmarks.launch import SHARED_GSM8K, run_or_raise
 from experiments.arms_report import report
 from experiments.arms_results import RESULTS, late_reward, metrics, record_path, seconds_per_step
 from experiments.arms_runs import (
     ARMS,
     EVAL_FORMATS,
+    PAPER_ARMS,
     PROTOCOLS,
     RunPace,
     eval_tasks,
     experiment_setting,
     mps_daemon,
+    precision_of,
     run_group,
     run_tasks,
     say,
@@ -59,10 +63,20 @@ from qerl import cli
 
 
 def checkpoints(args) -> dict[str, str]:
+    """The bases by name (ARMS): BF16 and NVFP4 always, made once; the GPTQ-rounded NVFP4 base beside them where an
+    arm asked for takes it (calibrated on --train-data's last solutions, as `qerl.quantize --gptq-calibration`)."""
     from qerl.models.fetch import bf16_and_nvfp4
 
-    bf16, nvfp4 = bf16_and_nvfp4(args.model, args.checkpoint_dir, "cuda" if _cuda() else "cpu")
-    return {"bf16": bf16, "nvfp4": nvfp4}
+    device = "cuda" if _cuda() else "cpu"
+    bf16, nvfp4 = bf16_and_nvfp4(args.model, args.checkpoint_dir, device)
+    bases = {"bf16": bf16, "nvfp4": nvfp4}
+    if any(ARMS[arm][0] == "nvfp4_gptq" for arm in getattr(args, "arms", ())):
+        bases["nvfp4_gptq"] = str(Path(args.checkpoint_dir) / f"{Path(bf16).name}-nvfp4-gptq")
+        if not Path(bases["nvfp4_gptq"]).exists():  # qerl.quantize writes the folder whole or not at all
+            run_or_raise([sys.executable, "-m", "qerl.quantize", "--model", bf16, "--output", bases["nvfp4_gptq"],
+                          "--device", device, "--gptq-calibration", str(args.train_data)],
+                         Path(args.out) / "gptq-base.log")  # fmt: skip
+    return bases
 
 
 def _cuda() -> bool:
@@ -166,8 +180,9 @@ def sweep(args) -> None:
     }
     chosen = {arm: float(max(late[arm], key=late[arm].get)) for arm in args.sweep_arms}
     # The other arms take the rate of the swept arm of their precision (the paper's rule: a rate per precision).
-    for arm, (precision, _) in ARMS.items():
-        chosen.setdefault(arm, next((chosen[a] for a in args.sweep_arms if ARMS[a][0] == precision), None))
+    for arm, (base, _) in ARMS.items():
+        same = (a for a in args.sweep_arms if precision_of(ARMS[a][0]) == precision_of(base))
+        chosen.setdefault(arm, next((chosen[a] for a in same), None))
     timing = {name: seconds_per_step(args.out / name) for name in runs.values()}
     with open(args.out / "sweep.json", "w") as f:
         json.dump(
@@ -232,15 +247,16 @@ def train(args) -> None:
             if record_path(args.results, name).exists():
                 kept.append(name)
                 continue
-            precision, aqn = ARMS[arm]
+            base, aqn = ARMS[arm]
+            precision = precision_of(base)
             lr = args.lr if args.lr is not None else sweep_record["chosen_lr"][arm]
             first = seed == args.seeds[0]
             every = save_every if first else 0
-            trained = train_task(args, name, bases[precision], aqn, lr, seed, steps, every)
+            trained = train_task(args, name, bases[base], aqn, lr, seed, steps, every)
             trained.expected_seconds = pace.estimate if pace else None
-            run = {**setting, "arm": arm, "precision": precision, "aqn": aqn, "seed": seed, "lr": lr}
+            run = {**setting, "arm": arm, "precision": precision, "base": base, "aqn": aqn, "seed": seed, "lr": lr}
             other = bases["nvfp4" if precision == "bf16" else "bf16"] if args.other_base else None
-            runs.append(run_group(args, name, bases[precision], trained, run, every, steps, pace, other))
+            runs.append(run_group(args, name, bases[base], trained, run, every, steps, pace, other))
     if kept:
         say(f"train: {len(kept)} run(s) already recorded in {args.results}, not run again: {', '.join(kept)}")
     tasks = []  # the bases first: four short evaluations that delay only the first runs
@@ -295,7 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe-prompts", type=int, default=32, help="probe: train prompts per candidate")
     parser.add_argument("--probe-tokens", type=int, default=512, help="probe: new tokens per sample")
     parser.add_argument("--probe-batch", type=int, default=64, help="probe: sequences per batch (CPU generate)")
-    parser.add_argument("--arms", type=cli.comma_list(ARMS), default=list(ARMS), help="train: the arms run")
+    parser.add_argument(
+        "--arms", type=cli.comma_list(ARMS), default=list(PAPER_ARMS), help="train: the arms run (default: the paper's)"
+    )
     parser.add_argument("--steps", type=_steps, default=150, help="steps per run; train: 'auto' fits --finish-by")
     parser.add_argument("--finish-by", type=float, help="unix time by which training and evaluations must end")
     parser.add_argument("--eval-minutes", type=float, default=4.0, help="--steps auto: time kept for evaluations")

@@ -31,6 +31,9 @@ COMPARISONS = (
     ("nvfp4_lora", "bf16_lora", "NVFP4 LoRA vs BF16 LoRA (what quantization costs)"),
     ("nvfp4_lora_aqn", "nvfp4_lora", "AQN within NVFP4"),
     ("bf16_lora_aqn", "bf16_lora", "AQN within BF16"),
+    # Fixed 2026-11-29, before any run of the arm (issue 49 lever 3c): what GPTQ rounding of the base buys back.
+    ("nvfp4_gptq_lora", "nvfp4_lora", "GPTQ vs round-to-nearest NVFP4 base (LoRA)"),
+    ("nvfp4_gptq_lora", "bf16_lora", "NVFP4 (GPTQ) LoRA vs BF16 LoRA"),
 )
 MARGIN = 0.02  # equivalence margin on accuracy: 2 points
 # Per-run measures compared between arms: accuracy under each protocol, then the training-side ones.
@@ -159,13 +162,22 @@ def arm_table(runs: list[dict], measures: dict) -> dict[str, dict]:
     return table
 
 
+def compared(runs: list[dict]) -> list[tuple[str, str, str]]:
+    """The fixed comparisons (COMPARISONS) whose two arms both have runs here."""
+    arms = {r["arm"] for r in runs}
+    return [(a, b, question) for a, b, question in COMPARISONS if a in arms and b in arms]
+
+
 def comparisons(
-    runs: list[dict], measures: dict, keys: tuple[str, ...] = (*PROTOCOLS, *TRAINING_MEASURES)
+    runs: list[dict],
+    measures: dict,
+    keys: tuple[str, ...] = (*PROTOCOLS, *TRAINING_MEASURES),
+    pairs: list[tuple[str, str, str]] | None = None,
 ) -> list[dict]:
-    """Each fixed comparison on each measure in `keys`: mean(a) - mean(b) with its Welch interval; on the accuracies
-    also the TOST verdict at +-MARGIN."""
+    """Each fixed comparison in `pairs` (default: those whose arms both ran) on each measure in `keys`: mean(a) -
+    mean(b) with its Welch interval; on the accuracies also the TOST verdict at +-MARGIN."""
     out = []
-    for a, b, question in COMPARISONS:
+    for a, b, question in compared(runs) if pairs is None else pairs:
         runs_a = [r for r in runs if r["arm"] == a]
         runs_b = [r for r in runs if r["arm"] == b]
         for key in keys:
@@ -181,13 +193,14 @@ def without_stuck(runs: list[dict], measures: dict) -> dict:
     stuck_runs = [r for r in runs if stuck(r, measures)]
     counts = {arm: [sum(r["arm"] == arm for r in stuck_runs), sum(r["arm"] == arm for r in runs)] for arm in ARMS}
     rates = []
-    for a, b, question in COMPARISONS:
+    pairs = compared(runs)
+    for a, b, question in pairs:
         (k_a, n_a), (k_b, n_b) = counts[a], counts[b]
         p = fisher_exact(k_a, n_a, k_b, n_b) if n_a and n_b else None
         rates.append({"a": a, "b": b, "question": question, "stuck_a": counts[a], "stuck_b": counts[b], "p": p})
     return {
         "left_out": sorted(r["name"] for r in stuck_runs),
-        "comparisons": comparisons([r for r in runs if r not in stuck_runs], measures, PROTOCOLS),
+        "comparisons": comparisons([r for r in runs if r not in stuck_runs], measures, PROTOCOLS, pairs),
         "stuck_rates": rates,
     }
 

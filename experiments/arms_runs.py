@@ -21,20 +21,31 @@ from benchmarks import launch
 from benchmarks.launch import REPO, run_or_raise
 from experiments.arms_results import OTHER_BASE, current_commit, gpu_name, record_path, run_record, write_record
 
-# arm -> (base checkpoint precision, AQN on). bf16_lora_aqn is the ablation the reference's users asked for
-# (NVlabs/QeRL#11): AQN's noise without the quantization it is meant to extend.
+# arm -> (base checkpoint, AQN on). bf16_lora_aqn is the ablation the reference's users asked for (NVlabs/QeRL#11):
+# AQN's noise without the quantization it is meant to extend. nvfp4_gptq_lora trains on the NVFP4 base GPTQ rounded
+# (qerl.quantize --gptq-calibration; issue 49's lever 3c) instead of rounded to nearest.
 ARMS = {
     "bf16_lora": ("bf16", False),
     "nvfp4_lora": ("nvfp4", False),
     "nvfp4_lora_aqn": ("nvfp4", True),
     "bf16_lora_aqn": ("bf16", True),
+    "nvfp4_gptq_lora": ("nvfp4_gptq", False),
 }
+PAPER_ARMS = ("bf16_lora", "nvfp4_lora", "nvfp4_lora_aqn", "bf16_lora_aqn")  # the arms a run takes by default
 ARM_NAMES = {  # as tables and plots name them
     "bf16_lora": "BF16 + LoRA",
     "nvfp4_lora": "NVFP4 + LoRA",
     "nvfp4_lora_aqn": "NVFP4 + LoRA + AQN",
     "bf16_lora_aqn": "BF16 + LoRA + AQN",
+    "nvfp4_gptq_lora": "NVFP4 (GPTQ) + LoRA",
 }
+
+
+def precision_of(base: str) -> str:
+    """The precision of a base checkpoint's weights: bf16 or nvfp4 (however it was rounded)."""
+    return base.split("_")[0]
+
+
 PROTOCOLS = ("greedy", "reference")
 EVAL_FORMATS = {"gsm8k": "think_answer", "gsm8k_hash": "gsm8k_hash", "gsm8k_lenient": "gsm8k_hash"}
 say = functools.partial(launch.say, "arms")

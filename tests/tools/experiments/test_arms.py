@@ -25,6 +25,35 @@ def test_steps_fit_the_deadline_at_the_sweeps_pace(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_gptq_arm_trains_on_a_gptq_base_made_once(checkpoints, tmp_path, monkeypatch):
+    """nvfp4_gptq_lora: `train` makes the GPTQ-rounded NVFP4 base beside the others (calibrated on the train file,
+    as qerl.quantize --gptq-calibration), once, and trains and evaluates on it; the paper's arms do not make it."""
+    from qerl.nvfp4 import checkpoint
+
+    bf16, _ = checkpoints
+    tasks = []
+    monkeypatch.setattr(arms, "run_tasks", lambda found, *a, **k: tasks.extend(found))
+    monkeypatch.setattr(arms, "report", lambda args: None)
+    argv = ["train", "--model", bf16, "--recipe", str(launch.RECIPES["qwen2.5-coder-1.5b-instruct"]),
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+            "--train-data", str(DATA / "train_sample.jsonl"), "--results", str(tmp_path / "results"), "--seeds", "0",
+            "--steps", "2", "--lr", "1e-4", "--protocols", "greedy"]  # fmt: skip
+    (tmp_path / "out").mkdir()
+    arms.main([*argv, "--arms", "nvfp4_lora"])
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["bf16-nvfp4"]
+    arms.main([*argv, "--arms", "nvfp4_gptq_lora,bf16_lora"])
+    gptq = tmp_path / "ckpt" / "bf16-nvfp4-gptq"
+    assert checkpoint.is_nvfp4_checkpoint(str(gptq))
+    made = gptq.stat().st_mtime_ns
+    training = next(t for t in tasks if t.name.startswith("nvfp4_gptq_lora-seed0-shared train"))
+    assert training.command[training.command.index("--model-name") + 1] == str(gptq)
+    evaluation = next(t for t in tasks if t.after is training)
+    assert evaluation.command[evaluation.command.index("--model") + 1] == str(gptq)
+    arms.main([*argv, "--arms", "nvfp4_gptq_lora"])
+    assert gptq.stat().st_mtime_ns == made  # made once
+
+
+@pytest.mark.slow
 def test_sweep_train_report_on_the_tiny_model(checkpoints, tmp_path, capsys):
     """The road the GPU experiment takes, on CPU: the 1.5B recipe with its rollouts and batches shrunk (BF16, its
     learning rates), two arms, sweep -> train (first seed's checkpoint evaluated) -> report."""

@@ -60,6 +60,7 @@ def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
     assert aqn_in_bf16 and all("difference" not in c for c in aqn_in_bf16)  # one seed: too few runs
     first = result["comparisons"][0]
     assert (first["a"], first["b"], first["measure"]) == ("nvfp4_lora_aqn", "bf16_lora", "greedy")
+    assert not [c for c in result["comparisons"] if "nvfp4_gptq_lora" in (c["a"], c["b"])]  # an arm that never ran
     reference = stats.ttest_ind([0.61, 0.60, 0.62], [0.60, 0.62, 0.64], equal_var=False)
     assert first["difference"] == pytest.approx(-0.01) and first["p"] == pytest.approx(reference.pvalue)
     # The second look leaves the stuck run out (its arm then has none) and compares the stuck counts.
