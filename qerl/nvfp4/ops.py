@@ -1,12 +1,15 @@
 """NVFP4 x BF16 compute: y = x @ W^T and its input gradient, with W stored packed, as torch custom ops that choose
 the kernel (the kernels themselves: triton_kernels.py, cuda_gemm.py).
 
-Public functions (NVFP4Linear and the rest of the package call these two):
+Public functions (NVFP4Linear, the native engine and the rest of the package call these four):
   dequantize(packed, scale, global_scale, dtype)   -> W [N, K], bit-exact with codec.dequantize
   nvfp4_linear(x, packed, scale, global_scale, bias, splitk_counters)
                                                       -> x @ W^T + bias, differentiable w.r.t. x (and bias)
+  nvfp4_linear_lora(x, packed, scale, global_scale, bias, splitk_counters, lora_a, lora_b)
+                                                      -> the same plus a LoRA adapter's term, without autograd
+  splitk_counters(out_features, device, lora_rank)   -> the scratch a weight's calls share
 
-Both are torch custom ops (`qerl::nvfp4_dequantize`, `qerl::nvfp4_linear`) with fake kernels and, for the
+The first two are torch custom ops (`qerl::nvfp4_dequantize`, `qerl::nvfp4_linear`) with fake kernels and, for the
 linear, a registered autograd formula, so torch.compile traces them without graph breaks and CUDA graphs
 capture them. In eager mode without autograd (rollouts) nvfp4_linear calls the same implementation directly,
 skipping the op's dispatch (host time). Dispatch, inside the ops:
@@ -58,13 +61,16 @@ def _(packed, scale, global_scale, dtype):
     return packed.new_empty((packed.shape[0], packed.shape[1] * 2), dtype=dtype)
 
 
-def _linear_2d(x2, packed, scale, global_scale, bias, splitk_counters=None):
-    if cuda_gemm.supported(x2, x2.shape[1]):
-        return cuda_gemm.gemm(x2, packed, scale, global_scale, bias, counters=splitk_counters)
+def _linear_2d(x2, packed, scale, global_scale, bias, splitk_counters=None, lora=None):
+    """The dispatch ladder (the module's docstring) for a 2-D x, with a LoRA (A, B) or none: the fused kernels
+    compute the adapter in the same launch, dequant + cuBLAS adds it after."""
+    rank = 0 if lora is None else lora[0].shape[0]
+    if cuda_gemm.supported(x2, x2.shape[1], rank, packed.shape[0]):
+        return cuda_gemm.gemm(x2, packed, scale, global_scale, bias, counters=splitk_counters, lora=lora)
     if _triton_ok(x2) and x2.dtype in _tk.GEMM_DTYPES and x2.shape[0] <= FUSED_MAX_M:
-        return _tk.gemm(x2, packed, scale, global_scale, bias, counters=splitk_counters)
-    w = _dequantize_op(packed, scale, global_scale, x2.dtype)
-    return torch.nn.functional.linear(x2, w, bias)
+        return _tk.gemm(x2, packed, scale, global_scale, bias, counters=splitk_counters, lora=lora)
+    y = torch.nn.functional.linear(x2, _dequantize_op(packed, scale, global_scale, x2.dtype), bias)
+    return y if lora is None else y.addmm_(x2 @ lora[0].t(), lora[1].t())
 
 
 def _linear_impl(x, packed, scale, global_scale, bias, splitk_counters):
@@ -150,12 +156,7 @@ def nvfp4_linear_lora(x, packed, scale, global_scale, bias, splitk_counters, lor
     computes the adapter in the same launch; other rows add it after the GEMM."""
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    if cuda_gemm.supported(x, x.shape[1], lora_a.shape[0], packed.shape[0]):
-        return cuda_gemm.gemm(x, packed, scale, global_scale, bias, counters=splitk_counters, lora=(lora_a, lora_b))
-    if _triton_ok(x) and x.dtype in _tk.GEMM_DTYPES and x.shape[0] <= FUSED_MAX_M:
-        return _tk.gemm(x, packed, scale, global_scale, bias, counters=splitk_counters, lora=(lora_a, lora_b))
-    y = _linear_impl(x, packed, scale, global_scale, bias, splitk_counters)
-    return y.addmm_(x @ lora_a.t(), lora_b.t())
+    return _linear_2d(x, packed, scale, global_scale, bias, splitk_counters, lora=(lora_a, lora_b))
 
 
 def _needs_op(x, bias) -> bool:
