@@ -186,6 +186,10 @@ class QeRLTrainer(GRPOTrainer):
     #   _compute_loss(model, inputs): wrapped. TRL computes old_per_token_logps only when generation and
     #       optimizer steps are misaligned (or for the correction); otherwise its loss forward runs the very
     #       parameters that sampled, so its log-probs are the clean side of sampling/* and aqn/logprob_shift.
+    #   _prepare_inputs(generation_batch): wrapped. On the micro-step that generates (self._step a multiple of
+    #       steps_per_generation * num_iterations, or _buffered_inputs None) TRL shuffles the batch and splits it
+    #       into _buffered_inputs, one micro-batch per step (split_tensor_dict); qerl.micro_batches regroups them
+    #       by length and the step takes _buffered_inputs[_step % steps_per_generation] as TRL does.
     # Private state:
     #   use_vllm: re-used to mean "apply the importance-sampling correction". After __init__ TRL reads it to gate
     #       that correction (the old_per_token_logps forward, the ratio, its loss factor, the sampling/* metrics),
@@ -195,7 +199,11 @@ class QeRLTrainer(GRPOTrainer):
     #   _tokenizer, eos_token_ids, pad_to_multiple_of, generation_config: the rollout's settings, as TRL made them
     #       (_tokenizer also for the EOS warning, _warn_eos_mismatch).
     #   _tag_names, _name: the model card's tags and trainer name.
-    # TRL's helpers: profiling_context, unwrap_model_for_generation.
+    #   _step (micro-steps so far, advanced after each training_step), num_iterations, _buffered_inputs,
+    #       current_gradient_accumulation_steps: the micro-batch bookkeeping (_prepare_inputs, the nonfinite dump).
+    #   temperature, loss_type: as TRL's loss uses them (the nonfinite dump records them).
+    #   _entropy_bonus_enabled: whether TRL's loss adds its entropy bonus (a mean per micro-batch).
+    # TRL's helpers: profiling_context, unwrap_model_for_generation, split_tensor_dict (qerl/micro_batches.py).
     # Copied: the sampling/* metric names and formulas (_log_rollout_mismatch), from TRL's correction block,
     #   so that the rollout/training mismatch is logged under TRL's names with the correction off too.
     # transformers' Trainer (TRL's base class):

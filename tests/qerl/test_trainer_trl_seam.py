@@ -135,6 +135,27 @@ def test_private_state_the_trainer_reads(trainer):
     assert GRPOTrainer._tag_names and GRPOTrainer._name == "GRPO"
 
 
+def test_micro_batch_bookkeeping_the_trainer_reads(trainer):
+    """What _prepare_inputs and the nonfinite dump read of TRL's micro-steps: TRL generates when _step is a multiple
+    of steps_per_generation * num_iterations (or nothing is buffered), splits into _buffered_inputs and hands out
+    _buffered_inputs[_step % steps_per_generation]; training_step advances _step after the step."""
+    prepare = _source(GRPOTrainer._prepare_inputs)
+    assert "generate_every = self.args.steps_per_generation * self.num_iterations" in prepare
+    assert "if self._step % generate_every == 0 or self._buffered_inputs is None:" in prepare
+    assert "split_tensor_dict(generation_batch, self.args.steps_per_generation)" in prepare
+    assert "inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]" in prepare
+    step = _source(GRPOTrainer.training_step)
+    assert step.index("super().training_step(") < step.index("self._step += 1")
+    assert _params(QeRLTrainer._prepare_inputs) == _params(GRPOTrainer._prepare_inputs)
+    assert isinstance(trainer._step, int) and isinstance(trainer.num_iterations, int)
+    from transformers import Trainer  # sets it for each accumulation window of the training loop
+
+    assert "self.current_gradient_accumulation_steps = len(batch_samples)" in _source(Trainer)
+    assert trainer.temperature == trainer.args.temperature and trainer.loss_type == trainer.args.loss_type
+    assert trainer._entropy_bonus_enabled is False  # the recipes add no entropy bonus
+    assert "if self._entropy_bonus_enabled:" in _source(GRPOTrainer._compute_loss)
+
+
 def test_copied_sampling_metrics_are_trls(trainer):
     """The mismatch metrics logged with the correction off carry the names TRL logs with it on."""
     mask = torch.ones(2, 3)
@@ -168,12 +189,13 @@ def test_ddp_ignore_list(trainer):
 def test_trl_helpers_we_import():
     from trl.extras.profiling import profiling_context
     from trl.models import unwrap_model_for_generation
-    from trl.trainer.utils import ensure_master_addr_port, pad
+    from trl.trainer.utils import ensure_master_addr_port, pad, split_tensor_dict
 
     assert _params(profiling_context) == ["trainer", "name"]
     assert {"gather_deepspeed3_params", "gradient_checkpointing_kwargs"} <= set(_params(unwrap_model_for_generation))
     assert {"padding_value", "padding_side", "pad_to_multiple_of"} <= set(_params(pad))
     assert _params(ensure_master_addr_port)[:2] == ["addr", "port"]
+    assert _params(split_tensor_dict) == ["tensor_dict", "num_chunks"]
 
 
 def test_transformers_trainer_internals():
