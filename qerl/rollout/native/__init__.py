@@ -23,7 +23,7 @@ from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, t
 
 class NativeRollout(RolloutBackend):
     """Settings: RolloutSetup.native (KV-cache budget and dtype); under FSDP2 / ZeRO-3 (RolloutSetup.sharding) the
-    policy's parameters are gathered whole every round (see model.py)."""
+    policy's parameters are gathered whole every round (see decoder.py, `Decoder.refresh`)."""
 
     name = "native"
 
