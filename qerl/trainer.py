@@ -131,6 +131,23 @@ class QeRLTrainer(GRPOTrainer):
                 raise RuntimeError(f"aqn_head_norms: {type(model).__name__} has no per-head q/k norms")
         return self._norm_sites[key]
 
+    def _round_noise(self, model, sigma: float, seed: int, fp32_compute: bool = True):
+        """The AQN noise of one generation round on `model`'s norms: the draw of `seed` at `sigma`, with the run's
+        AQN settings. The rollout samples under it (_perturb) and the shift forward replays it (_noisy_logps)."""
+        a = self.args
+        generator = torch.Generator().manual_seed(seed)
+        sites = self._sites(model) if sigma > 0 else None
+        return aqn.noisy_norms(
+            model,
+            sigma,
+            generator,
+            a.aqn_final_norm,
+            sites,
+            a.aqn_dtype,
+            fp32_compute=fp32_compute,
+            include_head_norms=a.aqn_head_norms,
+        )
+
     @contextlib.contextmanager
     def _perturb(self, model, sigma: float):
         # One seed per generation round from (seed, optimizer step, round within the step): the same on every
@@ -138,22 +155,9 @@ class QeRLTrainer(GRPOTrainer):
         step = self.state.global_step
         self._noise_round = (step, self._noise_round[1] + 1 if self._noise_round[0] == step else 0)
         self._noise_seed = hash((self.args.seed, *self._noise_round))
-        generator = torch.Generator().manual_seed(self._noise_seed)
-        sites = self._sites(model) if sigma > 0 else None
-        a = self.args
         # The policy's transformers norms need FP32Compute to use an FP32 scale; an engine's own model (vLLM:
         # FP32 norm weights, CUDA graphs where hooks never run) applies its FP32 scales itself.
-        own = model is self.model
-        with aqn.noisy_norms(
-            model,
-            sigma,
-            generator,
-            a.aqn_final_norm,
-            sites,
-            a.aqn_dtype,
-            fp32_compute=own,
-            include_head_norms=a.aqn_head_norms,
-        ) as stats:
+        with self._round_noise(model, sigma, self._noise_seed, fp32_compute=model is self.model) as stats:
             yield stats
 
     def train(self, *args, **kwargs):
@@ -360,22 +364,13 @@ class QeRLTrainer(GRPOTrainer):
         forward runs on the policy as the rollout opens it (ZeRO-3: gathered, where the norms are whole)."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        a = self.args
-        generator = torch.Generator().manual_seed(self._noise_seed)
-        with (
-            self._open_policy() as model,
-            aqn.noisy_norms(
-                model,
-                self.last_noise.sigma,
-                generator,
-                a.aqn_final_norm,
-                self._sites(model),
-                a.aqn_dtype,
-                include_head_norms=a.aqn_head_norms,
-            ),
-        ):
+        with self._open_policy() as model, self._round_noise(model, self.last_noise.sigma, self._noise_seed):
             logps, _, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, output["completion_ids"].size(1), a.per_device_train_batch_size
+                model,
+                input_ids,
+                attention_mask,
+                output["completion_ids"].size(1),
+                self.args.per_device_train_batch_size,
             )
         return logps
 
