@@ -11,7 +11,7 @@ from collections.abc import Callable
 from qerl import cli
 from qerl.errors import UsageError, nearest
 
-ROLLOUT_BACKENDS = ("auto", "transformers", "vllm", "native")  # qerl.rollout.BACKENDS registers all but auto
+ROLLOUT_BACKENDS = ("auto", "transformers", "vllm", "native")  # qerl.rollout.BACKENDS, read without torch
 # The native engine's KV cache. auto: the model's dtype; fp8: E4M3 with a scale per token and KV head.
 KV_CACHE_DTYPES = ("auto", "fp8")
 AQN_DTYPES = ("fp32", "bf16")  # where AQN's noise meets the norm scales (qerl.aqn.DTYPE_RULES)

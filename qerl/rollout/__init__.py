@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
 import logging
 from abc import ABC, abstractmethod
@@ -174,12 +173,32 @@ class RolloutBackend(ABC):
     def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput: ...
 
 
-# name -> "module:Class", imported on first use so that a CPU machine never imports vLLM. The names users choose
-# from (these and auto) are field_rules.ROLLOUT_BACKENDS.
-BACKENDS: dict[str, str] = {
-    "transformers": "qerl.rollout.transformers:TransformersRollout",
-    "vllm": "qerl.rollout.vllm:VLLMRollout",
-    "native": "qerl.rollout.native:NativeRollout",
+def _transformers() -> type[RolloutBackend]:
+    from qerl.rollout.transformers import TransformersRollout
+
+    return TransformersRollout
+
+
+def _vllm() -> type[RolloutBackend]:
+    from qerl.rollout.vllm import VLLMRollout
+
+    return VLLMRollout
+
+
+def _native() -> type[RolloutBackend]:
+    from qerl.rollout.native import NativeRollout
+
+    return NativeRollout
+
+
+# name -> its class, imported on first use so that a CPU machine never imports vLLM (a new backend: one class, one
+# function above, one line here). The names users choose from, these and auto, are listed again in
+# field_rules.ROLLOUT_BACKENDS because --help and the flag checks read them without importing torch, which this
+# package imports; tests/qerl/test_field_rules.py holds the two lists equal.
+BACKENDS: dict[str, Callable[[], type[RolloutBackend]]] = {
+    "transformers": _transformers,
+    "vllm": _vllm,
+    "native": _native,
 }
 
 
@@ -229,8 +248,7 @@ def with_auto_fallback(
 def build_backend(name: str, setup: RolloutSetup) -> RolloutBackend:
     """The backend registered as `name` (not auto), built on `setup`; Unsupported passes through as the engine
     worded it."""
-    module_name, class_name = BACKENDS[name].split(":")
-    backend = getattr(importlib.import_module(module_name), class_name)
+    backend = BACKENDS[name]()
     if setup.open_policy is None and not backend.samples_from_checkpoint:
         raise Unsupported(f"the {name} backend samples from a policy in memory, and this setup has only a checkpoint")
     return backend(setup)
