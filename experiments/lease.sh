@@ -6,6 +6,8 @@
 # Each call waits up to WAIT_S seconds (default 540), prints the end of the log, and packs what the experiment wrote
 # so far under results/ (the records to commit: untar in the checkout's root) into $OUT/NAME-results.tar.gz and the
 # tails of every log into $OUT/NAME-logs.tar.gz, so that a lease that ends early still leaves its records.
+# Name the ignored data the command reads (.data) in the carry of the `start` call itself: the runner drops an
+# ignored folder that a later call does not carry (seen 2026-11-29), and `start` copies the tree as it is then.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 action=${1:-}; name=${2:-}
