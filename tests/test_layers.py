@@ -35,6 +35,7 @@ LAYERS = [
         "qerl.sharding",
         "qerl.norms",
         "qerl.unpadded_forward",
+        "qerl.micro_batches",
         "qerl.rewards",
         "qerl.nonfinite_dump",
         "qerl.dense_weights",

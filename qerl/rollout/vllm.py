@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from qerl import master_port
-from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
+from qerl.rollout.base import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
 from qerl.sharding import whole
 
 LORA_ID = 1  # one adapter, re-registered under the same id every round

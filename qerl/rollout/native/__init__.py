@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl.rollout import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
+from qerl.rollout.base import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
 
 
 class NativeRollout(RolloutBackend):

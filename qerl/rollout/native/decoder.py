@@ -40,7 +40,7 @@ from torch import nn
 from qerl.norms import find_norms
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.nvfp4.ops import nvfp4_linear, nvfp4_linear_lora, splitk_counters
-from qerl.rollout import Unsupported
+from qerl.rollout.base import Unsupported
 from qerl.rollout.native import elementwise
 from qerl.rollout.native.kv_cache import KVCache
 from qerl.sharding import whole
