@@ -92,12 +92,12 @@ class DenseWeights:
         if self.active or not self.wanted():
             return
         for layer in self.layers:
-            layer.dense_weight = layer.dequantize_weight()
+            layer.keep_dense_weight()
         self.active = True
         self.rounds += 1
 
     def release(self) -> None:
         """Drop the copies: the layers decode per call again (what the rollout engines read is the packed weight)."""
         for layer in self.layers:
-            layer.dense_weight = None
+            layer.drop_dense_weight()
         self.active = False

@@ -48,8 +48,9 @@ class NVFP4Linear(nn.Linear):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
-        # The weight decoded to compute_dtype while the training passes share it (qerl/dense_weights.py sets and drops
-        # it around each rollout); a plain attribute, not a buffer: never saved, moved, broadcast or gathered.
+        # The weight decoded to compute_dtype while the training passes share it (keep_dense_weight / drop_dense_weight,
+        # which qerl/dense_weights.py calls around each rollout); a plain attribute, not a buffer: never saved, moved,
+        # broadcast or gathered.
         self.dense_weight: torch.Tensor | None = None
 
     @property
@@ -84,6 +85,16 @@ class NVFP4Linear(nn.Linear):
         return ops.dequantize(
             self.weight_packed, self.weight_scale, self.weight_global_scale, dtype or self.compute_dtype
         )
+
+    @torch.no_grad()
+    def keep_dense_weight(self) -> None:
+        """Decode the weight once and compute with that copy (F.linear) until drop_dense_weight; the packed weight
+        stays what checkpoints and the rollout engines read."""
+        self.dense_weight = self.dequantize_weight()
+
+    def drop_dense_weight(self) -> None:
+        """Free the dense copy: forward decodes the packed weight per call again."""
+        self.dense_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.compute_dtype)
