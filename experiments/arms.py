@@ -39,6 +39,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from benchmarks.launch import SHARED_GSM8K, run_or_raise
@@ -62,15 +63,15 @@ from experiments.arms_runs import (
 from qerl import cli
 
 
-def checkpoints(args) -> dict[str, str]:
-    """The bases by name (ARMS): BF16 and NVFP4 always, made once; the GPTQ-rounded NVFP4 base beside them where an
-    arm asked for takes it (calibrated on --train-data's last solutions, as `qerl.quantize --gptq-calibration`)."""
+def checkpoints(args, arms: Iterable[str] = ()) -> dict[str, str]:
+    """The bases by name (ARMS): BF16 and NVFP4 always, made once; the GPTQ-rounded NVFP4 base beside them where one
+    of `arms` takes it (calibrated on --train-data's last solutions, as `qerl.quantize --gptq-calibration`)."""
     from qerl.models.fetch import bf16_and_nvfp4
 
     device = "cuda" if _cuda() else "cpu"
     bf16, nvfp4 = bf16_and_nvfp4(args.model, args.checkpoint_dir, device)
     bases = {"bf16": bf16, "nvfp4": nvfp4}
-    if any(ARMS[arm][0] == "nvfp4_gptq" for arm in getattr(args, "arms", ())):
+    if any(ARMS[arm][0] == "nvfp4_gptq" for arm in arms):
         bases["nvfp4_gptq"] = str(Path(args.checkpoint_dir) / f"{Path(bf16).name}-nvfp4-gptq")
         if not Path(bases["nvfp4_gptq"]).exists():  # qerl.quantize writes the folder whole or not at all
             run_or_raise([sys.executable, "-m", "qerl.quantize", "--model", bf16, "--output", bases["nvfp4_gptq"],
@@ -158,7 +159,7 @@ def probe(args) -> None:
 def sweep(args) -> None:
     """Each swept arm at each learning rate with the sweep seeds (no train run uses them), `--steps` steps; the rate
     with the highest mean training reward over the last half of the steps (mean over the seeds) is that arm's."""
-    bases = checkpoints(args)
+    bases = checkpoints(args, args.sweep_arms)
     runs = {
         (arm, lr, seed): f"sweep-{arm}-lr{lr:g}-seed{seed}"
         for arm in args.sweep_arms
@@ -230,7 +231,7 @@ def train(args) -> None:
     """Each arm x seed (seeds first: every arm's first seeds before any arm's later ones), evaluated under each
     protocol, its record written to --results as soon as its greedy evaluation is in. Runs whose record is there are
     not run again; with --bases the bases are evaluated too, once (their records: base-bf16, base-nvfp4)."""
-    bases = checkpoints(args)
+    bases = checkpoints(args, args.arms)
     sweep_path = args.out / "sweep.json"
     sweep_record = json.loads(sweep_path.read_text()) if sweep_path.exists() else None
     if (args.lr is None or args.steps == "auto") and sweep_record is None:

@@ -190,10 +190,9 @@ class QeRLTrainer(GRPOTrainer):
     #   _compute_loss(model, inputs): wrapped. TRL computes old_per_token_logps only when generation and
     #       optimizer steps are misaligned (or for the correction); otherwise its loss forward runs the very
     #       parameters that sampled, so its log-probs are the clean side of sampling/* and aqn/logprob_shift.
-    #   _prepare_inputs(generation_batch): wrapped. On the micro-step that generates (self._step a multiple of
-    #       steps_per_generation * num_iterations, or _buffered_inputs None) TRL shuffles the batch and splits it
-    #       into _buffered_inputs, one micro-batch per step (split_tensor_dict); qerl.micro_batches regroups them
-    #       by length and the step takes _buffered_inputs[_step % steps_per_generation] as TRL does.
+    #   _prepare_inputs(generation_batch): wrapped. On the micro-step that generates, TRL shuffles the batch,
+    #       splits it into a new _buffered_inputs list (split_tensor_dict) and returns the step's element of it;
+    #       qerl.micro_batches regroups that list by length and the step takes the same position in the new one.
     # Private state:
     #   use_vllm: re-used to mean "apply the importance-sampling correction". After __init__ TRL reads it to gate
     #       that correction (the old_per_token_logps forward, the ratio, its loss factor, the sampling/* metrics),
@@ -203,8 +202,8 @@ class QeRLTrainer(GRPOTrainer):
     #   _tokenizer, eos_token_ids, pad_to_multiple_of, generation_config: the rollout's settings, as TRL made them
     #       (_tokenizer also for the EOS warning, _warn_eos_mismatch).
     #   _tag_names, _name: the model card's tags and trainer name.
-    #   _step (micro-steps so far, advanced after each training_step), num_iterations, _buffered_inputs,
-    #       current_gradient_accumulation_steps: the micro-batch bookkeeping (_prepare_inputs, the nonfinite dump).
+    #   _buffered_inputs (_prepare_inputs); _step (micro-steps so far, advanced after each training_step) and
+    #       current_gradient_accumulation_steps: which micro-batch a step is (the nonfinite dump).
     #   temperature, loss_type: as TRL's loss uses them (the nonfinite dump records them).
     #   _entropy_bonus_enabled: whether TRL's loss adds its entropy bonus (a mean per micro-batch).
     # TRL's helpers: profiling_context, unwrap_model_for_generation, split_tensor_dict (qerl/micro_batches.py).
@@ -447,12 +446,12 @@ class QeRLTrainer(GRPOTrainer):
         return loss
 
     def _prepare_inputs(self, generation_batch):
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        fresh = self.model.training and (self._step % generate_every == 0 or self._buffered_inputs is None)
+        buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
-        if fresh and self.group_by_length:  # TRL just split a new generation batch at random: regroup its rows
+        if self.group_by_length and self._buffered_inputs is not buffered:  # TRL split a new batch at random
+            index = next(i for i, batch in enumerate(self._buffered_inputs) if batch is inputs)
             self._buffered_inputs = micro_batches.by_length(self._buffered_inputs)
-            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+            inputs = self._buffered_inputs[index]
         return inputs
 
     def training_step(self, model, inputs, num_items_in_batch=None):

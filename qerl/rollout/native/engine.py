@@ -121,6 +121,12 @@ class NativeEngine:
         state.done |= self._is_eos(first)
         out_ids, out_logprobs = state.out_ids, state.out_logprobs  # every row's, written back after compactions
         rows = None  # the wave's row of each of the state's rows, once compacted (None: all rows, in order)
+
+        def write_back():  # the compacted rows' outputs into the wave's
+            if rows is not None:
+                out_ids.index_copy_(0, rows, state.out_ids)
+                out_logprobs.index_copy_(0, rows, state.out_logprobs)
+
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # one pool: captures replace each other
         t, steps = 0, max_new_tokens - 1
         while t < steps:
@@ -139,15 +145,11 @@ class NativeEngine:
             if smaller is not None:
                 keep = torch.sort(state.done.to(torch.int8), stable=True).indices[:smaller]  # live rows first
                 keep = keep.sort().values  # in wave order: each row moves to a lower index (kv_cache.keep_rows)
-                if rows is not None:
-                    out_ids.index_copy_(0, rows, state.out_ids)
-                    out_logprobs.index_copy_(0, rows, state.out_logprobs)
+                write_back()
                 rows = keep if rows is None else rows[keep]
                 cache, state = cache.keep_rows(keep), state.keep_rows(keep)
                 self.last_compactions += 1
-        if rows is not None:
-            out_ids.index_copy_(0, rows, state.out_ids)
-            out_logprobs.index_copy_(0, rows, state.out_logprobs)
+        write_back()
         return out_ids.tolist(), out_logprobs.tolist()  # the cache and graph go with this frame
 
     def _compacted_size(self, live: int, batch: int) -> int | None:
