@@ -1,6 +1,7 @@
 """The plot of experiments.arms' report: reward, entropy and the share of completions truncated at the cap per step
 (mean over seeds, min-max band); greedy test accuracy per seed with each arm's mean and 95% interval; the fixed
-comparisons' differences with their Welch intervals against the equivalence margin; an arm's seeds by the way they ran.
+comparisons' differences with their Welch intervals against the equivalence margin; the LoRA adapters on both bases;
+an arm's seeds by the way they ran.
 """
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from experiments.arms_results import curve_rows, first_nonfinite_step, logged
-from experiments.arms_runs import ARM_NAMES, ARMS
+from experiments.arms_results import OTHER_BASE, curve_rows, first_nonfinite_step, logged
+from experiments.arms_runs import ARM_NAMES, ARMS, LORA_ARMS
 from experiments.arms_stats import mean_interval
 from qerl import plotting
 
@@ -24,7 +25,8 @@ def plot(runs: list[dict], result: dict, png: Path) -> None:
     """Top: reward, entropy and the share of completions truncated at the cap per step (mean over seeds, min-max
     band, a moving average; an x marks a run's first non-finite gradient). Bottom: greedy test accuracy per seed with
     each arm's mean and 95% interval; the comparisons' differences with their Welch intervals against the +-2-point
-    margin; and, where an arm ran in several ways (card, packing), its seeds per way."""
+    margin; where adapters were also evaluated on the other base, each seed on both bases; and, where an arm ran in
+    several ways (card, packing), its seeds per way."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,9 +35,15 @@ def plot(runs: list[dict], result: dict, png: Path) -> None:
     arms = list(result["arms"])
     rows = {r["name"]: curve_rows(r) for r in runs}
     window = max(1, max(len(v) for v in rows.values()) // 15)
-    fig, axes = plt.subplots(2, 3, figsize=(18, 9))
+    bottom = [_accuracy_panel, _comparison_panel]
+    bottom += [_base_split_panel] if result.get("base_split") else []
+    bottom += [_settings_panel] if result["settings"] else []
+    columns = max(3, len(bottom))
+    fig, axes = plt.subplots(2, columns, figsize=(6 * columns, 9))
+    for ax in axes[0][len(CURVES) :]:
+        ax.axis("off")
     colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
-    for ax, (key, label) in zip(axes[0], CURVES, strict=True):
+    for ax, (key, label) in zip(axes[0], CURVES, strict=False):
         for arm in arms:
             seeds = [rows[r["name"]] for r in runs if r["arm"] == arm]
             steps = min(len(s) for s in seeds)
@@ -55,9 +63,10 @@ def plot(runs: list[dict], result: dict, png: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    _accuracy_panel(axes[1][0], arms, runs, result, colors)
-    _comparison_panel(axes[1][1], result)
-    _settings_panel(axes[1][2], result, colors)
+    for ax, panel in zip(axes[1], bottom, strict=False):
+        panel(ax, arms, runs, result, colors)
+    for ax in axes[1][len(bottom) :]:
+        ax.axis("off")
     fig.suptitle(
         f"{runs[0]['model']}, GSM8K ({runs[0]['format']}), DAPO, {result['steps']} steps; curves: mean over seeds "
         f"(line), min-max (band), moving average of {window} steps",
@@ -91,7 +100,7 @@ def _accuracy_panel(ax, arms, runs, result, colors) -> None:
     ax.grid(alpha=0.3, axis="y")
 
 
-def _comparison_panel(ax, result) -> None:
+def _comparison_panel(ax, arms, runs, result, colors) -> None:
     """The fixed comparisons (filled), and the second look without the stuck runs (hollow, just below)."""
     questions = list(dict.fromkeys(c["question"] for c in result["comparisons"]))  # their fixed order
     looks = (
@@ -114,13 +123,34 @@ def _comparison_panel(ax, result) -> None:
     )
     ax.axvline(0, color="gray", lw=0.8)
     ax.set_yticks(range(len(questions)), [q.split(" (")[0] for q in questions], fontsize=8)
-    ax.invert_yaxis()  # the comparisons top to bottom in their fixed order
+    ax.set_ylim(len(questions) - 0.25, -0.5)  # the comparisons top to bottom in their fixed order
     ax.set_xlabel("a - b, greedy accuracy points (Welch 95% interval)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="x")
 
 
-def _settings_panel(ax, result, colors) -> None:
+def _base_split_panel(ax, arms, runs, result, colors) -> None:
+    """Each LoRA adapter greedy on the BF16 base and on the NVFP4 base, a seed's two scores joined: the slope is what
+    sampling from the 4-bit base costs that adapter, the offset between colours what training on it costs."""
+    order = ("bf16", "nvfp4")
+    for arm, trained in LORA_ARMS.items():
+        for run in (r for r in runs if r["arm"] == arm):
+            m = result["runs"][run["name"]]
+            if m.get(OTHER_BASE) is None or m.get("greedy") is None:
+                continue
+            own, other = m["greedy"] * 100, m[OTHER_BASE] * 100
+            on = {trained: own, next(b for b in order if b != trained): other}
+            ax.plot([0, 1], [on["bf16"], on["nvfp4"]], "-o", color=colors[arm], alpha=0.6)
+        ax.plot([], [], "-o", color=colors[arm], label=f"trained as {ARM_NAMES[arm]}")
+    ax.set_xticks([0, 1], ["on the BF16 base", "on the NVFP4 base"], fontsize=8)
+    ax.set_xlim(-0.4, 1.4)
+    ax.set_ylabel("GSM8K test accuracy %, greedy (strict)")
+    ax.set_title("each adapter on both bases (a line per seed)", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _settings_panel(ax, arms, runs, result, colors) -> None:
     labels = []
     for effect in result["settings"]:
         for way in effect["ways"]:

@@ -21,7 +21,7 @@ from experiments.arms_results import (
     logged,
     write_report,
 )
-from experiments.arms_runs import ARM_NAMES, ARMS, PROTOCOLS, recipe_sha256
+from experiments.arms_runs import ARM_NAMES, ARMS, LORA_ARMS, PROTOCOLS, recipe_sha256
 from experiments.arms_stats import fisher_exact, mean_interval, variance_ratio, welch
 from qerl import plotting
 
@@ -203,10 +203,6 @@ def without_stuck(runs: list[dict], measures: dict) -> dict:
         "comparisons": comparisons([r for r in runs if r not in stuck_runs], measures, PROTOCOLS, pairs),
         "stuck_rates": rates,
     }
-
-
-# Issue 49 item 2: the LoRA arms' adapters on both bases. arm -> the precision it trained on.
-LORA_ARMS = {"bf16_lora": "bf16", "nvfp4_lora": "nvfp4"}
 
 
 def base_split(runs: list[dict], measures: dict) -> dict | None:
