@@ -129,7 +129,15 @@ def test_engine_shares_the_policys_weights_and_sees_each_new_adapter():
     model, tokenizer = _policy()
     before = {n: t.data_ptr() for n, t in model.named_parameters() if not t.requires_grad}
     bytes_before = sum(t.numel() * t.element_size() for t in model.parameters())
+    values_before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        logits_before = model(input_ids=ids).logits
     decoder = Decoder(model)
+    # What building the engine does to the policy (projection.fuse_as_views): nothing a user can observe.
+    assert all(torch.equal(values_before[n], t) for n, t in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, logits_before)
     layer = model.base_model.model.model.layers[0]
     q, k, v = (getattr(layer.self_attn, n).base_layer.weight for n in ("q_proj", "k_proj", "v_proj"))
     fused = decoder.layers[0].qkv.weight
