@@ -110,6 +110,17 @@ class QeRLConfig(GRPOConfig):
         default=False,
         metadata={"help": "Train the per-layer RMSNorm scales too (the reference's `ln`).", "aliases": ["--ln"]},
     )
+    # Here, not among qerl.train's script arguments (TRL 1.16's GRPOConfig has no such field), so that __post_init__
+    # derives vllm_max_model_length from it for a config built in Python as for the command line's.
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Prompts longer than this many tokens are dropped, or cut (--long-prompts) (default: no limit). "
+            "qerl.train applies it to the dataset; vllm_max_model_length defaults to it plus max_completion_length "
+            "(the longest prompt kept and a full completion, the reference's max_seq_length) rather than the "
+            "model's whole context window."
+        },
+    )
     rollout_backend: str = field(
         default="auto",
         metadata={
@@ -220,6 +231,8 @@ class QeRLConfig(GRPOConfig):
                 "use_vllm is TRL's own vLLM path, which would sample without AQN; QeRL picks its engine with "
                 f"rollout_backend (available: {', '.join(ROLLOUT_BACKENDS)})"
             )
+        if self.vllm_max_model_length is None and self.max_prompt_length and self.max_completion_length:
+            self.vllm_max_model_length = self.max_prompt_length + self.max_completion_length
         try:
             super().__post_init__()
         except ValueError as err:

@@ -65,12 +65,6 @@ class QeRLScriptArguments:
         default="auto", metadata={"help": f"Local files: {', '.join(data.FORMAT_COLUMNS)} or auto (from columns)."}
     )
     num_examples: int | None = field(default=None, metadata={"help": "Use only the first N examples (default: all)."})
-    max_prompt_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Prompts longer than this many tokens are dropped, or cut (--long-prompts) (default: no limit)."
-        },
-    )
     long_prompts: str = field(
         default="drop",
         metadata={
@@ -147,10 +141,6 @@ def read_settings(argv: list[str] | None = None) -> tuple[dict, set[str]]:
     settings = vars(parser.parse_args(argv))
     check_choices(settings, named)  # argparse checks the flags' choices, not a recipe's
     check_ranges(settings, named)
-    if settings["vllm_max_model_length"] is None and settings["max_prompt_length"]:
-        # The rollout engine's context: the longest prompt kept plus a full completion (the reference's
-        # max_seq_length), rather than the model's whole context window.
-        settings["vllm_max_model_length"] = settings["max_prompt_length"] + settings["max_completion_length"]
     return settings, given
 
 
@@ -278,9 +268,9 @@ def prompts_and_rewards(script_args: QeRLScriptArguments, config: QeRLConfig, to
         script_args.num_examples,
         seed=config.seed,
     )
-    train_dataset = data.fit_prompts(task.train, tokenizer, script_args.max_prompt_length, script_args.long_prompts)
+    train_dataset = data.fit_prompts(task.train, tokenizer, config.max_prompt_length, script_args.long_prompts)
     if len(train_dataset) == 0:
-        raise UsageError(f"no prompt of {script_args.dataset} fits --max-prompt-length {script_args.max_prompt_length}")
+        raise UsageError(f"no prompt of {script_args.dataset} fits --max-prompt-length {config.max_prompt_length}")
     reward_funcs = list(task.reward_funcs)
     if script_args.soft_overlong_cache:
         reward_funcs.append(

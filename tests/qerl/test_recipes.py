@@ -84,7 +84,7 @@ def test_training_scripts(script_path, tmp_path):
     name = os.path.basename(script_path)
     nvfp4 = "_nvfp4_" in name
     assert config.learning_rate == (1e-5 if nvfp4 else 5e-6)
-    assert config.aqn is nvfp4 and script.dataset == "gsm8k" and script.max_prompt_length == 256
+    assert config.aqn is nvfp4 and script.dataset == "gsm8k" and config.max_prompt_length == 256
     batch = 8 if name.startswith("dapo_qwen2.5-32b_nvfp4") else 2
     assert config.per_device_train_batch_size == config.num_generations == batch
     assert (config.beta, config.epsilon_high, config.adam_beta2, config.weight_decay) == (0.0, 0.28, 0.99, 0.1)
@@ -100,7 +100,7 @@ def test_llama_recipe_is_the_references_batch(tmp_path):
     assert batch == (4, 4, 16)
     assert (config.loss_type, config.beta, config.epsilon_high, config.learning_rate) == ("bnpo", 0.0, 0.28, 1e-5)
     assert config.aqn and (config.lora_rank, config.lora_alpha, config.trainable_norms) == (16, 16, True)
-    assert (script.dataset, script.max_prompt_length, config.max_completion_length) == ("gsm8k", 256, 2048)
+    assert (script.dataset, config.max_prompt_length, config.max_completion_length) == ("gsm8k", 256, 2048)
 
 
 def test_help_is_short_shows_defaults_and_says_what_flags_do(capsys):

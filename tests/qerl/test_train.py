@@ -139,7 +139,7 @@ def test_reference_flag_names(tmp_path):
     with pytest.warns(UserWarning, match="ignoring --fast-inference") as caught:
         script, config = train.parse_args(argv)
     assert any("--max-seq-length" in str(w.message) for w in caught)
-    assert (script.model_name, script.dataset, script.max_prompt_length) == ("m", "dapomath", 300)
+    assert (script.model_name, script.dataset, config.max_prompt_length) == ("m", "dapomath", 300)
     assert (config.lora_rank, config.lora_alpha, config.trainable_norms, config.seed) == (32, 64, True, 7)
     assert (config.sigma_start, config.sigma_end, config.num_stages) == (5e-2, 5e-4, 6)
     loss = (config.loss_type, config.beta, config.epsilon_high, config.mask_truncated_completions)
@@ -164,18 +164,6 @@ def test_reference_flag_names(tmp_path):
     assert (config.seed, config.warmup_steps) == (8, 0.2)
     _, config = train.parse_args(["--model-name", "m", "--output-dir", str(tmp_path), "--use-cpu", "True"])
     assert (config.seed, config.warmup_steps) == (42, 0)
-
-
-def test_the_rollout_engines_context_is_the_prompt_cap_plus_a_completion(tmp_path):
-    """vLLM's context (vllm_max_model_length) defaults to the prompt cap plus a full completion, set while parsing:
-    the config is built once with it (a recipe's or flag's own value wins)."""
-    common = ["--model-name", "m", "--output-dir", str(tmp_path), "--use-cpu", "True", "--max-completion-length", "50"]
-    _, config = train.parse_args([*common, "--max-prompt-length", "100"])
-    assert config.vllm_max_model_length == 150
-    _, config = train.parse_args([*common, "--max-prompt-length", "100", "--vllm-max-model-length", "999"])
-    assert config.vllm_max_model_length == 999
-    _, config = train.parse_args(common)
-    assert config.vllm_max_model_length is None  # no prompt cap: the engine's own default
 
 
 GSM8K_TEST = str(SHARED_GSM8K / "test.jsonl")
