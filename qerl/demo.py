@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from qerl import cli
+from qerl import cli, recipes, train
 from qerl.data import GSM8K_DATA
 from qerl.errors import UsageError
 from qerl.field_rules import ROLLOUT_BACKENDS
@@ -34,6 +34,13 @@ from qerl.field_rules import ROLLOUT_BACKENDS
 # torch, transformers and the trainer are imported after the flags are read: --help answers at once.
 
 MAX_OPERAND = 20
+# The settings the demo reads from the recipes' shared part, so that a change there reaches it: the DAPO loss, LoRA
+# and AQN. The part's batch, optimizer and schedule are sized for 7B runs on a GPU; the demo keeps its own.
+DAPO_PART = recipes.RECIPES / "parts" / "dapo.yaml"
+FROM_DAPO_PART = (
+    "loss_type", "beta", "epsilon_high", "num_iterations", "mask_truncated_completions", "temperature",
+    "lora_rank", "lora_alpha", "trainable_norms", "sigma_start", "sigma_end", "num_stages", "aqn_dtype",
+)  # fmt: skip
 
 
 def say(message: str) -> None:
@@ -124,24 +131,18 @@ def tenth_means(rewards: list[float]) -> tuple[float, float]:
 
 
 def rl_config(args, cuda: bool, **overrides):
-    """The demo's DAPO + AQN + LoRA settings (the recipes' shape), with what differs per model in `overrides`."""
+    """The demo's DAPO + AQN + LoRA settings: the recipes' (FROM_DAPO_PART), the demo's own run, and what differs per
+    model in `overrides`."""
     from qerl.config import QeRLConfig
 
+    part = recipes.load_recipe(str(DAPO_PART), train.build_parser(), named_by="qerl.demo reads")
+    from_part = {name: part[name] for name in FROM_DAPO_PART}
     settings = dict(
         output_dir=os.path.join(args.output_dir, "rl"),
         max_steps=args.rl_steps,
         learning_rate=args.learning_rate,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=0.05,
-        loss_type="dapo",
-        beta=0.0,
-        epsilon_high=0.28,
-        mask_truncated_completions=True,
-        lora_rank=16,
-        trainable_norms=True,
-        sigma_start=1e-2,
-        sigma_end=1e-4,
-        num_stages=10,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -152,7 +153,7 @@ def rl_config(args, cuda: bool, **overrides):
         disable_tqdm=True,
         rollout_backend=args.rollout_backend,
     )
-    return QeRLConfig(**{**settings, **overrides})
+    return QeRLConfig(**{**from_part, **settings, **overrides})
 
 
 @dataclass
@@ -229,7 +230,6 @@ def real_model_setup(args, device, cuda: bool) -> DemoSetup:
         num_generations=8,
         max_completion_length=256,
         temperature=0.7,
-        lora_alpha=16,
         rollout_kv_cache_gib=4,
     )
     eval_hint = (

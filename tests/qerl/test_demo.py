@@ -5,8 +5,10 @@ import json
 import os
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
 
 
 @pytest.fixture
@@ -17,6 +19,20 @@ def torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+def test_the_demo_takes_the_recipes_dapo_settings(tmp_path):
+    """The demo's DAPO loss, LoRA and AQN settings are those of configs/parts/dapo.yaml as the file says now: a change
+    to the part reaches the demo."""
+    from qerl import demo
+
+    part = yaml.safe_load((Path(__file__).parents[2] / "configs" / "parts" / "dapo.yaml").read_text())
+    assert {"loss_type", "beta", "epsilon_high", "mask_truncated_completions"} <= set(demo.FROM_DAPO_PART)
+    args = SimpleNamespace(output_dir=str(tmp_path), rl_steps=1, learning_rate=1e-3, seed=0, rollout_backend="auto")
+    config = demo.rl_config(args, cuda=False)
+    assert {name: getattr(config, name) for name in demo.FROM_DAPO_PART} == {
+        name: part[name] for name in demo.FROM_DAPO_PART
+    }
 
 
 def test_demo_pipeline(tmp_path, torch_threads):
