@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qerl.norms import FP32Compute, NormSites, computes_in_fp32, find_norms
+from qerl.norms import FP32Compute, NormSites, computes_in_fp32, find_norms, noise_seed
 from qerl.sharding import is_sharded, local_part
 
 # ----------------------------------------------------------------------------------------------------------
@@ -68,6 +68,12 @@ def sigma_at(step: int, total_steps: int, sigma_start: float, sigma_end: float, 
 DTYPE_RULES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # field_rules.AQN_DTYPES names them
 
 
+def round_seed(seed: int, step: int, round_in_step: int) -> int:
+    """The seed of one generation round's noise, from the run's seed, the optimizer step and the round within it
+    (a hash of ints: the same in every process, unlike a str's)."""
+    return hash((seed, step, round_in_step))
+
+
 @dataclass
 class NoiseStats:
     sigma: float = 0.0
@@ -89,8 +95,11 @@ def noisy_norms(
 ):
     """Add fresh N(0, sigma^2) noise to the model's RMSNorm scales for the duration of the block.
 
-    The noise is drawn in float32 on the CPU, norm after norm in module order (reproducible on any device, rank
-    and backend for a given generator), then meets each scale in the dtype of `dtype_rule` (see DTYPE_RULES).
+    The round's seed is one draw of `generator` (the global RNG's without one); each norm's noise is drawn in
+    float32 on the CPU from that seed and the norm's noise key (qerl.norms.noise_keys: its layer and its name),
+    so a norm gets the same noise on any device, rank and backend, whatever the order or nesting of the model's
+    modules and whichever other norms are included. It then meets each scale in the dtype of `dtype_rule` (see
+    DTYPE_RULES).
     A scale stored in that dtype or in FP32 is perturbed in place (engines that captured its address, as CUDA
     graphs do, see the noise); a BF16 scale under the fp32 rule gets a perturbed FP32 Parameter for the duration,
     and the original Parameter object back on exit. Either way the clean scales come back bit for bit:
@@ -112,14 +121,16 @@ def noisy_norms(
         yield stats
         return
     dtype = DTYPE_RULES[dtype_rule]
-    norms = (sites or find_norms(model)).select(include_final, include_head_norms)
+    norms = (sites or find_norms(model)).keyed(include_final, include_head_norms)
+    round_seed = int(torch.randint(2**62, (1,), generator=generator))
     undo = []
     changed = 0
     try:
         with torch.no_grad():
-            for module in norms.values():
+            for key, module in norms.items():
                 weight = module.weight
-                noise = torch.randn(weight.shape, generator=generator, dtype=torch.float32) * sigma
+                draw = torch.Generator().manual_seed(noise_seed(round_seed, key))
+                noise = torch.randn(weight.shape, generator=draw, dtype=torch.float32) * sigma
                 sharded = is_sharded(weight)
                 if sharded:  # in place on this rank's shard, in its dtype when FP32 cannot hold the rule's
                     noise, weight = local_part(noise, weight), weight.to_local()

@@ -6,6 +6,8 @@ modules are the per-layer RMSNorms", in a transformers model, a peft-wrapped one
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -91,13 +93,50 @@ class NormSites:
     head_norms: dict[str, nn.Module] = field(default_factory=dict)  # per-head norms inside layers (Qwen3's q/k_norm)
 
     def select(self, include_final: bool, include_heads: bool = False) -> dict[str, nn.Module]:
-        """The norms to perturb, in this order (each group in module order, so that adding a group leaves the
-        draws of the others as they were)."""
+        """The norms to perturb, by module path: the layer norms, then the final and per-head norms if asked."""
         return {
             **self.layer_norms,
             **(self.final_norms if include_final else {}),
             **(self.head_norms if include_heads else {}),
         }
+
+    def keyed(self, include_final: bool, include_heads: bool = False) -> dict[str, nn.Module]:
+        """The same norms by noise key (`noise_keys`): the name AQN draws each norm's noise under."""
+        selected = self.select(include_final, include_heads)
+        finals = set(self.final_norms)
+        keys = noise_keys([p for p in selected if p not in finals], [p for p in selected if p in finals])
+        return {keys[path]: module for path, module in selected.items()}
+
+
+# A peft modules_to_save wrapper's suffix on the path of the copy that runs (find_norms' _active_copy).
+_WRAPPED = re.compile(r"\.(?:modules_to_save\.[^.]+|original_module)$")
+
+
+def noise_keys(layer_paths: list[str], final_paths: list[str] = ()) -> dict[str, str]:
+    """path -> the name a norm's AQN noise is drawn under: its layer's index and its own name ("3.input_layernorm",
+    "3.q_norm"), "final.norm" outside the layers. The policy, peft's active copy, the native engine's NormScales
+    and vLLM's model nest their norms differently ("layers.3.self_attn.q_norm", "layers.3.q_norm") but name them
+    alike, so each norm gets the same noise on every backend whatever else their trees hold and in whatever order
+    they list them. Where two norms of one layer share a name, the rest of their paths tells them apart."""
+    parts = {}
+    for path in [*layer_paths, *final_paths]:
+        names = _WRAPPED.sub("", path).split(".")
+        index = max((i for i, n in enumerate(names) if n.isdigit()), default=None)
+        if path in final_paths or index is None:
+            parts[path] = ("final", names[-1], names)
+        else:
+            parts[path] = (names[index], names[-1], names[index + 1 :])
+    short = [f"{layer}.{name}" for layer, name, _ in parts.values()]
+    return {
+        path: f"{layer}.{name}" if short.count(f"{layer}.{name}") == 1 else ".".join([layer, *rest])
+        for (path, (layer, name, rest)) in parts.items()
+    }
+
+
+def noise_seed(round_seed: int, key: str) -> int:
+    """The seed of one norm's noise in one round: a digest of both (Python's str hash differs between processes)."""
+    digest = hashlib.blake2b(f"{round_seed}/{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def _hidden_size(model: nn.Module) -> int | None:

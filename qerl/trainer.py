@@ -94,8 +94,7 @@ class QeRLTrainer(GRPOTrainer):
         self.dense_weights = DenseWeights(self.model, args.dense_training_weights)
         self._norm_sites: dict[int, norms.NormSites] = {}
         self.last_noise = aqn.NoiseStats()
-        self._noise_round = (-1, 0)
-        self._noise_seed = 0
+        self._noise_round = (-1, 0)  # (optimizer step, generation round within it) of the last round sampled
         self._loss_logps: list[torch.Tensor] | None = None  # filled by the loss forward, see _compute_loss
         self._micro_batch: dict | None = None  # the loss's inputs, kept for dump_nonfinite_grads
         self.nonfinite_dump: str | None = None
@@ -131,11 +130,13 @@ class QeRLTrainer(GRPOTrainer):
                 raise RuntimeError(f"aqn_head_norms: {type(model).__name__} has no per-head q/k norms")
         return self._norm_sites[key]
 
-    def _round_noise(self, model, sigma: float, seed: int, fp32_compute: bool = True):
-        """The AQN noise of one generation round on `model`'s norms: the draw of `seed` at `sigma`, with the run's
-        AQN settings. The rollout samples under it (_perturb) and the shift forward replays it (_noisy_logps)."""
+    def _round_noise(self, model, sigma: float, noise_round: tuple[int, int], fp32_compute: bool = True):
+        """The AQN noise of one generation round, (optimizer step, round within it), on `model`'s norms at `sigma`,
+        with the run's AQN settings: the answer to "where does a round's noise come from". The rollout samples
+        under it (_perturb) and the shift forward replays it (_noisy_logps); each norm's draw depends only on the
+        round and the norm's noise key (qerl.norms.noise_keys), so the policy and every backend's model agree."""
         a = self.args
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(aqn.round_seed(a.seed, *noise_round))
         sites = self._sites(model) if sigma > 0 else None
         return aqn.noisy_norms(
             model,
@@ -150,14 +151,13 @@ class QeRLTrainer(GRPOTrainer):
 
     @contextlib.contextmanager
     def _perturb(self, model, sigma: float):
-        # One seed per generation round from (seed, optimizer step, round within the step): the same on every
-        # rank, so all ranks sample from one noisy policy as a single process would, and the same after a resume.
+        # Rounds are counted by (optimizer step, round within the step): the same on every rank, so all ranks
+        # sample from one noisy policy as a single process would, and the same after a resume.
         step = self.state.global_step
         self._noise_round = (step, self._noise_round[1] + 1 if self._noise_round[0] == step else 0)
-        self._noise_seed = hash((self.args.seed, *self._noise_round))
         # The policy's transformers norms need FP32Compute to use an FP32 scale; an engine's own model (vLLM:
         # FP32 norm weights, CUDA graphs where hooks never run) applies its FP32 scales itself.
-        with self._round_noise(model, sigma, self._noise_seed, fp32_compute=model is self.model) as stats:
+        with self._round_noise(model, sigma, self._noise_round, fp32_compute=model is self.model) as stats:
             yield stats
 
     def train(self, *args, **kwargs):
@@ -359,11 +359,11 @@ class QeRLTrainer(GRPOTrainer):
     @torch.no_grad()
     def _noisy_logps(self, output) -> torch.Tensor:
         """Log-probs of the sampled tokens in the training forward under the very noise the round sampled with
-        (same seed, same norms in the same order): against the clean ones they give AQN's own movement. The
+        (_round_noise of the same round): against the clean ones they give AQN's own movement. The
         forward runs on the policy as the rollout opens it (ZeRO-3: gathered, where the norms are whole)."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        with self._open_policy() as model, self._round_noise(model, self.last_noise.sigma, self._noise_seed):
+        with self._open_policy() as model, self._round_noise(model, self.last_noise.sigma, self._noise_round):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 model,
                 input_ids,

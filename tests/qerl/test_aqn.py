@@ -190,3 +190,66 @@ def test_trainable_norms_perturb_the_active_copy(seed):
     # With adapters disabled the original module runs, so that is the one to perturb.
     with peft_model.disable_adapter():
         assert all(".original_module" in p for p in norms.find_norms(peft_model).layer_norms)
+
+
+def _norm_tree(layers: list[dict[str, int]], final: int, reverse: bool = False) -> torch.nn.Module:
+    """A bare module tree of RMSNorms, the way a rollout engine may hold them: model.layers[i].<name>, model.norm;
+    `reverse` registers each layer's norms in the opposite order."""
+    inner = torch.nn.Module()
+    inner.layers = torch.nn.ModuleList(
+        torch.nn.ModuleDict({n: torch.nn.RMSNorm(size) for n, size in (reversed(d.items()) if reverse else d.items())})
+        for d in layers
+    )
+    inner.norm = torch.nn.RMSNorm(final)
+    model = torch.nn.Module()
+    model.model = inner
+    return model
+
+
+def test_each_norm_draws_the_same_noise_whatever_the_tree_around_it():
+    """A norm's noise depends on the round's generator and the norm's layer and name alone: the policy (norms under
+    self_attn and mlp siblings, inside peft), a flat engine tree whose layers list their norms in the other order,
+    and either with the final norm included or not, all get the same noise on the same norm."""
+    policy, _ = build_tiny()
+    peft = get_peft_model(policy, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["input_layernorm"]))
+    found = norms.find_norms(peft)
+    flat = _norm_tree([{"input_layernorm": 64, "post_attention_layernorm": 64}] * 2, 64, reverse=True)
+
+    def noise(model, include_final):
+        sites = norms.find_norms(model)
+        keyed = sites.keyed(include_final)
+        clean = {k: m.weight.detach().float().clone() for k, m in keyed.items()}
+        with aqn.noisy_norms(model, 0.1, torch.Generator().manual_seed(7), include_final, fp32_compute=False):
+            return {k: m.weight.detach().float() - clean[k] for k, m in keyed.items()}
+
+    ours, engines = noise(peft, False), noise(flat, False)
+    assert (
+        set(ours)
+        == set(engines)
+        == {f"{i}.{n}" for i in (0, 1) for n in ("input_layernorm", "post_attention_layernorm")}
+    )
+    assert all(torch.equal(ours[k], engines[k]) for k in ours)
+    assert "base_model.model.model.layers.0.input_layernorm.modules_to_save.default" in found.layer_norms
+    with_final = noise(flat, True)
+    assert all(torch.equal(with_final[k], engines[k]) for k in engines) and with_final["final.norm"].abs().max() > 0
+    assert len({tuple(v.tolist()) for v in ours.values()}) == len(ours)  # every norm its own draw
+
+
+def test_noise_keys_name_a_norm_by_layer_and_name_and_tell_same_named_siblings_apart():
+    keys = norms.noise_keys(
+        [
+            "base_model.model.model.layers.3.self_attn.q_norm",
+            "model.layers.3.input_layernorm.modules_to_save.default",
+            "blocks.1.attn.norm",
+            "blocks.1.mlp.norm",
+        ],
+        ["model.norm.original_module"],
+    )
+    assert keys == {
+        "base_model.model.model.layers.3.self_attn.q_norm": "3.q_norm",
+        "model.layers.3.input_layernorm.modules_to_save.default": "3.input_layernorm",
+        "blocks.1.attn.norm": "1.attn.norm",
+        "blocks.1.mlp.norm": "1.mlp.norm",
+        "model.norm.original_module": "final.norm",
+    }
+    assert norms.noise_seed(5, "3.q_norm") == norms.noise_seed(5, "3.q_norm") != norms.noise_seed(5, "3.k_norm")

@@ -71,9 +71,10 @@ SANDWICH_NORM_ROLES = (
 
 class NormScales(nn.Module):
     """FP32 copies of the policy's RMSNorm scales, in a tree that norms.find_norms reads as the policy's: per-layer
-    norms (hidden-size ones, and per-head q/k norms where the policy has them) inside a ModuleList, the final norm
-    outside it, in the policy's order (so AQN draws the same noise for the same norm on every backend); `config`
-    is the policy's, whose hidden size tells the two kinds of layer norms apart."""
+    norms (hidden-size ones, and per-head q/k norms where the policy has them) inside a ModuleList under their
+    layer's index and the policy's names, the final norm outside it, so that AQN draws the same noise for each
+    norm here as on the policy (qerl.norms.noise_keys: a norm's layer and name); `config` is the policy's, whose
+    hidden size tells the two kinds of layer norms apart."""
 
     def __init__(
         self, layer_norms: list[dict[str, nn.Module]], final_norm: nn.Module, config, eps: float, device: torch.device
