@@ -38,6 +38,8 @@ from experiments.multi_gpu_summary import bundle, load_results
 REAL_MODEL = "qwen2.5-coder-1.5b-instruct"
 REAL_RECIPE = RECIPES[REAL_MODEL]
 SIZES = ("1.5b", "7b", "3b", "0.5b")  # the recipe's size first: a job's later commands run after a failure too
+KEPT = ["--gradient-checkpointing", "false"]
+MICRO_BATCH_32 = ["--per-device-train-batch-size", "32", "--gradient-accumulation-steps", "2"]
 # name: (NVFP4 or BF16 checkpoint, qerl.train flags) of the real-model step runs
 REAL_RUNS = {
     "real-nvfp4": ("nvfp4", ["--dense-training-weights", "false"]),
@@ -53,6 +55,12 @@ REAL_RUNS = {
         ["--dense-training-weights", "true", "--group-micro-batches-by-length", "false"],
     ),  # fmt: skip
     "real-bf16-random-split": ("bf16", ["--group-micro-batches-by-length", "false"]),
+    # Activations kept instead of recomputed in the backward (the recipe checkpoints them so that several runs share
+    # a GPU); then the same with micro-batches of 32, half the passes' launches
+    "real-nvfp4-dense-kept": ("nvfp4", ["--dense-training-weights", "true", *KEPT]),
+    "real-bf16-kept": ("bf16", KEPT),
+    "real-nvfp4-dense-kept-mb32": ("nvfp4", ["--dense-training-weights", "true", *KEPT, *MICRO_BATCH_32]),
+    "real-bf16-kept-mb32": ("bf16", [*KEPT, *MICRO_BATCH_32]),
 }
 
 
