@@ -118,3 +118,21 @@ def test_the_quantizer_writes_gptq_weights_that_load(checkpoints, tmp_path):
     assert any(not torch.equal(b, nearest_buffers[n]) for n, b in ours_buffers.items() if n.endswith("weight_packed"))
     with torch.no_grad():
         assert torch.isfinite(ours(torch.randint(0, 100, (2, 9))).logits).all()
+
+
+def test_siblings_quantized_together_get_the_codes_each_would_get_alone():
+    """q/k/v (and gate/up) share their inputs' H and one global scale, and GPTQ treats rows alone: the stacked
+    pass gptq_model makes for a group gives each member the codes and scales of a pass over it alone."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 64) @ torch.randn(64, 64)  # correlated inputs: the error moves between columns
+    h = 2 * x.T @ x / x.shape[0]
+    weights = [torch.randn(n, 64, dtype=torch.bfloat16) * 0.05 for n in (64, 16, 16)]
+    scale = codec.compute_global_scale(*weights)
+    stacked = gptq.gptq_weight(torch.cat(weights), h, scale)
+    row = 0
+    for weight in weights:
+        alone = gptq.gptq_weight(weight, h, scale)
+        rows = slice(row, row + weight.shape[0])
+        assert torch.equal(stacked.packed[rows], alone.packed)
+        assert torch.equal(stacked.scale[rows].view(torch.uint8), alone.scale.view(torch.uint8))
+        row += weight.shape[0]
