@@ -95,7 +95,7 @@ class QeRLTrainer(GRPOTrainer):
         self._norm_sites: dict[int, norms.NormSites] = {}
         self.last_noise = aqn.NoiseStats()
         self._noise_round = (-1, 0)  # (optimizer step, generation round within it) of the last round sampled
-        self._loss_logps: list[torch.Tensor] | None = None  # filled by the loss forward, see _compute_loss
+        self._loss_logps: list[torch.Tensor] | None = None  # open only inside _tapping_loss_logps
         self._micro_batch: dict | None = None  # the loss's inputs, kept for dump_nonfinite_grads
         self.nonfinite_dump: str | None = None
         self.truncation_watch = TruncationWatch(
@@ -428,22 +428,29 @@ class QeRLTrainer(GRPOTrainer):
         old = inputs.get("old_per_token_logps")
         mismatch = not self.use_vllm and old is None and "sampling_per_token_logps" in inputs
         shift = "aqn_noisy_logps" in inputs
-        self._loss_logps = [] if mismatch or (shift and old is None) else None
         if self.args.dump_nonfinite_grads:
             self._micro_batch = inputs
-        try:
+        with self._tapping_loss_logps(mismatch or (shift and old is None)) as tapped:
             loss = super()._compute_loss(model, inputs)
-            clean = old if old is not None else (self._loss_logps or [None])[0]
-            if mismatch and clean is not None:
-                self._log_rollout_mismatch(clean, inputs)
-            if shift and clean is not None:
-                mask = inputs["completion_mask"].bool()
-                delta = (clean - inputs["aqn_noisy_logps"]).abs()[mask]
-                value = delta.mean() if delta.numel() else torch.tensor(0.0, device=delta.device)
-                self._metrics["train"]["aqn/logprob_shift"].append(self.accelerator.gather(value).mean().item())
+        clean = old if old is not None else (tapped or [None])[0]
+        if mismatch and clean is not None:
+            self._log_rollout_mismatch(clean, inputs)
+        if shift and clean is not None:
+            mask = inputs["completion_mask"].bool()
+            delta = (clean - inputs["aqn_noisy_logps"]).abs()[mask]
+            value = delta.mean() if delta.numel() else torch.tensor(0.0, device=delta.device)
+            self._metrics["train"]["aqn/logprob_shift"].append(self.accelerator.gather(value).mean().item())
+        return loss
+
+    @contextlib.contextmanager
+    def _tapping_loss_logps(self, wanted: bool):
+        """The log-probs of TRL's loss forward, which _compute_loss does not return: while this is open (and
+        `wanted`), _get_per_token_logps_and_entropies appends each forward's to the list it yields (else None)."""
+        self._loss_logps = [] if wanted else None
+        try:
+            yield self._loss_logps
         finally:
             self._loss_logps = None
-        return loss
 
     def _prepare_inputs(self, generation_batch):
         buffered = self._buffered_inputs
