@@ -156,3 +156,43 @@ def noisy_norms(
         with torch.no_grad():
             for step in reversed(undo):
                 step()
+
+
+class RoundNoise:
+    """The AQN noise of a run's generation rounds, with the run's settings: `of_round(model, sigma, (step, k))` is
+    round k of optimizer step `step` on `model`'s norms, the answer to "where does a round's noise come from". The
+    rollout samples under it and the shift forward replays it; each norm's draw depends only on the round and the
+    norm's key (qerl.norms.noise_keys), so the policy and every backend's model agree, on every rank."""
+
+    def __init__(
+        self, seed: int, include_final: bool, dtype_rule: str, include_head_norms: bool, required: bool = True
+    ):
+        self.seed, self.include_final, self.dtype_rule = seed, include_final, dtype_rule
+        self.include_head_norms, self.required = include_head_norms, required
+        self._sites: dict[int, NormSites] = {}
+
+    def sites(self, model: nn.Module) -> NormSites:
+        """The norms of `model`, found once (a module tree does not change during training); with `required`, a
+        model without them is an error."""
+        key = id(model)
+        if key not in self._sites:
+            sites = self._sites[key] = find_norms(model)
+            if self.required and not sites.layer_norms:
+                raise RuntimeError(f"AQN found no RMSNorm in {type(model).__name__}")
+            if self.required and self.include_head_norms and not sites.head_norms:
+                raise RuntimeError(f"aqn_head_norms: {type(model).__name__} has no per-head q/k norms")
+        return self._sites[key]
+
+    def of_round(self, model: nn.Module, sigma: float, noise_round: tuple[int, int], fp32_compute: bool = True):
+        """noisy_norms on `model` at `sigma` for round (optimizer step, round within it)."""
+        generator = torch.Generator().manual_seed(round_seed(self.seed, *noise_round))
+        return noisy_norms(
+            model,
+            sigma,
+            generator,
+            self.include_final,
+            self.sites(model) if sigma > 0 else None,
+            self.dtype_rule,
+            fp32_compute=fp32_compute,
+            include_head_norms=self.include_head_norms,
+        )

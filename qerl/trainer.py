@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
-from qerl import aqn, base_model, cli, lora, micro_batches, norms, rewards, rollout, sharding, unpadded_forward
+from qerl import aqn, base_model, cli, lora, micro_batches, rewards, rollout, sharding, unpadded_forward
 from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
 from qerl.dense_weights import DenseWeights
@@ -92,7 +92,9 @@ class QeRLTrainer(GRPOTrainer):
         self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup())
         # The training passes' BF16 copy of the frozen NVFP4 weights: made after each rollout, dropped before the next.
         self.dense_weights = DenseWeights(self.model, args.dense_training_weights)
-        self._norm_sites: dict[int, norms.NormSites] = {}
+        self.round_noise = aqn.RoundNoise(
+            args.seed, args.aqn_final_norm, args.aqn_dtype, args.aqn_head_norms, required=self.aqn_enabled
+        )
         self.last_noise = aqn.NoiseStats()
         self._noise_round = (-1, 0)  # (optimizer step, generation round within it) of the last round sampled
         self._loss_logps: list[torch.Tensor] | None = None  # open only inside _tapping_loss_logps
@@ -120,35 +122,6 @@ class QeRLTrainer(GRPOTrainer):
         a = self.args
         return aqn.sigma_at(self.state.global_step, self.state.max_steps, a.sigma_start, a.sigma_end, a.num_stages)
 
-    def _sites(self, model) -> norms.NormSites:
-        key = id(model)
-        if key not in self._norm_sites:  # the module tree does not change during training
-            self._norm_sites[key] = norms.find_norms(model)
-            if not self._norm_sites[key].layer_norms and self.aqn_enabled:
-                raise RuntimeError(f"AQN found no RMSNorm in {type(model).__name__}")
-            if self.args.aqn_head_norms and not self._norm_sites[key].head_norms and self.aqn_enabled:
-                raise RuntimeError(f"aqn_head_norms: {type(model).__name__} has no per-head q/k norms")
-        return self._norm_sites[key]
-
-    def _round_noise(self, model, sigma: float, noise_round: tuple[int, int], fp32_compute: bool = True):
-        """The AQN noise of one generation round, (optimizer step, round within it), on `model`'s norms at `sigma`,
-        with the run's AQN settings: the answer to "where does a round's noise come from". The rollout samples
-        under it (_perturb) and the shift forward replays it (_noisy_logps); each norm's draw depends only on the
-        round and the norm's noise key (qerl.norms.noise_keys), so the policy and every backend's model agree."""
-        a = self.args
-        generator = torch.Generator().manual_seed(aqn.round_seed(a.seed, *noise_round))
-        sites = self._sites(model) if sigma > 0 else None
-        return aqn.noisy_norms(
-            model,
-            sigma,
-            generator,
-            a.aqn_final_norm,
-            sites,
-            a.aqn_dtype,
-            fp32_compute=fp32_compute,
-            include_head_norms=a.aqn_head_norms,
-        )
-
     @contextlib.contextmanager
     def _perturb(self, model, sigma: float):
         # Rounds are counted by (optimizer step, round within the step): the same on every rank, so all ranks
@@ -157,7 +130,7 @@ class QeRLTrainer(GRPOTrainer):
         self._noise_round = (step, self._noise_round[1] + 1 if self._noise_round[0] == step else 0)
         # The policy's transformers norms need FP32Compute to use an FP32 scale; an engine's own model (vLLM:
         # FP32 norm weights, CUDA graphs where hooks never run) applies its FP32 scales itself.
-        with self._round_noise(model, sigma, self._noise_round, fp32_compute=model is self.model) as stats:
+        with self.round_noise.of_round(model, sigma, self._noise_round, fp32_compute=model is self.model) as stats:
             yield stats
 
     def train(self, *args, **kwargs):
@@ -359,11 +332,11 @@ class QeRLTrainer(GRPOTrainer):
     @torch.no_grad()
     def _noisy_logps(self, output) -> torch.Tensor:
         """Log-probs of the sampled tokens in the training forward under the very noise the round sampled with
-        (_round_noise of the same round): against the clean ones they give AQN's own movement. The
+        (round_noise.of_round of the same round): against the clean ones they give AQN's own movement. The
         forward runs on the policy as the rollout opens it (ZeRO-3: gathered, where the norms are whole)."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        with self._open_policy() as model, self._round_noise(model, self.last_noise.sigma, self._noise_round):
+        with self._open_policy() as model, self.round_noise.of_round(model, self.last_noise.sigma, self._noise_round):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 model,
                 input_ids,

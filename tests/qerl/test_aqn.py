@@ -253,3 +253,22 @@ def test_noise_keys_name_a_norm_by_layer_and_name_and_tell_same_named_siblings_a
         "model.norm.original_module": "final.norm",
     }
     assert norms.noise_seed(5, "3.q_norm") == norms.noise_seed(5, "3.q_norm") != norms.noise_seed(5, "3.k_norm")
+
+
+def test_a_rounds_noise_is_its_own_and_replays_exactly():
+    """RoundNoise.of_round: the same round gives the same noise on a second call (the shift forward's replay),
+    another round or step gives other noise, and with required a model without norms is named."""
+    model, _ = build_tiny()
+    noise = aqn.RoundNoise(seed=3, include_final=False, dtype_rule="fp32", include_head_norms=False)
+    weight = model.model.layers[0].input_layernorm.weight
+
+    def drawn(noise_round):
+        with noise.of_round(model, 0.1, noise_round, fp32_compute=False):
+            return model.model.layers[0].input_layernorm.weight.detach().clone()
+
+    first = drawn((4, 0))
+    assert torch.equal(drawn((4, 0)), first) and not torch.equal(first, weight)
+    assert not torch.equal(drawn((4, 1)), first) and not torch.equal(drawn((5, 0)), first)
+    with pytest.raises(RuntimeError, match="AQN found no RMSNorm in Linear"):
+        with noise.of_round(torch.nn.Linear(4, 4), 0.1, (0, 0)):
+            pass
