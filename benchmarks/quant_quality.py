@@ -70,8 +70,17 @@ def _padded(batch: list[list[int]], pad: int, device, left: bool = False) -> tup
     return ids, mask
 
 
-def token_logprobs(model, sequences: list[tuple[list[int], int]], pad: int, batch_size: int) -> list[torch.Tensor]:
-    """For each (ids, start): FP32 log-softmax of the next-token distributions that predict ids[start:], [n, V]."""
+def solution_sequences(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
+    """(ids, start) of each GSM8K row's reference solution as the assistant turn after its question alone: the
+    text teacher-forced here, the answer tokens from `start` on."""
+    return [quantize.gsm8k_solution_ids(tokenizer, row, prompt=_question_alone) for row in rows]
+
+
+def token_logprobs(
+    model, sequences: list[tuple[list[int], int]], pad: int, batch_size: int, on_cpu: bool = True
+) -> list[torch.Tensor]:
+    """For each (ids, start): FP32 log-softmax of the next-token distributions that predict ids[start:], [n, V]
+    (moved to the CPU, or left on the model's device with on_cpu False)."""
     import torch.nn.functional as F
 
     device = next(model.parameters()).device
@@ -81,14 +90,15 @@ def token_logprobs(model, sequences: list[tuple[list[int], int]], pad: int, batc
         ids, mask = _padded([s for s, _ in chunk], pad, device)
         logits = model(input_ids=ids, attention_mask=mask).logits
         for row, (seq, start) in enumerate(chunk):
-            out.append(F.log_softmax(logits[row, start - 1 : len(seq) - 1].float(), dim=-1).cpu())
+            logprobs = F.log_softmax(logits[row, start - 1 : len(seq) - 1].float(), dim=-1)
+            out.append(logprobs.cpu() if on_cpu else logprobs)
     return out
 
 
 def teacher_forced(bf16, nvfp4, tokenizer, rows: list[dict], batch_size: int) -> dict:
     import torch
 
-    sequences = [quantize.gsm8k_solution_ids(tokenizer, row, prompt=_question_alone) for row in rows]
+    sequences = solution_sequences(tokenizer, rows)
     pad = tokenizer.pad_token_id
     per_seq = {"kl": [], "top1": [], "nll_bf16": [], "nll_nvfp4": []}
     tokens = 0
