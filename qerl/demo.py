@@ -41,6 +41,11 @@ FROM_DAPO_PART = (
     "loss_type", "beta", "epsilon_high", "num_iterations", "mask_truncated_completions", "temperature",
     "lora_rank", "lora_alpha", "trainable_norms", "sigma_start", "sigma_end", "num_stages", "aqn_dtype",
 )  # fmt: skip
+# A real model (--model) runs at the SmolLM2 recipe's batch and length, read from it likewise.
+REAL_MODEL_RECIPE = recipes.RECIPES / "smollm2_gsm8k_hash.yaml"
+FROM_REAL_MODEL_RECIPE = (
+    "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "max_completion_length",
+)  # fmt: skip
 
 
 def say(message: str) -> None:
@@ -135,8 +140,7 @@ def rl_config(args, cuda: bool, **overrides):
     model in `overrides`."""
     from qerl.config import QeRLConfig
 
-    part = recipes.load_recipe(str(DAPO_PART), train.build_parser(), named_by="qerl.demo reads")
-    from_part = {name: part[name] for name in FROM_DAPO_PART}
+    from_part = _read(DAPO_PART, FROM_DAPO_PART)
     settings = dict(
         output_dir=os.path.join(args.output_dir, "rl"),
         max_steps=args.rl_steps,
@@ -154,6 +158,20 @@ def rl_config(args, cuda: bool, **overrides):
         rollout_backend=args.rollout_backend,
     )
     return QeRLConfig(**{**from_part, **settings, **overrides})
+
+
+def _read(recipe, names: tuple[str, ...]) -> dict:
+    """`names` as the recipe file (with its bases) sets them."""
+    settings = recipes.load_recipe(str(recipe), train.build_parser(), named_by="qerl.demo reads")
+    return {name: settings[name] for name in names}
+
+
+def real_model_config(args, cuda: bool):
+    """A real model's run: the SmolLM2 recipe's batch and length (FROM_REAL_MODEL_RECIPE), temperature 0.7 (the
+    probe's choice in experiments/arms.py) and a KV budget of 4 GiB (the demo runs alone on its GPU)."""
+    return rl_config(
+        args, cuda, **_read(REAL_MODEL_RECIPE, FROM_REAL_MODEL_RECIPE), temperature=0.7, rollout_kv_cache_gib=4
+    )
 
 
 @dataclass
@@ -209,9 +227,7 @@ def toy_setup(args, device, cuda: bool) -> DemoSetup:
 
 def real_model_setup(args, device, cuda: bool) -> DemoSetup:
     """A real model (python -m qerl.models list), fetched and quantized once into --checkpoint-dir, on the GSM8K
-    rows shipped in tests/data in the gsm8k_lenient format, with the SmolLM2 recipe's settings
-    (configs/smollm2_gsm8k_hash.yaml: 8 prompts x 8 samples in micro-batches of 16, 256 new tokens, temperature
-    0.7, the probe's choice in experiments/arms.py)."""
+    rows shipped in tests/data in the gsm8k_lenient format, with real_model_config's settings."""
     import torch
 
     from qerl import base_model, data
@@ -222,18 +238,9 @@ def real_model_setup(args, device, cuda: bool) -> DemoSetup:
     tokenizer = base_model.load_tokenizer(nvfp4_dir)
     base = base_model.load_base_model(nvfp4_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
     task = data.load_task(str(GSM8K_DATA / "train_sample.jsonl"), "train", "gsm8k_lenient", seed=args.seed)
-    config = rl_config(
-        args,
-        cuda,
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=4,
-        num_generations=8,
-        max_completion_length=256,
-        temperature=0.7,
-        rollout_kv_cache_gib=4,
-    )
+    config = real_model_config(args, cuda)
     eval_hint = (
-        f"python -m eval.gsm8k --format gsm8k_hash --protocol greedy --max-new-tokens 256 "
+        f"python -m eval.gsm8k --format gsm8k_hash --protocol greedy --max-new-tokens {config.max_completion_length} "
         f"--data {GSM8K_DATA / 'test_sample.jsonl'} --model {os.path.abspath(nvfp4_dir)}"
     )
     return DemoSetup(

@@ -35,6 +35,17 @@ def test_the_demo_takes_the_recipes_dapo_settings(tmp_path):
     }
 
 
+def test_a_real_model_runs_at_the_smollm2_recipes_batch_and_length(tmp_path):
+    from qerl import demo
+
+    recipe = yaml.safe_load(demo.REAL_MODEL_RECIPE.read_text())
+    args = SimpleNamespace(output_dir=str(tmp_path), rl_steps=1, learning_rate=1e-3, seed=0, rollout_backend="auto")
+    config = demo.real_model_config(args, cuda=False)
+    assert {name: getattr(config, name) for name in demo.FROM_REAL_MODEL_RECIPE} == {
+        name: recipe[name] for name in demo.FROM_REAL_MODEL_RECIPE
+    }
+
+
 def test_demo_pipeline(tmp_path, torch_threads):
     """`make demo` end to end at toy length: warm-up, NVFP4 quantization, QeRL, metrics and plot."""
     from qerl import demo, plotting
