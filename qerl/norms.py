@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +92,7 @@ class NormSites:
     layer_norms: dict[str, nn.Module] = field(default_factory=dict)  # norms inside decoder layers
     final_norms: dict[str, nn.Module] = field(default_factory=dict)  # hidden-size norms outside them
     head_norms: dict[str, nn.Module] = field(default_factory=dict)  # per-head norms inside layers (Qwen3's q/k_norm)
+    layer_of: dict[str, str] = field(default_factory=dict)  # a layer or head norm's path -> its layer's index
 
     def select(self, include_final: bool, include_heads: bool = False) -> dict[str, nn.Module]:
         """The norms to perturb, by module path: the layer norms, then the final and per-head norms if asked."""
@@ -103,8 +105,7 @@ class NormSites:
     def keyed(self, include_final: bool, include_heads: bool = False) -> dict[str, nn.Module]:
         """The same norms by noise key (`noise_keys`): the name AQN draws each norm's noise under."""
         selected = self.select(include_final, include_heads)
-        finals = set(self.final_norms)
-        keys = noise_keys([p for p in selected if p not in finals], [p for p in selected if p in finals])
+        keys = noise_keys({path: self.layer_of.get(path) for path in selected})
         return {keys[path]: module for path, module in selected.items()}
 
 
@@ -112,25 +113,20 @@ class NormSites:
 _WRAPPED = re.compile(r"\.(?:modules_to_save\.[^.]+|original_module)$")
 
 
-def noise_keys(layer_paths: list[str], final_paths: list[str] = ()) -> dict[str, str]:
-    """path -> the name a norm's AQN noise is drawn under: its layer's index and its own name ("3.input_layernorm",
-    "3.q_norm"), "final.norm" outside the layers. The policy, peft's active copy, the native engine's NormScales
-    and vLLM's model nest their norms differently ("layers.3.self_attn.q_norm", "layers.3.q_norm") but name them
-    alike, so each norm gets the same noise on every backend whatever else their trees hold and in whatever order
-    they list them. Where two norms of one layer share a name, the rest of their paths tells them apart."""
-    parts = {}
-    for path in [*layer_paths, *final_paths]:
-        names = _WRAPPED.sub("", path).split(".")
-        index = max((i for i, n in enumerate(names) if n.isdigit()), default=None)
-        if path in final_paths or index is None:
-            parts[path] = ("final", names[-1], names)
-        else:
-            parts[path] = (names[index], names[-1], names[index + 1 :])
-    short = [f"{layer}.{name}" for layer, name, _ in parts.values()]
-    return {
-        path: f"{layer}.{name}" if short.count(f"{layer}.{name}") == 1 else ".".join([layer, *rest])
-        for (path, (layer, name, rest)) in parts.items()
-    }
+def noise_keys(layer_of: dict[str, str | None]) -> dict[str, str]:
+    """path -> the name a norm's AQN noise is drawn under, from each norm's path and its layer's index (the element
+    of the outermost ModuleList it sits in; None outside the layers): the index and the norm's own name
+    ("3.input_layernorm", "3.q_norm"), "final.norm" outside the layers. The policy, peft's active copy, the native
+    engine's NormScales and vLLM's model nest their norms differently ("layers.3.self_attn.q_norm",
+    "layers.3.q_norm") but name them alike, so each norm gets the same noise on every backend whatever else their
+    trees hold and in whatever order they list them. Norms whose short names coincide (two of one layer with the
+    same name, two stacks of layers) are named by their whole paths instead, which a module tree keeps apart."""
+    short = {}
+    for path, layer in layer_of.items():
+        name = _WRAPPED.sub("", path).rsplit(".", 1)[-1]
+        short[path] = f"final.{name}" if layer is None else f"{layer}.{name}"
+    counts = Counter(short.values())
+    return {path: key if counts[key] == 1 else _WRAPPED.sub("", path) for path, key in short.items()}
 
 
 def noise_seed(round_seed: int, key: str) -> int:
@@ -159,22 +155,25 @@ def find_norms(model: nn.Module, hidden_size: int | None = None) -> NormSites:
     hidden_size = hidden_size or _hidden_size(model)
     sites = NormSites()
 
-    def visit(module: nn.Module, path: str, in_layer: bool):
+    def visit(module: nn.Module, path: str, layer: str | None):
         active = _active_copy(module)
         if active is not None:
             name, module = active
             path = f"{path}.{name}" if path else name
         if is_rmsnorm(module, hidden_size):
-            (sites.layer_norms if in_layer else sites.final_norms)[path] = module
-            return
-        if in_layer and is_rmsnorm(module):
+            (sites.layer_norms if layer is not None else sites.final_norms)[path] = module
+        elif layer is not None and is_rmsnorm(module):
             sites.head_norms[path] = module
+        else:
+            for child_name, child in module.named_children():
+                child_path = f"{path}.{child_name}" if path else child_name
+                inner = child_name if layer is None and isinstance(module, nn.ModuleList) else layer
+                visit(child, child_path, inner)
             return
-        for child_name, child in module.named_children():
-            child_path = f"{path}.{child_name}" if path else child_name
-            visit(child, child_path, in_layer or isinstance(module, nn.ModuleList))
+        if layer is not None:
+            sites.layer_of[path] = layer
 
-    visit(model, "", False)
+    visit(model, "", None)
     return sites
 
 

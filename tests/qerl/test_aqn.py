@@ -235,23 +235,39 @@ def test_each_norm_draws_the_same_noise_whatever_the_tree_around_it():
     assert len({tuple(v.tolist()) for v in ours.values()}) == len(ours)  # every norm its own draw
 
 
-def test_noise_keys_name_a_norm_by_layer_and_name_and_tell_same_named_siblings_apart():
+def test_noise_keys_name_a_norm_by_layer_and_name_and_keep_every_norm_apart():
+    """A norm's key is its layer (the outermost ModuleList's element it sits in, as find_norms records it) and its
+    name; norms whose short keys coincide (same-named siblings in one layer, two stacks of layers, nested lists)
+    are keyed by their whole paths, so no two norms ever share a draw."""
     keys = norms.noise_keys(
-        [
-            "base_model.model.model.layers.3.self_attn.q_norm",
-            "model.layers.3.input_layernorm.modules_to_save.default",
-            "blocks.1.attn.norm",
-            "blocks.1.mlp.norm",
-        ],
-        ["model.norm.original_module"],
+        {
+            "base_model.model.model.layers.3.self_attn.q_norm": "3",
+            "model.layers.3.input_layernorm.modules_to_save.default": "3",
+            "model.norm.original_module": None,
+            "blocks.1.attn.norm": "1",
+            "blocks.1.mlp.norm": "1",
+            "encoder.layers.0.ln": "0",
+            "decoder.layers.0.ln": "0",
+        }
     )
     assert keys == {
         "base_model.model.model.layers.3.self_attn.q_norm": "3.q_norm",
         "model.layers.3.input_layernorm.modules_to_save.default": "3.input_layernorm",
-        "blocks.1.attn.norm": "1.attn.norm",
-        "blocks.1.mlp.norm": "1.mlp.norm",
         "model.norm.original_module": "final.norm",
+        "blocks.1.attn.norm": "blocks.1.attn.norm",
+        "blocks.1.mlp.norm": "blocks.1.mlp.norm",
+        "encoder.layers.0.ln": "encoder.layers.0.ln",
+        "decoder.layers.0.ln": "decoder.layers.0.ln",
     }
+    # find_norms records the outermost list's index: a T5-style block.3.layer.0.norm belongs to layer 3.
+    block = torch.nn.Module()
+    block.layer = torch.nn.ModuleList([torch.nn.ModuleDict({"norm": torch.nn.RMSNorm(8)}) for _ in range(2)])
+    tree = torch.nn.Module()
+    tree.block = torch.nn.ModuleList([block, block.__class__()])
+    tree.block[1].layer = torch.nn.ModuleList([torch.nn.ModuleDict({"norm": torch.nn.RMSNorm(8)})])
+    sites = norms.find_norms(tree, hidden_size=8)
+    assert sites.layer_of == {"block.0.layer.0.norm": "0", "block.0.layer.1.norm": "0", "block.1.layer.0.norm": "1"}
+    assert sorted(sites.keyed(False)) == ["1.norm", "block.0.layer.0.norm", "block.0.layer.1.norm"]
     assert norms.noise_seed(5, "3.q_norm") == norms.noise_seed(5, "3.q_norm") != norms.noise_seed(5, "3.k_norm")
 
 

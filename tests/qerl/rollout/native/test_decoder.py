@@ -264,3 +264,25 @@ def test_unsupported_models_are_refused_by_name():
     model, _ = build_tiny(num_layers=1, architecture="qwen3", head_dim=24)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: head_dim 24: the engine's attention takes powers of two"):
         Decoder(model)
+
+
+@ARCHITECTURES
+def test_the_engine_draws_each_norms_noise_as_the_policy_does(arch):
+    """One round's AQN noise, the final and per-head norms included, on the policy (peft's trainable copies; Qwen3's
+    and Gemma-3's q/k norms under self_attn) and on the engine's own FP32 holders (flat, per layer): the same keys
+    and, norm by norm, the same noise."""
+    model, _ = _policy(**arch)
+    decoder = Decoder(model)
+    decoder.refresh()
+    noise = aqn.RoundNoise(seed=9, include_final=True, dtype_rule="fp32", include_head_norms=bool(arch))
+
+    def drawn(target):
+        keyed = noise.sites(target).keyed(True, bool(arch))
+        clean = {k: m.weight.detach().float().clone() for k, m in keyed.items()}
+        with noise.of_round(target, 1e-2, (3, 1), fp32_compute=False):
+            return {k: m.weight.detach().float() - clean[k] for k, m in keyed.items()}
+
+    policy, engine = drawn(model), drawn(decoder.norms)
+    per_layer = 4 if arch == GEMMA3 else 2
+    assert sorted(policy) == sorted(engine) and len(policy) == 3 * (per_layer + 2 * bool(arch)) + 1
+    assert all(torch.equal(policy[k], engine[k]) for k in policy)
