@@ -121,12 +121,12 @@ def test_the_quantizer_writes_gptq_weights_that_load(checkpoints, tmp_path):
 
 
 def test_siblings_quantized_together_get_the_codes_each_would_get_alone():
-    """q/k/v (and gate/up) share their inputs' H and one global scale, and GPTQ treats rows alone: the stacked
-    pass gptq_model makes for a group gives each member the codes and scales of a pass over it alone."""
+    """q/k/v (and gate/up) share their inputs' H and one global scale, and GPTQ treats rows alone: a stacked pass
+    over several blocks of columns gives each member the codes and scales of a pass over it alone."""
     torch.manual_seed(0)
-    x = torch.randn(512, 64) @ torch.randn(64, 64)  # correlated inputs: the error moves between columns
+    x = torch.randn(1024, 320) @ torch.randn(320, 320)  # correlated inputs over 3 blocks of 128 columns
     h = 2 * x.T @ x / x.shape[0]
-    weights = [torch.randn(n, 64, dtype=torch.bfloat16) * 0.05 for n in (64, 16, 16)]
+    weights = [torch.randn(n, 320, dtype=torch.bfloat16) * 0.05 for n in (64, 16, 16)]
     scale = codec.compute_global_scale(*weights)
     stacked = gptq.gptq_weight(torch.cat(weights), h, scale)
     row = 0
@@ -136,3 +136,27 @@ def test_siblings_quantized_together_get_the_codes_each_would_get_alone():
         assert torch.equal(stacked.packed[rows], alone.packed)
         assert torch.equal(stacked.scale[rows].view(torch.uint8), alone.scale.view(torch.uint8))
         row += weight.shape[0]
+
+
+def test_the_model_pass_gives_each_linear_its_own_rows_of_its_groups_pass(monkeypatch):
+    """gptq_model on the tiny model: each Linear's result is GPTQ of that Linear alone on its group's H and global
+    scale (its rows cut from the stacked pass in the right place: k and v not swapped, gate and up neither)."""
+    model, tokenizer = build_tiny(dtype=torch.bfloat16)
+    original = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    rows = quantize.calibration_rows(str(GSM8K_TRAIN), 4)
+    sequences = [torch.tensor([quantize.gsm8k_solution_ids(tokenizer, row)[0]]) for row in rows]
+    passes, real = [], gptq.gptq_weight
+
+    def recorded(weight, h, global_scale, name="weight"):
+        passes.append((name.removesuffix(" weights").split(", "), h, global_scale))
+        return real(weight, h, global_scale, name=name)
+
+    monkeypatch.setattr(gptq, "gptq_weight", recorded)
+    quantized = gptq.gptq_model(model, decoder_layers(model), sequences, progress=False)
+    assert sorted(len(group) for group, _, _ in passes)[-2:] == [3, 3]  # q/k/v of each layer in one pass
+    assert sorted(name for group, _, _ in passes for name in group) == sorted(quantized)
+    for group, h, scale in passes:
+        for name in group:
+            alone = real(original[name], h, scale)
+            assert torch.equal(quantized[name].packed, alone.packed), name
+            assert torch.equal(quantized[name].scale.view(torch.uint8), alone.scale.view(torch.uint8)), name
