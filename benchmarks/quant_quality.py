@@ -76,23 +76,28 @@ def solution_sequences(tokenizer, rows: list[dict]) -> list[tuple[list[int], int
     return [quantize.gsm8k_solution_ids(tokenizer, row, prompt=_question_alone) for row in rows]
 
 
-def token_logprobs(
-    model, sequences: list[tuple[list[int], int]], pad: int, batch_size: int, on_cpu: bool = True
-) -> list[torch.Tensor]:
-    """For each (ids, start): FP32 log-softmax of the next-token distributions that predict ids[start:], [n, V]
-    (moved to the CPU, or left on the model's device with on_cpu False)."""
+def iter_token_logprobs(model, sequences: list[tuple[list[int], int]], pad: int, batch_size: int):
+    """For each (ids, start), in order: FP32 log-softmax of the next-token distributions that predict ids[start:],
+    [n, V], on the model's device, one batch of forwards at a time."""
     import torch.nn.functional as F
 
     device = next(model.parameters()).device
-    out = []
     for i in range(0, len(sequences), batch_size):
         chunk = sequences[i : i + batch_size]
         ids, mask = _padded([s for s, _ in chunk], pad, device)
         logits = model(input_ids=ids, attention_mask=mask).logits
         for row, (seq, start) in enumerate(chunk):
-            logprobs = F.log_softmax(logits[row, start - 1 : len(seq) - 1].float(), dim=-1)
-            out.append(logprobs.cpu() if on_cpu else logprobs)
-    return out
+            yield F.log_softmax(logits[row, start - 1 : len(seq) - 1].float(), dim=-1)
+
+
+def token_logprobs(model, sequences: list[tuple[list[int], int]], pad: int, batch_size: int) -> list[torch.Tensor]:
+    """iter_token_logprobs' tensors, all of them, on the CPU."""
+    return [logprobs.cpu() for logprobs in iter_token_logprobs(model, sequences, pad, batch_size)]
+
+
+def kl_per_token(p: torch.Tensor, q: torch.Tensor) -> float:
+    """Mean over positions of KL(P || Q), from log-probabilities [n, V]."""
+    return (p.exp() * (p - q)).sum(-1).mean().item()
 
 
 def teacher_forced(bf16, nvfp4, tokenizer, rows: list[dict], batch_size: int) -> dict:
@@ -109,7 +114,7 @@ def teacher_forced(bf16, nvfp4, tokenizer, rows: list[dict], batch_size: int) ->
         strict=True,
     ):
         target = torch.tensor(seq[start:])
-        per_seq["kl"].append((p.exp() * (p - q)).sum(-1).mean().item())
+        per_seq["kl"].append(kl_per_token(p, q))
         per_seq["top1"].append((p.argmax(-1) == q.argmax(-1)).float().mean().item())
         per_seq["nll_bf16"].append(-p.gather(-1, target[:, None]).mean().item())
         per_seq["nll_nvfp4"].append(-q.gather(-1, target[:, None]).mean().item())

@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 
 from benchmarks.launch import REPO
-from benchmarks.quant_quality import DEFAULT_DATA, read_gsm8k, solution_sequences, token_logprobs
+from benchmarks.quant_quality import DEFAULT_DATA, iter_token_logprobs, kl_per_token, read_gsm8k, solution_sequences
 from experiments.arms_results import current_commit, write_report
 from experiments.arms_stats import mean_interval
 from qerl import cli, input_checks
@@ -46,8 +46,9 @@ def sibling_groups(model) -> list[tuple[str, ...]]:
 
 @contextmanager
 def rounded(model, groups: list[tuple[str, ...]]):
-    """The Linears of `groups` holding their NVFP4 values (round to nearest, each group's shared global scale) for
-    the duration; their BF16 weights back, bit for bit, on exit."""
+    """The Linears of `groups` holding their NVFP4 values for the duration, rounded as `qerl.quantize` rounds them
+    (to nearest, from the weights read in BF16, each group's shared global scale), whatever dtype the model computes
+    in; their weights back, bit for bit, on exit."""
     import torch
 
     from qerl.nvfp4 import codec
@@ -58,11 +59,12 @@ def rounded(model, groups: list[tuple[str, ...]]):
     try:
         with torch.no_grad():
             for group in groups:
-                scales = global_scales({name: modules[name].weight for name in group})
+                read = {name: modules[name].weight.detach().to(torch.bfloat16) for name in group}
+                scales = global_scales(read)
                 for name in group:
                     weight = modules[name].weight
                     saved[name] = weight.detach().clone()
-                    weight.copy_(codec.quantize(weight, scales[name], name=name).dequantize(weight.dtype))
+                    weight.copy_(codec.quantize(read[name], scales[name], name=name).dequantize(weight.dtype))
         yield
     finally:
         with torch.no_grad():
@@ -71,9 +73,9 @@ def rounded(model, groups: list[tuple[str, ...]]):
 
 
 def kl_per_solution(model, sequences, reference, pad: int, batch_size: int) -> list[float]:
-    """KL(reference || model) per answer token, one mean per solution."""
-    ours = token_logprobs(model, sequences, pad, batch_size, on_cpu=False)
-    return [(p.exp() * (p - q)).sum(-1).mean().item() for p, q in zip(reference, ours, strict=True)]
+    """KL(reference || model) per answer token, one mean per solution; the model's log-probs one batch at a time."""
+    ours = iter_token_logprobs(model, sequences, pad, batch_size)
+    return [kl_per_token(p.to(q.device), q) for p, q in zip(reference, ours, strict=True)]
 
 
 def group_bytes(model, group: tuple[str, ...], bf16_bytes: int = 2) -> int:
@@ -92,7 +94,7 @@ def measure(model, tokenizer, rows: list[dict], keep: list[int], batch_size: int
     sequences = solution_sequences(tokenizer, rows)
     groups = sibling_groups(model)
     with torch.no_grad():
-        reference = token_logprobs(model, sequences, pad, batch_size, on_cpu=False)
+        reference = list(iter_token_logprobs(model, sequences, pad, batch_size))  # V x tokens x 4 bytes, on device
         alone = {}
         for group in tqdm(groups, desc="groups rounded alone", unit="group", disable=not progress):
             with rounded(model, [group]):

@@ -53,6 +53,15 @@ def test_groups_ranked_and_the_worst_kept_in_bf16_as_the_quantizer_writes_them(c
     assert "--ignore lm_head " in (tmp_path / "results" / "tiny.md").read_text()
 
 
+def test_the_model_comes_back_bit_for_bit(checkpoints):
+    bf16_dir, _ = checkpoints
+    tokenizer = base_model.load_tokenizer(bf16_dir)
+    model = base_model.load_base_model(bf16_dir, "bf16", torch.float32, "cpu").eval()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    layer_sensitivity.measure(model, tokenizer, read_gsm8k(TRAIN, 2), [0, 3], batch_size=2, progress=False)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
 def test_more_groups_kept_than_the_model_has_is_one_line(checkpoints):
     with pytest.raises(UsageError, match="--keep 9: the model has 8 groups of Linears"):
         layer_sensitivity.main(["--bf16", checkpoints[0], "--data", TRAIN, "--keep", "0,9"])
