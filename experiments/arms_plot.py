@@ -134,14 +134,15 @@ def _base_split_panel(ax, arms, runs, result, colors) -> None:
     sampling from the 4-bit base costs that adapter, the offset between colours what training on it costs."""
     order = ("bf16", "nvfp4")
     for arm, trained in LORA_ARMS.items():
+        label = f"trained as {ARM_NAMES[arm]}"
         for run in (r for r in runs if r["arm"] == arm):
             m = result["runs"][run["name"]]
             if m.get(OTHER_BASE) is None or m.get("greedy") is None:
                 continue
             own, other = m["greedy"] * 100, m[OTHER_BASE] * 100
             on = {trained: own, next(b for b in order if b != trained): other}
-            ax.plot([0, 1], [on["bf16"], on["nvfp4"]], "-o", color=colors[arm], alpha=0.6)
-        ax.plot([], [], "-o", color=colors[arm], label=f"trained as {ARM_NAMES[arm]}")
+            ax.plot([0, 1], [on["bf16"], on["nvfp4"]], "-o", color=colors[arm], alpha=0.6, label=label)
+            label = None  # one legend entry per arm that has a line
     ax.set_xticks([0, 1], ["on the BF16 base", "on the NVFP4 base"], fontsize=8)
     ax.set_xlim(-0.4, 1.4)
     ax.set_ylabel("GSM8K test accuracy %, greedy (strict)")
