@@ -54,7 +54,7 @@ def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
     assert result["runs"]["bf16_lora_aqn-seed0"]["first_nonfinite_grad_step"] == 20
     # The level is 90% of the lowest arm's last-tenth reward (the broken run's (0.5 + 0) / 2): every run's average
     # reaches 0.225 at step 11 (window 1 at 20 steps), where its rewards jump.
-    assert result["reward_level"] == {"reward": pytest.approx(0.225), "window": 1}
+    assert result["reward_level"] == {"reward": pytest.approx(0.225), "window": 1, "share": 0.9}
     assert bf16["steps_to_reward"]["mean"] == 11 and bf16["not_reaching_reward_level"] == 0
     aqn_in_bf16 = [c for c in result["comparisons"] if c["a"] == "bf16_lora_aqn"]
     assert aqn_in_bf16 and all("difference" not in c for c in aqn_in_bf16)  # one seed: too few runs
