@@ -4,7 +4,7 @@ and the ways an arm ran. Reads the result dict experiments/arms_report.py builds
 
 from __future__ import annotations
 
-from experiments.arms_runs import ARM_NAMES, PROTOCOLS
+from experiments.arms_runs import ARM_NAMES, BASE_NAMES, PROTOCOLS
 
 
 def _points(cell: dict | None, scale: float = 100, digits: int = 1) -> str:
@@ -100,28 +100,35 @@ def markdown(result: dict) -> str:
         )
     split = result.get("base_split")
     if split:
+        trained_on = [b for b in BASE_NAMES if any(key.startswith(f"{b} on ") for key in split["cells"])]
+        bases = [b for b in BASE_NAMES if any(key.endswith(f" on {b}") for key in split["cells"])]
         lines += [
             "",
-            "Each LoRA adapter on both bases (greedy %): what the 4-bit base costs in training (NVFP4-trained minus "
-            "BF16-trained on one base, Welch) and at sampling (one adapter on the NVFP4 base minus on the BF16 base, "
-            "paired over seeds).",
+            "Each LoRA adapter on the base it trained on and on another (greedy %): what a 4-bit base costs in "
+            "training (4-bit-trained minus BF16-trained on one base, Welch) and at sampling (one adapter on its 4-bit "
+            "base minus on the BF16 base, paired over seeds).",
             "",
-            "| adapter trained on | on the BF16 base | on the NVFP4 base | NVFP4 base minus BF16 base (paired) |",
-            "|---|---|---|---|",
+            "| adapter trained on | "
+            + " | ".join(f"on the {BASE_NAMES[b]} base" for b in bases)
+            + " | its 4-bit base minus the BF16 base (paired) |",
+            "|---|" + "---|" * (len(bases) + 1),
         ]
-        for trained in ("bf16", "nvfp4"):
-            on = [split["cells"].get(f"{trained} on {base}") for base in ("bf16", "nvfp4")]
+        for trained in trained_on:
+            on = [_points(split["cells"].get(f"{trained} on {base}")) for base in bases]
             paired = split["sampling_cost_of"].get(trained)
             lines.append(
-                f"| {trained.upper()} | {_points(on[0])} | {_points(on[1])} | "
+                f"| {BASE_NAMES[trained]} | "
+                + " | ".join(on)
+                + " | "
                 + (f"{_points(paired)} (n {paired['n']})" if paired else "-")
                 + " |"
             )
-        diffs = [
-            f"{diff['difference'] * 100:+.1f} [{diff['low'] * 100:+.1f}, {diff['high'] * 100:+.1f}]" if diff else "-"
-            for diff in (split["training_cost_on"][base] for base in ("bf16", "nvfp4"))
-        ]
-        lines.append(f"| NVFP4-trained minus BF16-trained (Welch) | {diffs[0]} | {diffs[1]} | |")
+        for trained, on in split["training_cost"].items():
+            diffs = [
+                f"{d['difference'] * 100:+.1f} [{d['low'] * 100:+.1f}, {d['high'] * 100:+.1f}]" if d else "-"
+                for d in (on.get(base) for base in bases)
+            ]
+            lines.append(f"| {BASE_NAMES[trained]}-trained minus BF16-trained (Welch) | " + " | ".join(diffs) + " | |")
     for effect in result["settings"]:
         lines += [
             "",

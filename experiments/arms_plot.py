@@ -130,9 +130,9 @@ def _comparison_panel(ax, arms, runs, result, colors) -> None:
 
 
 def _base_split_panel(ax, arms, runs, result, colors) -> None:
-    """Each LoRA adapter greedy on the BF16 base and on the NVFP4 base, a seed's two scores joined: the slope is what
-    sampling from the 4-bit base costs that adapter, the offset between colours what training on it costs."""
-    order = ("bf16", "nvfp4")
+    """Each LoRA adapter greedy on the BF16 base and on a 4-bit one (its own, or the RTN base for a BF16-trained
+    one), a seed's two scores joined: the slope is what sampling from the 4-bit base costs that adapter, the offset
+    between colours what training on it costs."""
     for arm, trained in LORA_ARMS.items():
         label = f"trained as {ARM_NAMES[arm]}"
         for run in (r for r in runs if r["arm"] == arm):
@@ -140,10 +140,10 @@ def _base_split_panel(ax, arms, runs, result, colors) -> None:
             if m.get(OTHER_BASE) is None or m.get("greedy") is None:
                 continue
             own, other = m["greedy"] * 100, m[OTHER_BASE] * 100
-            on = {trained: own, next(b for b in order if b != trained): other}
-            ax.plot([0, 1], [on["bf16"], on["nvfp4"]], "-o", color=colors[arm], alpha=0.6, label=label)
+            on_bf16, on_4bit = (own, other) if trained == "bf16" else (other, own)
+            ax.plot([0, 1], [on_bf16, on_4bit], "-o", color=colors[arm], alpha=0.6, label=label)
             label = None  # one legend entry per arm that has a line
-    ax.set_xticks([0, 1], ["on the BF16 base", "on the NVFP4 base"], fontsize=8)
+    ax.set_xticks([0, 1], ["on the BF16 base", "on a 4-bit base"], fontsize=8)
     ax.set_xlim(-0.4, 1.4)
     ax.set_ylabel("GSM8K test accuracy %, greedy (strict)")
     ax.set_title("each adapter on both bases (a line per seed)", fontsize=9)

@@ -207,17 +207,18 @@ def without_stuck(runs: list[dict], measures: dict) -> dict:
 
 
 def base_split(runs: list[dict], measures: dict) -> dict | None:
-    """Greedy accuracy of the BF16- and NVFP4-trained adapters on each base (seeds whose adapter was evaluated on
-    the other base): the 2 x 2 table; what training on the 4-bit base costs, on each base (Welch, NVFP4-trained minus
-    BF16-trained); what sampling from it costs each adapter (paired over seeds: on NVFP4 minus on BF16). None when
-    no run has the other base's evaluation."""
+    """Greedy accuracy of the LoRA arms' adapters (LORA_ARMS) on the base they trained on and on the other one
+    they were evaluated on (seeds with both): the table of cells "TRAINED on BASE"; what training on a 4-bit base
+    costs, on each base both it and the BF16-trained adapters were evaluated on (Welch, 4-bit-trained minus
+    BF16-trained); what sampling from the 4-bit base costs each adapter (paired over seeds: on its 4-bit base, the
+    RTN one for BF16-trained adapters, minus on BF16). None when no run has the other base's evaluation."""
     table: dict[str, dict[str, dict[int, float]]] = {}  # trained on -> evaluated on -> seed -> accuracy
     for run in runs:
         trained = LORA_ARMS.get(run["arm"])
         m = measures[run["name"]]
         if trained is None or m.get(OTHER_BASE) is None or m.get("greedy") is None:
             continue
-        other = "bf16" if trained == "nvfp4" else "nvfp4"
+        other = run["evals"][OTHER_BASE].get("base") or ("nvfp4" if trained == "bf16" else "bf16")
         table.setdefault(trained, {}).setdefault(trained, {})[run["seed"]] = m["greedy"]
         table[trained].setdefault(other, {})[run["seed"]] = m[OTHER_BASE]
     if not table:
@@ -228,18 +229,24 @@ def base_split(runs: list[dict], measures: dict) -> dict | None:
         for trained, bases in table.items()
         for base, by_seed in bases.items()
     }
-    training = {}
-    for base in ("bf16", "nvfp4"):
-        a, b = table.get("nvfp4", {}).get(base, {}), table.get("bf16", {}).get(base, {})
-        diff = welch(list(a.values()), list(b.values()))
-        training[base] = diff.as_dict() if diff else None
+    bf16_trained = table.get("bf16", {})
+    training = {
+        trained: {
+            base: diff.as_dict() if (diff := welch(list(on.values()), list(bf16_trained[base].values()))) else None
+            for base, on in bases.items()
+            if base in bf16_trained
+        }
+        for trained, bases in table.items()
+        if trained != "bf16"
+    }
     sampling = {}
     for trained, bases in table.items():
-        seeds = sorted(set(bases.get("nvfp4", {})) & set(bases.get("bf16", {})))
-        diffs = [bases["nvfp4"][s] - bases["bf16"][s] for s in seeds]
+        four_bit = "nvfp4" if trained == "bf16" else trained
+        seeds = sorted(set(bases.get(four_bit, {})) & set(bases.get("bf16", {})))
+        diffs = [bases[four_bit][s] - bases["bf16"][s] for s in seeds]
         if diffs:
             sampling[trained] = dict(zip(("mean", "ci95"), mean_interval(diffs), strict=True)) | {"n": len(diffs)}
-    return {"cells": cells, "training_cost_on": training, "sampling_cost_of": sampling}
+    return {"cells": cells, "training_cost": training, "sampling_cost_of": sampling}
 
 
 def setting_effects(runs: list[dict], measures: dict, pooled: str | None) -> list[dict]:

@@ -126,8 +126,9 @@ def test_each_lora_adapter_on_both_bases_splits_training_and_sampling_costs(tmp_
     """base_split: BF16- and NVFP4-trained adapters each evaluated on their own base and the other's; the training
     cost on each base against scipy's Welch test, the sampling cost paired over seeds."""
     results = tmp_path / "results"
-    own = {"bf16_lora": [0.64, 0.62, 0.66], "nvfp4_lora": [0.58, 0.60, 0.57]}
-    other = {"bf16_lora": [0.61, 0.60, 0.62], "nvfp4_lora": [0.60, 0.61, 0.60]}  # bf16-trained on NVFP4, the reverse
+    own = {"bf16_lora": [0.64, 0.62, 0.66], "nvfp4_lora": [0.58, 0.60, 0.57], "nvfp4_gptq_lora": [0.62, 0.61, 0.63]}
+    # bf16-trained on NVFP4, the 4-bit-trained (round to nearest or GPTQ) on BF16
+    other = {"bf16_lora": [0.61, 0.60, 0.62], "nvfp4_lora": [0.60, 0.61, 0.60], "nvfp4_gptq_lora": [0.63, 0.62, 0.65]}
     for arm in own:
         for seed in range(3):
             folder = tmp_path / "runs" / f"{arm}-{seed}"
@@ -146,11 +147,19 @@ def test_each_lora_adapter_on_both_bases_splits_training_and_sampling_costs(tmp_
     assert split["cells"]["bf16 on nvfp4"]["mean"] == pytest.approx(0.61)
     assert split["cells"]["nvfp4 on bf16"]["n"] == 3
     on_bf16 = stats.ttest_ind(other["nvfp4_lora"], own["bf16_lora"], equal_var=False)
-    assert split["training_cost_on"]["bf16"]["p"] == pytest.approx(on_bf16.pvalue)
-    on_nvfp4 = split["training_cost_on"]["nvfp4"]
+    assert split["training_cost"]["nvfp4"]["bf16"]["p"] == pytest.approx(on_bf16.pvalue)
+    on_nvfp4 = split["training_cost"]["nvfp4"]["nvfp4"]
     assert on_nvfp4["difference"] == pytest.approx(sum(own["nvfp4_lora"]) / 3 - sum(other["bf16_lora"]) / 3)
     paired = [o - b for o, b in zip(other["bf16_lora"], own["bf16_lora"], strict=True)]
     assert split["sampling_cost_of"]["bf16"]["mean"] == pytest.approx(sum(paired) / 3)
     assert split["sampling_cost_of"]["bf16"]["ci95"] == pytest.approx(stats.sem(paired) * stats.t.ppf(0.975, 2))
+    # The GPTQ arm: its training cost where BF16-trained adapters were evaluated too (the BF16 base only), its
+    # sampling cost from its own base.
+    assert set(split["training_cost"]["nvfp4_gptq"]) == {"bf16"}
+    gptq_on_bf16 = stats.ttest_ind(other["nvfp4_gptq_lora"], own["bf16_lora"], equal_var=False)
+    assert split["training_cost"]["nvfp4_gptq"]["bf16"]["p"] == pytest.approx(gptq_on_bf16.pvalue)
+    gptq_paired = [o - b for o, b in zip(own["nvfp4_gptq_lora"], other["nvfp4_gptq_lora"], strict=True)]
+    assert split["sampling_cost_of"]["nvfp4_gptq"]["mean"] == pytest.approx(sum(gptq_paired) / 3)
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| BF16 | 64.0 ± " in text and "| NVFP4-trained minus BF16-trained (Welch) |" in text
+    assert "| on the NVFP4 (GPTQ) base |" in text and "| NVFP4 (GPTQ)-trained minus BF16-trained (Welch) |" in text
