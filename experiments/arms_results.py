@@ -16,6 +16,7 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -122,6 +123,22 @@ def current_commit() -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.stdout.strip() or "unknown"
+
+
+def base_record(args, device: str, commit: str, program: str, argv: list[str] | None) -> dict:
+    """What a record of one BF16 model's measurement opens with (base_quality, layer_sensitivity): its name (--name,
+    else the --bf16 folder's), the card, the commit, the command that made it, the data and the dtype."""
+    import torch
+
+    return {
+        "name": args.name or args.bf16.rstrip("/").rsplit("/", 1)[-1],
+        "card": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        "commit": commit,
+        "command": f"python -m {program} " + " ".join(sys.argv[1:] if argv is None else argv),
+        "data": args.data,
+        "dtype": args.dtype,
+        "bf16": args.bf16,
+    }
 
 
 def record_path(results: Path, name: str) -> Path:

@@ -21,7 +21,7 @@ import time
 
 from benchmarks.launch import REPO
 from benchmarks.quant_quality import DEFAULT_DATA, read_gsm8k, sampled, teacher_forced
-from experiments.arms_results import current_commit, write_report
+from experiments.arms_results import base_record, current_commit, write_report
 from experiments.arms_stats import mean_interval
 from qerl import cli, data, input_checks, rewards
 
@@ -137,15 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
                 sample(name, model)
             del model
     result = {
-        "name": args.name or args.bf16.rstrip("/").rsplit("/", 1)[-1],
-        "card": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-        "commit": commit,
-        "command": "python -m experiments.base_quality " + " ".join(sys.argv[1:] if argv is None else argv),
-        "data": args.data,
+        **base_record(args, device, commit, "experiments.base_quality", argv),
         "solutions": args.solutions,
         "prompts": args.prompts,
-        "dtype": args.dtype,
-        "bf16": args.bf16,
         "base_folders": bases,
         "bases": forced,
         "paired": compare(forced),

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from benchmarks.launch import REPO
 from benchmarks.quant_quality import DEFAULT_DATA, iter_token_logprobs, kl_per_token, read_gsm8k, solution_sequences
-from experiments.arms_results import current_commit, write_report
+from experiments.arms_results import base_record, current_commit, write_report
 from experiments.arms_stats import mean_interval
 from qerl import cli, input_checks
 
@@ -180,13 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--keep {max(args.keep)}: the model has {groups} groups of Linears")
     measured = measure(model, tokenizer, read_gsm8k(args.data, args.solutions), args.keep, args.batch_size)
     result = {
-        "name": args.name or args.bf16.rstrip("/").rsplit("/", 1)[-1],
-        "card": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-        "commit": commit,
-        "command": "python -m experiments.layer_sensitivity " + " ".join(sys.argv[1:] if argv is None else argv),
-        "data": args.data,
-        "dtype": args.dtype,
-        "bf16": args.bf16,
+        **base_record(args, device, commit, "experiments.layer_sensitivity", argv),
         **measured,
         "seconds": time.time() - start,
     }
