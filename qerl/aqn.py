@@ -122,14 +122,14 @@ def noisy_norms(
         return
     dtype = DTYPE_RULES[dtype_rule]
     norms = (sites or find_norms(model)).keyed(include_final, include_head_norms)
-    round_seed = int(torch.randint(2**62, (1,), generator=generator))
+    seed = int(torch.randint(2**62, (1,), generator=generator))  # the round's; each norm's follows from it
     undo = []
     changed = 0
     try:
         with torch.no_grad():
             for key, module in norms.items():
                 weight = module.weight
-                draw = torch.Generator().manual_seed(noise_seed(round_seed, key))
+                draw = torch.Generator().manual_seed(noise_seed(seed, key))
                 noise = torch.randn(weight.shape, generator=draw, dtype=torch.float32) * sigma
                 sharded = is_sharded(weight)
                 if sharded:  # in place on this rank's shard, in its dtype when FP32 cannot hold the rule's
