@@ -31,17 +31,15 @@ NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # an E2M1 code and a sixteenth of an FP8 
 def sibling_groups(model) -> list[tuple[str, ...]]:
     """The quantized Linears of each decoder layer, in model order, grouped as they share a global scale."""
     from qerl.base_model import decoder_layers
-    from qerl.nvfp4.quantize import fused_siblings, quantization_targets
+    from qerl.nvfp4.quantize import fused_groups, quantization_targets
 
     targets = set(quantization_targets(model))
     names = {module: name for name, module in model.named_modules()}
-    groups: list[tuple[str, ...]] = []
-    for layer in decoder_layers(model):
-        for module in layer.modules():
-            name = names.get(module)
-            if name in targets and not any(name in g for g in groups):
-                groups.append(tuple(m for m in fused_siblings(name) if m in targets) or (name,))
-    return groups
+    return [
+        group
+        for layer in decoder_layers(model)
+        for group in fused_groups(names[m] for m in layer.modules() if names.get(m) in targets)
+    ]
 
 
 @contextmanager
@@ -78,21 +76,27 @@ def kl_per_solution(model, sequences, reference, pad: int, batch_size: int) -> l
     return [kl_per_token(p.to(q.device), q) for p, q in zip(reference, ours, strict=True)]
 
 
-def group_bytes(model, group: tuple[str, ...], bf16_bytes: int = 2) -> int:
-    """What keeping `group` in BF16 adds to an NVFP4 base."""
+def bf16_extra_bytes(model, groups: list[tuple[str, ...]], bf16_bytes: int = 2) -> dict[tuple[str, ...], int]:
+    """What keeping each group in BF16 adds to an NVFP4 base."""
     modules = dict(model.named_modules())
-    weights = sum(modules[name].weight.numel() for name in group)
-    return round(weights * (bf16_bytes - NVFP4_BYTES_PER_WEIGHT))
+    return {
+        g: round(sum(modules[name].weight.numel() for name in g) * (bf16_bytes - NVFP4_BYTES_PER_WEIGHT))
+        for g in groups
+    }
 
 
-def measure(model, tokenizer, rows: list[dict], keep: list[int], batch_size: int, progress: bool = True) -> dict:
-    """Every group rounded alone, ranked by KL; then the model rounded but for the top k groups, for each k."""
+def measure(
+    model, tokenizer, rows: list[dict], keep: list[int], batch_size: int, groups=None, progress: bool = True
+) -> dict:
+    """Every group (sibling_groups, unless given) rounded alone, ranked by KL; then the model rounded but for the top
+    k groups, for each k."""
     import torch
     from tqdm.auto import tqdm
 
     pad = tokenizer.pad_token_id
     sequences = solution_sequences(tokenizer, rows)
-    groups = sibling_groups(model)
+    groups = groups or sibling_groups(model)
+    extra = bf16_extra_bytes(model, groups)
     with torch.no_grad():
         reference = list(iter_token_logprobs(model, sequences, pad, batch_size))  # V x tokens x 4 bytes, on device
         alone = {}
@@ -107,16 +111,13 @@ def measure(model, tokenizer, rows: list[dict], keep: list[int], batch_size: int
     return {
         "solutions": len(sequences),
         "tokens": sum(len(ids) - start for ids, start in sequences),
-        "groups": [
-            {"modules": list(g), "kl": mean_interval(alone[g]), "bf16_extra_bytes": group_bytes(model, g)}
-            for g in ranked
-        ],
+        "groups": [{"modules": list(g), "kl": mean_interval(alone[g]), "bf16_extra_bytes": extra[g]} for g in ranked],
         "keep": [
             {
                 "k": k,
                 "kl": mean_interval(kept[k]),
                 "kl_per_solution": kept[k],
-                "bf16_extra_bytes": sum(group_bytes(model, g) for g in ranked[:k]),
+                "bf16_extra_bytes": sum(extra[g] for g in ranked[:k]),
                 "ignore": ["lm_head", *(name for g in ranked[:k] for name in g)],
             }
             for k in keep
@@ -175,10 +176,10 @@ def main(argv: list[str] | None = None) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = base_model.load_tokenizer(args.bf16)
     model = base_model.load_base_model(args.bf16, "bf16", getattr(torch, args.dtype), device).eval()
-    groups = len(sibling_groups(model))
-    if max(args.keep) > groups:
-        parser.error(f"--keep {max(args.keep)}: the model has {groups} groups of Linears")
-    measured = measure(model, tokenizer, read_gsm8k(args.data, args.solutions), args.keep, args.batch_size)
+    groups = sibling_groups(model)
+    if max(args.keep) > len(groups):
+        parser.error(f"--keep {max(args.keep)}: the model has {len(groups)} groups of Linears")
+    measured = measure(model, tokenizer, read_gsm8k(args.data, args.solutions), args.keep, args.batch_size, groups)
     result = {
         **base_record(args, device, commit, "experiments.layer_sensitivity", argv),
         **measured,

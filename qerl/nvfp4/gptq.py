@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from qerl.nvfp4 import DEFAULT_IGNORE, codec
-from qerl.nvfp4.quantize import fused_siblings, global_scales, quantization_targets
+from qerl.nvfp4.quantize import fused_groups, global_scales, quantization_targets
 
 BLOCK = 128  # columns updated together (a multiple of the group size, so no group straddles two blocks)
 DAMPING = 0.01  # added to H's diagonal, as a share of its mean: keeps the Cholesky factorisation well posed
@@ -137,10 +137,10 @@ def gptq_model(
     names = {module: name for name, module in modules.items()}
     for index, layer in enumerate(tqdm(layers, desc="GPTQ", unit="layer", disable=not progress)):
         linears = {names[m]: m for m in layer.modules() if names.get(m) in targets}
-        # Fused siblings (q/k/v, gate/up) read the same input: one sum serves the group.
-        reader = {name: next(m for m in fused_siblings(name) if m in linears) for name in linears}
-        sums = {name: InputMoments() for name in set(reader.values())}
-        handles = [linears[name].register_forward_pre_hook(moments.add) for name, moments in sums.items()]
+        # Fused siblings (q/k/v, gate/up) read the same input: one sum, on the group's first member, serves it.
+        groups = fused_groups(linears)
+        sums = {group: InputMoments() for group in groups}
+        handles = [linears[group[0]].register_forward_pre_hook(moments.add) for group, moments in sums.items()]
         try:
             for h, (args, kwargs) in zip(hidden, extras[index], strict=True):
                 layer(h, *args, **kwargs)
@@ -149,10 +149,9 @@ def gptq_model(
                 handle.remove()
         # A group (q/k/v, gate/up) shares H and the global scale and GPTQ treats rows alone, so the group's
         # weights stacked are one pass over the columns instead of one per member: the same codes, fewer launches.
-        for first in sums:
-            group = [name for name in linears if reader[name] == first]
+        for group, moments in sums.items():
             weight = torch.cat([linears[name].weight for name in group])
-            q = gptq_weight(weight, sums[first].hessian(), scales[first], name=f"{', '.join(group)} weights")
+            q = gptq_weight(weight, moments.hessian(), scales[group[0]], name=f"{', '.join(group)} weights")
             row = 0
             for name in group:
                 module = linears[name]

@@ -38,6 +38,17 @@ def fused_siblings(module_name: str) -> tuple[str, ...]:
     return (module_name,)
 
 
+def fused_groups(names) -> list[tuple[str, ...]]:
+    """`names` (module names) grouped as they share a global scale (fused_siblings among `names`), in the order
+    each group first appears."""
+    present = list(dict.fromkeys(names))
+    groups = {}
+    for name in present:
+        group = tuple(m for m in fused_siblings(name) if m in present) or (name,)
+        groups.setdefault(group, None)
+    return list(groups)
+
+
 def global_scales(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Global scale of each weight (keyed by module name), fused groups sharing one.
 
