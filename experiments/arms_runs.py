@@ -32,7 +32,7 @@ ARMS = {
     "nvfp4_gptq_lora": ("nvfp4_gptq", False),
 }
 # Issue 49's adapters tried on another base: arm -> the base it trained on; and the names tables give those bases.
-LORA_ARMS = {"bf16_lora": "bf16", "nvfp4_lora": "nvfp4", "nvfp4_gptq_lora": "nvfp4_gptq"}
+LORA_ARMS = {arm: base for arm, (base, aqn) in ARMS.items() if not aqn}
 BASE_NAMES = {"bf16": "BF16", "nvfp4": "NVFP4", "nvfp4_gptq": "NVFP4 (GPTQ)"}
 PAPER_ARMS = ("bf16_lora", "nvfp4_lora", "nvfp4_lora_aqn", "bf16_lora_aqn")  # the arms a run takes by default
 ARM_NAMES = {  # as tables and plots name them
