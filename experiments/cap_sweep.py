@@ -182,9 +182,10 @@ def _recorder(args, run: str, setting: dict, pace: RunPace | None):
 # Report
 
 
-def swept_recipe(args) -> str | None:
-    """The recipe (SHA-256) the sweep's records in --results ran on: one, since a cell is that recipe plus its flags."""
-    digests = {r.get("recipe_sha256") for r in load_records(args.results)}
+def swept_recipe(args, swept: list[dict] | None = None) -> str | None:
+    """The recipe (SHA-256) the sweep's records (`swept`, else those in --results) ran on: one, since a cell is that
+    recipe plus its flags."""
+    digests = {r.get("recipe_sha256") for r in (load_records(args.results) if swept is None else swept)}
     if len(digests) > 1:
         raise SystemExit(f"{args.results}: runs of {len(digests)} recipes ({', '.join(sorted(map(str, digests)))}); "
                          "a sweep's cells are one recipe plus their flags")  # fmt: skip
@@ -193,10 +194,9 @@ def swept_recipe(args) -> str | None:
 
 def collect(args) -> dict[str, list[dict]]:
     """The records of each cell, the control's arms records included (same step count, format and recipe only)."""
-    recipe = swept_recipe(args)
-    records = load_records(args.results) + [
-        r for r in load_records(args.arms_results) if recipe is None or r.get("recipe_sha256") == recipe
-    ]
+    swept = load_records(args.results)
+    recipe = swept_recipe(args, swept)
+    records = swept + [r for r in load_records(args.arms_results) if recipe is None or r.get("recipe_sha256") == recipe]
     cells: dict[str, list[dict]] = {}
     for record in records:
         name = cell_of(record)
