@@ -6,6 +6,7 @@ an arm's seeds by the way they ran.
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -122,10 +123,10 @@ def _comparison_panel(ax, arms, runs, result, colors) -> None:
         label=f"±{result['margin'] * 100:g} points",
     )
     ax.axvline(0, color="gray", lw=0.8)
-    ax.set_yticks(range(len(questions)), [q.split(" (")[0] for q in questions], fontsize=8)
+    ax.set_yticks(range(len(questions)), [re.sub(r" \([^()]*\)$", "", q) for q in questions], fontsize=8)
     ax.set_ylim(len(questions) - 0.25, -0.5)  # the comparisons top to bottom in their fixed order
     ax.set_xlabel("a - b, greedy accuracy points (Welch 95% interval)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0))  # above the bars, never on one
     ax.grid(alpha=0.3, axis="x")
 
 
