@@ -18,13 +18,20 @@ wave:
      captures the smaller step: finished rows stop costing GEMM rows and attention reads. Completions are about half
      as long as the longest on average, so about half of a wave's row-steps are finished rows. Each compaction costs
      one copy of the live rows' KV and one capture; halving bounds them at log2(B / row_multiple) a wave;
-  5. frees the cache and the graph, so the trainer gets the memory back for its log-prob and backward passes.
-Capturing per wave (~0.1 s) rather than once keeps no KV cache alive between rounds.
+  5. frees the cache and the graph, so the trainer gets the memory back for its log-prob and backward passes; or,
+     with `keep_between_rounds`, keeps them for the next round when it is one wave of as many sequences and as many
+     new tokens (GRPO's rounds are): that round writes its prompts into the same cache and replays the same graph,
+     skipping an allocation and a capture (~0.1 s a round), at the cost of holding that memory through the training
+     passes. Its capacity is rounded up to KEPT_CAPACITY_MULTIPLE so that rounds whose longest prompts differ by a
+     few tokens share it. The graph reads the adapter, norm and noise buffers in place (Projection.refresh,
+     NormScales.refresh and AQN write into them), so a kept graph samples from the current policy.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +40,8 @@ from qerl.rollout.native import kv_cache
 from qerl.rollout.native.attention import decode_attention
 from qerl.rollout.native.decoder import Decoder
 from qerl.rollout.native.sampling import Sampler
+
+KEPT_CAPACITY_MULTIPLE = 128  # a kept cache's capacity in tokens is a multiple of it
 
 
 class NativeEngine:
@@ -49,6 +58,7 @@ class NativeEngine:
         kv_cache_dtype: str = "auto",
         compact_rows: bool = False,
         row_multiple: int = 8,
+        keep_between_rounds: bool = False,
     ):
         self.decoder = decoder
         self.sampler = sampler
@@ -61,6 +71,14 @@ class NativeEngine:
         self.cuda_graphs = decoder.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.compact_rows = compact_rows
         self.row_multiple = row_multiple  # compacted batches: multiples of it (few captured shapes, whole GEMM tiles)
+        if keep_between_rounds and decoder.gather_each_round:
+            raise ValueError(
+                "native rollout: keep_between_rounds needs an unsharded policy (a sharded one's embedding and "
+                "biases are gathered into new tensors every round, which a kept graph would not read)"
+            )
+        self.keep_between_rounds = keep_between_rounds
+        self._kept: KeptWave | None = None
+        self.last_kept_wave_reused = False  # whether the last round replayed the round before's cache and graph
         self.last_waves = 0  # waves of the last round (for benchmarks and logs)
         self.last_compactions = 0  # ... and the times their live rows were compacted
 
@@ -76,7 +94,8 @@ class NativeEngine:
         if budget is None:
             if self.decoder.device.type != "cuda":
                 return num_prompts
-            budget = int(torch.cuda.mem_get_info(self.decoder.device)[0] * 0.8)  # the rest: activations, logits
+            free = torch.cuda.mem_get_info(self.decoder.device)[0] + (self._kept.cache.nbytes if self._kept else 0)
+            budget = int(free * 0.8)  # the rest: activations, logits
         per_sequence = self._kv_bytes_per_sequence(capacity)
         fits = budget // per_sequence
         if fits < 1:
@@ -96,28 +115,50 @@ class NativeEngine:
             return [], []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("native rollout: empty prompt")
-        capacity = max(len(p) for p in prompts) + max_new_tokens
+        capacity = self._capacity(max(len(p) for p in prompts) + max_new_tokens)
         self.decoder.ensure_positions(capacity)
         self.decoder.lay_out_head_norms()
         size = self.wave_size(len(prompts), capacity)
+        keep_for_next = self.keep_between_rounds and size == len(prompts)  # a round in waves keeps nothing
+        if not keep_for_next:
+            self._kept = None
         ids, logprobs = [], []
         self.last_waves = self.last_compactions = 0
+        self.last_kept_wave_reused = False
         for start in range(0, len(prompts), size):
-            wave_ids, wave_lps = self._wave(prompts[start : start + size], max_new_tokens)
+            wave_ids, wave_lps = self._wave(prompts[start : start + size], max_new_tokens, keep_for_next)
             ids += wave_ids
             logprobs += wave_lps
             self.last_waves += 1
         return ids, logprobs
 
-    def _wave(self, prompts: list[list[int]], max_new_tokens: int):
+    def _capacity(self, needed: int) -> int:
+        """KV positions a round's cache holds: what it needs, rounded up where caches are kept between rounds."""
+        if not self.keep_between_rounds:
+            return needed
+        return -(-needed // KEPT_CAPACITY_MULTIPLE) * KEPT_CAPACITY_MULTIPLE
+
+    def _wave(self, prompts: list[list[int]], max_new_tokens: int, keep_for_next: bool = False):
         d, device = self.decoder, self.decoder.device
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
-        capacity = max(len(p) for p in prompts) + max_new_tokens
-        cache = kv_cache.KVCache(
-            len(d.layers), len(prompts), capacity, d.num_kv_heads, d.head_dim, d.dtype, self.kv_fp8, device
-        )
+        capacity = self._capacity(max(len(p) for p in prompts) + max_new_tokens)
+        kept = self._kept if keep_for_next else None
+        if kept is not None and not kept.fits(len(prompts), capacity, max_new_tokens, d):
+            kept = None
+        self._kept = kept  # one that does not fit goes before the new cache is allocated
+        if kept is None:
+            cache = kv_cache.KVCache(
+                len(d.layers), len(prompts), capacity, d.num_kv_heads, d.head_dim, d.dtype, self.kv_fp8, device
+            )
+        else:
+            cache = kept.cache  # its stale rows are never read: prefill and decode write each position first
         first, first_logprob = self._prefill(prompts, cache)
-        state = DecodeState(first, first_logprob, lengths, max_new_tokens, self.pad_token_id)
+        if kept is None:
+            state = DecodeState(first, first_logprob, lengths, max_new_tokens, self.pad_token_id)
+        else:
+            state = kept.state
+            state.reset(first, first_logprob, lengths, self.pad_token_id)
+        self.last_kept_wave_reused = kept is not None
         state.done |= self._is_eos(first)
         out_ids, out_logprobs = state.out_ids, state.out_logprobs  # every row's, written back after compactions
         rows = None  # the wave's row of each of the state's rows, once compacted (None: all rows, in order)
@@ -127,11 +168,17 @@ class NativeEngine:
                 out_ids.index_copy_(0, rows, state.out_ids)
                 out_logprobs.index_copy_(0, rows, state.out_logprobs)
 
-        pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # one pool: captures replace each other
+        # One pool: captures replace each other (a kept graph's with later compactions': replays never overlap).
+        pool = kept.pool if kept else torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         t, steps = 0, max_new_tokens - 1
         while t < steps:
-            step = self._decode_step(state, cache)
-            run = self._capture(step, state, pool) if self.cuda_graphs else step
+            if kept is not None and rows is None:
+                run = kept.run
+            else:
+                step = self._decode_step(state, cache)
+                run = self._capture(step, state, pool) if self.cuda_graphs else step
+                if keep_for_next and rows is None:
+                    self._kept = kept = KeptWave(cache, state, run, pool, max_new_tokens, d.cos)
             smaller = None
             while t < steps and smaller is None:
                 run()
@@ -150,7 +197,7 @@ class NativeEngine:
                 cache, state = cache.keep_rows(keep), state.keep_rows(keep)
                 self.last_compactions += 1
         write_back()
-        return out_ids.tolist(), out_logprobs.tolist()  # the cache and graph go with this frame
+        return out_ids.tolist(), out_logprobs.tolist()  # the cache and graph go with this frame, unless kept
 
     def _compacted_size(self, live: int, batch: int) -> int | None:
         """The batch `live` rows move to, or None to stay at `batch`: once at most half are live (so that each
@@ -271,6 +318,27 @@ def _window_masks(windows: set[int], length: int, device) -> dict[int, torch.Ten
     return {w: (key <= query) & (key > query - w) for w in windows}
 
 
+@dataclass
+class KeptWave:
+    """A one-wave round's KV cache, decode state and captured decode step (NativeEngine.keep_between_rounds), for
+    the next round of as many sequences and new tokens: the graph replays on the same tensors, so they stay."""
+
+    cache: kv_cache.KVCache
+    state: DecodeState
+    run: Callable[[], None]  # the captured step's replay (the eager step without CUDA graphs)
+    pool: object  # the graphs' memory pool
+    max_new_tokens: int
+    rope: list[torch.Tensor]  # the decoder's rotary tables the graph reads (ensure_positions replaces them)
+
+    def fits(self, batch: int, capacity: int, max_new_tokens: int, decoder: Decoder) -> bool:
+        return (
+            len(self.state.tokens) == batch
+            and capacity <= self.cache.capacity
+            and max_new_tokens == self.max_new_tokens
+            and decoder.cos is self.rope
+        )
+
+
 class DecodeState:
     """The tensors a captured decode step reads and advances (fixed addresses across replays)."""
 
@@ -293,6 +361,18 @@ class DecodeState:
         self.out_ids[:, 0] = first
         self.out_logprobs[:, 0] = first_logprob
         self.step = torch.ones(1, dtype=torch.long, device=device)
+
+    def reset(self, first: torch.Tensor, first_logprob: torch.Tensor, lengths: torch.Tensor, pad_token_id: int):
+        """A new round's start in the same tensors (a kept graph replays on their addresses): as __init__ sets it."""
+        self.tokens.copy_(first)
+        self.positions.copy_(lengths)
+        torch.add(lengths, 1, out=self.seq_lens)
+        self.done.zero_()
+        self.out_ids.fill_(pad_token_id)
+        self.out_logprobs.zero_()
+        self.out_ids[:, 0] = first
+        self.out_logprobs[:, 0] = first_logprob
+        self.step.fill_(1)
 
     def snapshot(self):
         return [t.clone() for t in (self.tokens, self.positions, self.done, self.step)]

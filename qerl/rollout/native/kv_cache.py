@@ -126,6 +126,7 @@ class KVCache:
     ):
         self.model_dtype = model_dtype
         self.fp8 = fp8
+        self.capacity = capacity
         kv = torch.empty(
             (2, layers, batch, capacity, kv_heads, head_dim), dtype=FP8 if fp8 else model_dtype, device=device
         )
@@ -134,6 +135,10 @@ class KVCache:
         if fp8:
             scales = torch.empty((2, layers, batch, capacity, kv_heads), dtype=torch.float32, device=device)
             self.k_scale, self.v_scale = scales[0], scales[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for _, t in self._stored())
 
     def layer(self, i: int):
         if not self.fp8:

@@ -1,12 +1,17 @@
 """The native rollout engine (qerl/rollout/native/engine.py) against the policy's own forward (CPU; the GPU path is
 test_engine_gpu.py): greedy tokens of a plain forward loop, the trainer's log-probs of sampled tokens, EOS per
-sequence, waves and prefill chunks. On the tiny policies of tests/helpers/native_policies.py."""
+sequence, waves and prefill chunks, a wave kept between rounds. On the tiny policies of
+tests/helpers/native_policies.py."""
 
 import pytest
+import torch
 from native_policies import ARCHITECTURES, _engine, _hf_greedy, _logprob_differences, _policy, _prompts
+from transformers import GenerationConfig
 
 from qerl.rollout import truncate_at_eos
+from qerl.rollout.native.decoder import Decoder
 from qerl.rollout.native.engine import NativeEngine
+from qerl.rollout.native.sampling import Sampler
 
 
 @ARCHITECTURES
@@ -169,3 +174,76 @@ def test_rows_of_a_repeated_prompt_sample_independently(seed):
     ids, logprobs = engine.generate([prompt] * 8, 8)
     assert len({tuple(row) for row in ids}) > 1
     assert _logprob_differences(model, [prompt] * 8, ids, logprobs, 1.0).max() < 1e-4
+
+
+def _round_prompts(tokenizer, lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, len(tokenizer), (n,), generator=gen).tolist() for n in lengths]
+
+
+# (prompt lengths, new tokens) of successive rounds, and whether each replays the round before's cache and state:
+# the same batch and new tokens within the kept capacity (rounded up to 128) do; another new-token count, batch, or
+# a capacity past 128 build anew, and what they build is kept in turn.
+KEPT_ROUNDS = [
+    ((5, 11, 2, 8, 3, 9, 4, 7), 12, False),
+    ((9, 3, 7, 4, 12, 6, 2, 5), 12, True),
+    ((9, 3, 7, 4, 12, 6, 2, 5), 8, False),
+    ((6, 6, 6, 6, 6, 6), 8, False),
+    ((2, 12, 4, 8, 3, 5), 8, True),
+    ((130, 5, 6, 2, 9, 4), 8, False),
+    ((3, 14, 7, 5, 1, 8), 8, True),
+]
+
+
+@pytest.mark.parametrize("compact,kv_cache_dtype", [(False, "auto"), (True, "auto"), (True, "fp8")])
+def test_a_kept_wave_gives_every_round_a_fresh_engines_tokens(compact, kv_cache_dtype):
+    """keep_between_rounds: a round replays the round before's KV cache and decode state where it fits (KEPT_ROUNDS),
+    and its greedy tokens and log-probs are those of a fresh engine without it: no stale key of the last round, nor
+    a row that compaction moved in it, is read, and the reset state starts where a new one would."""
+    model, tokenizer = _policy()
+    pad = tokenizer.pad_token_id
+    eos = _ending_at_different_steps(model, tokenizer, _round_prompts(tokenizer, KEPT_ROUNDS[0][0], 0), 12)
+    engines = {}
+    for keep in (False, True):
+        engines[keep] = engine = _engine(model, eos, pad)
+        engine.kv_fp8 = kv_cache_dtype == "fp8"
+        engine.compact_rows, engine.row_multiple, engine.sync_every = compact, 1, 2
+        engine.keep_between_rounds = keep
+        engine.decoder.refresh()
+    compactions = 0
+    for seed, (lengths, new_tokens, reused) in enumerate(KEPT_ROUNDS):
+        prompts = _round_prompts(tokenizer, lengths, seed)
+        fresh_ids, fresh_lps = engines[False].generate(prompts, new_tokens)
+        ids, lps = engines[True].generate(prompts, new_tokens)
+        assert engines[True].last_kept_wave_reused == reused and not engines[False].last_kept_wave_reused
+        compactions += engines[True].last_compactions
+        assert ids == fresh_ids
+        fresh = truncate_at_eos(fresh_ids, fresh_lps, eos)
+        for row, fresh_row in zip(truncate_at_eos(ids, lps, eos).logprobs, fresh.logprobs, strict=True):
+            assert row == pytest.approx(fresh_row, abs=1e-5)
+    assert compactions >= (2 if compact else 0)
+
+
+def test_a_kept_wave_samples_each_round_from_its_own_prompts(seed):
+    """Sampled rounds replaying a kept cache: every token's log-prob is the trainer's for its own prompt and tokens;
+    a round in waves keeps nothing."""
+    model, tokenizer = _policy()
+    engine = _engine(model, [-1], tokenizer.pad_token_id, temperature=0.7)
+    engine.keep_between_rounds = True
+    engine.decoder.refresh()
+    for round_seed, (lengths, new_tokens, reused) in enumerate(KEPT_ROUNDS[:3]):
+        prompts = _round_prompts(tokenizer, lengths, round_seed + 10)
+        ids, logprobs = engine.generate(prompts, new_tokens)
+        assert engine.last_kept_wave_reused == reused
+        assert _logprob_differences(model, prompts, ids, logprobs, 0.7).max() < 1e-4
+    engine.kv_cache_bytes = 2 * engine._kv_bytes_per_sequence(128)  # two sequences a wave
+    engine.generate(_round_prompts(tokenizer, (9, 3, 7, 4), 20), 8)
+    assert engine.last_waves == 2 and not engine.last_kept_wave_reused and engine._kept is None
+
+
+def test_keeping_waves_refuses_a_sharded_policy():
+    model, tokenizer = _policy()
+    decoder = Decoder(model)
+    decoder.gather_each_round = True
+    with pytest.raises(ValueError, match="keep_between_rounds needs an unsharded policy"):
+        NativeEngine(decoder, Sampler(GenerationConfig()), [-1], tokenizer.pad_token_id, keep_between_rounds=True)

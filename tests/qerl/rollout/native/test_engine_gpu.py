@@ -243,3 +243,40 @@ def test_live_row_compaction_in_cuda_graphs(kv_dtype):
     diffs = _policy_differences(model, prompts, graph.completion_ids, graph.logprobs)
     mean_bound, max_bound = LOGPROB_BOUNDS[kv_dtype]
     assert diffs.mean() < mean_bound and diffs.max() < max_bound
+
+
+def _train_a_little(model) -> None:
+    """Move the adapter and trainable norms in place, as an optimizer step does between rounds."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "bf16"])
+def test_a_kept_graph_replays_the_current_adapter_and_norms(precision):
+    """keep_between_rounds on the GPU: rounds 2 and 3 replay round 1's captured step on its cache, while between
+    rounds the adapter and norms change in place and Decoder.refresh writes them into the engine's buffers. Greedy:
+    each round's tokens and log-probs equal those of a new keeping engine (the same capacity, so the same kernels)
+    that captures afresh. Sampled: every log-prob stays within the engine's bounds of the changed policy's own
+    forward (a graph that read the round before's weights would be far off). Not run on a GPU yet."""
+    model, tokenizer = _policy(precision)
+    decoder = Decoder(model)
+    greedy = Sampler(GenerationConfig(do_sample=False))
+    sampled = Sampler(GenerationConfig(do_sample=True, temperature=1.0))
+    kept_greedy = NativeEngine(decoder, greedy, [-1], 0, keep_between_rounds=True)
+    kept_sampled = NativeEngine(decoder, sampled, [-1], 0, keep_between_rounds=True)
+    lengths = (37, 5, 120, 64, 1, 90, 33, 7)
+    mean_bound, max_bound = LOGPROB_BOUNDS["auto"]
+    for round_index in range(3):
+        if round_index:
+            _train_a_little(model)
+        decoder.refresh()
+        prompts = _prompts(len(tokenizer), lengths=lengths[round_index:] + (9,) * round_index)  # 8 rows each round
+        out = kept_greedy.generate(prompts, 48)
+        assert kept_greedy.last_kept_wave_reused == (round_index > 0)
+        assert out == NativeEngine(decoder, greedy, [-1], 0, keep_between_rounds=True).generate(prompts, 48)
+        ids, logprobs = kept_sampled.generate(prompts, 48)
+        assert kept_sampled.last_kept_wave_reused == (round_index > 0)
+        diffs = _policy_differences(model, prompts, ids, logprobs)
+        assert diffs.mean() < mean_bound and diffs.max() < max_bound
