@@ -126,8 +126,8 @@ class QeRLConfig(GRPOConfig):
         metadata={
             "help": "Rollout engine. auto: native on a CUDA device (vllm or transformers where native cannot run "
             "the model, or under DeepSpeed/FSDP), transformers on CPU. native reads rollout_kv_cache_gib, "
-            "rollout_kv_cache_dtype and rollout_compact_rows; vllm reads TRL's vllm_gpu_memory_utilization, "
-            "vllm_max_model_length and vllm_enable_sleep_mode.",
+            "rollout_kv_cache_dtype, rollout_compact_rows and rollout_keep_between_rounds; vllm reads TRL's "
+            "vllm_gpu_memory_utilization, vllm_max_model_length and vllm_enable_sleep_mode.",
             "choices": list(ROLLOUT_BACKENDS),
         },
     )
@@ -153,6 +153,15 @@ class QeRLConfig(GRPOConfig):
             "help": "rollout_backend native: once at most half of a round's completions are still running, decode "
             "only those (their KV rows moved together, a smaller CUDA graph captured); off until measured on a GPU "
             "(docs/benchmarks.md)."
+        },
+    )
+    rollout_keep_between_rounds: bool = field(
+        default=False,
+        metadata={
+            "help": "rollout_backend native: keep a round's KV cache and captured decode step for the next round of "
+            "as many completions (GRPO's rounds are), instead of allocating and capturing them again (~0.1 s a "
+            "round), holding that memory through the training passes; not with a sharded policy (FSDP2, ZeRO-3). "
+            "Off until measured on a GPU (docs/benchmarks.md)."
         },
     )
     vllm_enable_sleep_mode: bool = field(

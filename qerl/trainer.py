@@ -240,7 +240,10 @@ class QeRLTrainer(GRPOTrainer):
             pad_to_multiple_of=self.pad_to_multiple_of,
             sharding=self._sharding(),
             native=rollout.NativeSettings(
-                args.rollout_kv_cache_gib, args.rollout_kv_cache_dtype, args.rollout_compact_rows
+                args.rollout_kv_cache_gib,
+                args.rollout_kv_cache_dtype,
+                args.rollout_compact_rows,
+                args.rollout_keep_between_rounds,
             ),
             vllm=rollout.VLLMSettings(
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,

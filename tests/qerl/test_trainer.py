@@ -205,18 +205,25 @@ def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
     """A Gemma-3 text model (tiny: (1 + w) norms, four per layer, q/k norms, tied scaled embeddings, GELU-tanh,
     local and global layers) quantized by our quantizer, DAPO steps with AQN on the native engine: the noise goes on
     w of the four hidden-size norms per layer (w + Z scales by 1 + w + Z, the same shift), reaches the engine's
-    scales at every noisy round, and leaves the per-head norms alone. (Live-row compaction on: the flag reaches the
-    engine.)"""
+    scales at every noisy round, and leaves the per-head norms alone. (Live-row compaction and the wave kept between
+    rounds on: the flags reach the engine, and each noisy round's scales reach the kept wave's.)"""
     from qerl.tiny import build_tiny
 
     model, tokenizer = build_tiny(architecture="gemma3", head_dim=32)
     _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "gemma3"), model, tokenizer)
     args = recipe_config(
-        tmp_path, trainable_norms=True, max_steps=3, num_stages=3, rollout_backend="native", rollout_compact_rows=True
+        tmp_path,
+        trainable_norms=True,
+        max_steps=3,
+        num_stages=3,
+        rollout_backend="native",
+        rollout_compact_rows=True,
+        rollout_keep_between_rounds=True,
     )
     trainer = make_trainer(nvfp4_dir, args)
     policy_model = trainer.model
-    assert trainer.rollout.name == "native" and trainer.is_nvfp4 and trainer.rollout.engine.compact_rows
+    engine = trainer.rollout.engine
+    assert trainer.rollout.name == "native" and trainer.is_nvfp4 and engine.compact_rows and engine.keep_between_rounds
     assert isinstance(
         policy_model.get_submodule("base_model.model.model.layers.0.mlp.down_proj.base_layer"), NVFP4Linear
     )
@@ -267,6 +274,7 @@ def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
     assert all(std == 0 for sigma, std in engine_noise if sigma == 0)
     assert any(p.abs().max() > 0 for p in lora_b.values())
     assert all(torch.equal(policy_model.get_parameter(n), v) for n, v in head_norms.items())
+    assert engine.last_kept_wave_reused  # the last round replayed the round before's wave
 
 
 def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from qerl.errors import UsageError
 from qerl.rollout.base import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
 
 
@@ -45,6 +46,11 @@ class NativeRollout(RolloutBackend):
         if self.engine is None or self._policy_id != id(policy):  # built once: the module tree never changes
             settings = self.setup.native
             gib = settings.kv_cache_gib
+            if settings.keep_between_rounds and self.setup.sharding is not None:
+                raise UsageError(
+                    f"rollout_keep_between_rounds: the policy is sharded ({self.setup.sharding}) and gathered anew "
+                    "every round, which a kept decode graph would not read; turn it off"
+                )
             decoder = Decoder(policy, gather_each_round=self.setup.sharding is not None)
             self.engine = NativeEngine(
                 decoder,
@@ -54,6 +60,7 @@ class NativeRollout(RolloutBackend):
                 kv_cache_bytes=None if gib is None else int(gib * 2**30),
                 kv_cache_dtype=settings.kv_cache_dtype,
                 compact_rows=settings.compact_rows,
+                keep_between_rounds=settings.keep_between_rounds,
             )
             self._policy_id = id(policy)
         return self.engine

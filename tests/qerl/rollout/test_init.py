@@ -65,3 +65,24 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     with pytest.raises(rollout.Unsupported, match="BF16 base's weights are sharded"):
         rollout.create_backend("native", setup)
     assert rollout.create_backend("auto", setup).name == "transformers"
+
+
+def test_keeping_rounds_refuses_a_sharded_policy_in_one_line():
+    """rollout_keep_between_rounds under FSDP2 / ZeRO-3: the gathered weights are new tensors every round, which a
+    kept decode graph would not read; the backend says so before any round."""
+    from qerl.errors import UsageError
+    from qerl.nvfp4.quantize import quantize_model
+
+    model, tokenizer = build_tiny(num_layers=1)
+    quantize_model(model)
+    setup = rollout.RolloutSetup(
+        generation_config=GenerationConfig(do_sample=True, max_new_tokens=4),
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        open_policy=lambda: contextlib.nullcontext(model),
+        device=torch.device("cpu"),
+        sharding="fsdp2",
+        native=rollout.NativeSettings(keep_between_rounds=True),
+    )
+    with pytest.raises(UsageError, match=r"^rollout_keep_between_rounds: the policy is sharded \(fsdp2\)"):
+        rollout.create_backend("native", setup)
