@@ -14,7 +14,9 @@ redoes only what was lost); a job whose inputs are still arriving waits for them
   real-prep    the GGUF converted to BF16 and quantized to NVFP4, beside another job          (needs --site, --gguf)
   real-*       benchmarks.step --profile on the real Qwen2.5-Coder-1.5B-Instruct, its recipe as written, --steps
                steps: NVFP4 without / with the dense training weights, BF16, both compiled (--compile-layers),
-               both with live-row compaction (--rollout-compact-rows), and both with TRL's random micro-batches
+               both with live-row compaction (--rollout-compact-rows), both with TRL's random micro-batches, both
+               with activations kept (-kept, -kept-mb32), and both with the KV cache and decode graph kept between
+               rounds (-resident)
   trl-baseline benchmarks.trl_baseline on the BF16 checkpoint, the same recipe and steps
   gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
   vllm-rollout benchmarks.rollout --rollout-backend vllm at 1.5B (vLLM's share from the free memory)  (needs --site)
@@ -40,6 +42,7 @@ REAL_RECIPE = RECIPES[REAL_MODEL]
 SIZES = ("1.5b", "7b", "3b", "0.5b")  # the recipe's size first: a job's later commands run after a failure too
 KEPT = ["--gradient-checkpointing", "false"]
 MICRO_BATCH_32 = ["--per-device-train-batch-size", "32", "--gradient-accumulation-steps", "2"]
+RESIDENT = ["--rollout-keep-between-rounds", "true"]
 # name: (NVFP4 or BF16 checkpoint, qerl.train flags) of the real-model step runs
 REAL_RUNS = {
     "real-nvfp4": ("nvfp4", ["--dense-training-weights", "false"]),
@@ -61,6 +64,9 @@ REAL_RUNS = {
     "real-bf16-kept": ("bf16", KEPT),
     "real-nvfp4-dense-kept-mb32": ("nvfp4", ["--dense-training-weights", "true", *KEPT, *MICRO_BATCH_32]),
     "real-bf16-kept-mb32": ("bf16", [*KEPT, *MICRO_BATCH_32]),
+    # The rollout's KV cache and captured decode step kept from one round to the next, not allocated and captured anew
+    "real-nvfp4-dense-resident": ("nvfp4", ["--dense-training-weights", "true", *RESIDENT]),
+    "real-bf16-resident": ("bf16", RESIDENT),
 }
 
 
