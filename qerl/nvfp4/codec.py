@@ -79,11 +79,10 @@ def compute_group_scales(weight: torch.Tensor, global_scale: torch.Tensor) -> to
     n, k = weight.shape
     amax_g = weight.detach().reshape(n, k // GROUP_SIZE, GROUP_SIZE).abs().amax(dim=-1)
     local = amax_g / torch.tensor(FP4_MAX, dtype=amax_g.dtype)  # stays in the weight dtype
-    scale = (global_scale.to(torch.float32) * local).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    zero = scale.to(torch.float32) == 0
-    if zero.any():
-        scale = torch.where(zero, torch.tensor(ZERO_GROUP_SCALE), scale.to(torch.float32)).to(torch.float8_e4m3fn)
-    return scale
+    scale = (global_scale.to(torch.float32) * local).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    # Unconditionally, not under `if zero.any()`: that would wait for the GPU at every call (GPTQ makes one per
+    # group of 16 columns). FP8 -> FP32 -> FP8 is exact, so the nonzero scales are unchanged.
+    return torch.where(scale == 0, ZERO_GROUP_SCALE, scale).to(torch.float8_e4m3fn)
 
 
 def round_to_codes(x: torch.Tensor) -> torch.Tensor:

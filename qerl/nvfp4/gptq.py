@@ -46,10 +46,13 @@ class InputMoments:
         return 2 * self.sum / self.rows
 
 
-def _round_column(w: torch.Tensor, effective: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E2M1 codes, their values) of column w [N] FP32 under its groups' effective scales [N]."""
+def _round_column(
+    w: torch.Tensor, effective: torch.Tensor, code_values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E2M1 codes, their values) of column w [N] FP32 under its groups' effective scales [N]; `code_values`:
+    codec.FP4_CODE_VALUES on w's device."""
     codes = codec.round_to_codes(w / effective)
-    return codes, codec.FP4_CODE_VALUES.to(w.device)[codes.long()] * effective
+    return codes, code_values[codes.long()] * effective
 
 
 @torch.no_grad()
@@ -71,6 +74,9 @@ def gptq_weight(
     h_inv = torch.linalg.cholesky(torch.cholesky_solve(identity, torch.linalg.cholesky(h)), upper=True)
     codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     scales = torch.empty(n, k // codec.GROUP_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
+    # Copied once: a copy from host memory per column would wait for the GPU each time, and the column loop is a
+    # stream of small kernels that only keeps the GPU busy while the host queues ahead of it.
+    code_values = codec.FP4_CODE_VALUES.to(w.device)
     for start in range(0, k, BLOCK):
         end = min(start + BLOCK, k)
         block, inv = w[:, start:end], h_inv[start:end, start:end]
@@ -83,7 +89,7 @@ def gptq_weight(
                 group_weights = block[:, i : i + codec.GROUP_SIZE].to(weight.dtype)
                 scales[:, group : group + 1] = codec.compute_group_scales(group_weights, global_scale)
                 effective = scales[:, group].float() / global_scale
-            codes[:, column], rounded = _round_column(block[:, i], effective)
+            codes[:, column], rounded = _round_column(block[:, i], effective, code_values)
             errors[:, i] = (block[:, i] - rounded) / inv[i, i]
             block[:, i:] -= errors[:, i : i + 1] * inv[i : i + 1, i:]
         w[:, end:] -= errors @ h_inv[start:end, end:]
