@@ -13,6 +13,7 @@ weight dtype -> fp32 -> fp8, the division by the effective scale runs in fp32.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +28,11 @@ ZERO_GROUP_SCALE = torch.finfo(torch.float8_e4m3fn).eps
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 # Signed value of each of the 16 codes, for table-lookup decoding.
 FP4_CODE_VALUES = torch.cat([FP4_VALUES, -FP4_VALUES])
-# Upper bounds of the index buckets for |x| in [0, 6]; `right` says whether the bound itself rounds up.
-# Ties go to the even mantissa (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4).
-_BUCKET_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+# Upper bounds of the index buckets for |x| in [0, 6] (the midpoints of FP4_VALUES). A value on a bound rounds up,
+# except on the bounds in _TIES_DOWN: ties go to the even mantissa (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
+# 3.5->4, 5->4).
+_BUCKET_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,21 @@ def round_to_codes(x: torch.Tensor) -> torch.Tensor:
     The sign bit is set for x < 0, so a small negative value that rounds to zero is stored as -0 (code 8),
     as compressed-tensors does; an exact -0.0 input is stored as +0 there too.
     """
+    bounds, ties_down = _rounding_tables(x.device)
     mag = x.abs().clamp(max=FP4_MAX)
-    index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for bound, tie_up in _BUCKET_BOUNDS:
-        index += (mag >= bound if tie_up else mag > bound).to(torch.uint8)
-    return index | ((x < 0).to(torch.uint8) << 3)
+    # A handful of kernels whatever the bucket count: GPTQ calls this once per column.
+    index = torch.bucketize(mag, bounds, right=True) - torch.isin(mag, ties_down).long()
+    return index.to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)
+
+
+@functools.cache
+def _rounding_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """_BUCKET_BOUNDS and _TIES_DOWN as FP32 tensors on `device`, made once (a copy from the host per call would
+    wait for the GPU)."""
+    return (
+        torch.tensor(_BUCKET_BOUNDS, dtype=torch.float32, device=device),
+        torch.tensor(_TIES_DOWN, dtype=torch.float32, device=device),
+    )
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
