@@ -72,7 +72,7 @@ def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
     local and global layers) quantized by our quantizer, DAPO steps with AQN on the native engine: the noise goes on
     w of the four hidden-size norms per layer (w + Z scales by 1 + w + Z, the same shift), reaches the engine's
     scales at every noisy round, and leaves the per-head norms alone. (Live-row compaction and the wave kept between
-    rounds on: the flags reach the engine, and each noisy round's scales reach the kept wave's.)"""
+    rounds on: the flags reach the engine, and the last round replays the round before's wave.)"""
     from qerl.tiny import build_tiny
 
     model, tokenizer = build_tiny(architecture="gemma3", head_dim=32)

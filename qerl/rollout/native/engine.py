@@ -22,8 +22,9 @@ wave:
      with `keep_between_rounds`, keeps them for the next round when it is one wave of as many sequences and as many
      new tokens (GRPO's rounds are): that round writes its prompts into the same cache and replays the same graph,
      skipping an allocation and a capture (~0.1 s a round), at the cost of holding that memory through the training
-     passes. Its capacity is rounded up to KEPT_CAPACITY_MULTIPLE so that rounds whose longest prompts differ by a
-     few tokens share it. The graph reads the adapter, norm and noise buffers in place (Projection.refresh,
+     passes (the cache, and the graphs' pool of the step's temporaries). Its capacity is rounded up to
+     KEPT_CAPACITY_MULTIPLE so that rounds whose longest prompts differ by a few tokens share it; one over twice
+     what a round needs is rebuilt. The graph reads the adapter, norm and noise buffers in place (Projection.refresh,
      NormScales.refresh and AQN write into them), so a kept graph samples from the current policy.
 """
 
@@ -78,6 +79,9 @@ class NativeEngine:
             )
         self.keep_between_rounds = keep_between_rounds
         self._kept: KeptWave | None = None
+        # The engine's own capture stream: cuBLAS keeps a workspace per stream that captured graphs bake in, and
+        # a graph's destruction frees it; with one stream per engine a kept graph never shares it with another's.
+        self._capture_stream: torch.cuda.Stream | None = None
         self.last_kept_wave_reused = False  # whether the last round replayed the round before's cache and graph
         self.last_waves = 0  # waves of the last round (for benchmarks and logs)
         self.last_compactions = 0  # ... and the times their live rows were compacted
@@ -88,14 +92,21 @@ class NativeEngine:
         d = self.decoder
         return len(d.layers) * capacity * kv_cache.bytes_per_token(d.num_kv_heads, d.head_dim, d.dtype, self.kv_fp8)
 
+    def _kv_budget(self) -> int | None:
+        """Bytes a round's KV cache may take: kv_cache_bytes, or 80% of what is free (the rest: activations,
+        logits) counting a kept cache as free; None on the CPU without kv_cache_bytes (no limit)."""
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
+        if self.decoder.device.type != "cuda":
+            return None
+        free = torch.cuda.mem_get_info(self.decoder.device)[0] + (self._kept.cache.nbytes if self._kept else 0)
+        return int(free * 0.8)
+
     def wave_size(self, num_prompts: int, capacity: int) -> int:
         """Sequences per wave: all, or as many as the KV budget holds (balanced across waves)."""
-        budget = self.kv_cache_bytes
+        budget = self._kv_budget()
         if budget is None:
-            if self.decoder.device.type != "cuda":
-                return num_prompts
-            free = torch.cuda.mem_get_info(self.decoder.device)[0] + (self._kept.cache.nbytes if self._kept else 0)
-            budget = int(free * 0.8)  # the rest: activations, logits
+            return num_prompts
         per_sequence = self._kv_bytes_per_sequence(capacity)
         fits = budget // per_sequence
         if fits < 1:
@@ -115,13 +126,14 @@ class NativeEngine:
             return [], []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("native rollout: empty prompt")
-        capacity = self._capacity(max(len(p) for p in prompts) + max_new_tokens)
+        needed = max(len(p) for p in prompts) + max_new_tokens
+        keep_for_next = self.keep_between_rounds and self._fits_one_wave(len(prompts), self._capacity(needed, True))
+        if not keep_for_next:  # a round in waves keeps nothing
+            self._kept = None
+        capacity = self._capacity(needed, keep_for_next)
+        size = self.wave_size(len(prompts), capacity)
         self.decoder.ensure_positions(capacity)
         self.decoder.lay_out_head_norms()
-        size = self.wave_size(len(prompts), capacity)
-        keep_for_next = self.keep_between_rounds and size == len(prompts)  # a round in waves keeps nothing
-        if not keep_for_next:
-            self._kept = None
         ids, logprobs = [], []
         self.last_waves = self.last_compactions = 0
         self.last_kept_wave_reused = False
@@ -132,18 +144,21 @@ class NativeEngine:
             self.last_waves += 1
         return ids, logprobs
 
-    def _capacity(self, needed: int) -> int:
-        """KV positions a round's cache holds: what it needs, rounded up where caches are kept between rounds."""
-        if not self.keep_between_rounds:
-            return needed
-        return -(-needed // KEPT_CAPACITY_MULTIPLE) * KEPT_CAPACITY_MULTIPLE
+    def _fits_one_wave(self, num_prompts: int, capacity: int) -> bool:
+        budget = self._kv_budget()
+        return budget is None or budget // self._kv_bytes_per_sequence(capacity) >= num_prompts
+
+    @staticmethod
+    def _capacity(needed: int, kept: bool) -> int:
+        """KV positions a wave's cache holds: what it needs, rounded up for a cache kept for the next round."""
+        return -(-needed // KEPT_CAPACITY_MULTIPLE) * KEPT_CAPACITY_MULTIPLE if kept else needed
 
     def _wave(self, prompts: list[list[int]], max_new_tokens: int, keep_for_next: bool = False):
         d, device = self.decoder, self.decoder.device
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
-        capacity = self._capacity(max(len(p) for p in prompts) + max_new_tokens)
+        capacity = self._capacity(max(len(p) for p in prompts) + max_new_tokens, keep_for_next)
         kept = self._kept if keep_for_next else None
-        if kept is not None and not kept.fits(len(prompts), capacity, max_new_tokens, d):
+        if kept is not None and not kept.fits(len(prompts), capacity, max_new_tokens, d, self.kv_fp8):
             kept = None
         self._kept = kept  # one that does not fit goes before the new cache is allocated
         if kept is None:
@@ -157,7 +172,7 @@ class NativeEngine:
             state = DecodeState(first, first_logprob, lengths, max_new_tokens, self.pad_token_id)
         else:
             state = kept.state
-            state.reset(first, first_logprob, lengths, self.pad_token_id)
+            state.reset(first, first_logprob, lengths)
         self.last_kept_wave_reused = kept is not None
         state.done |= self._is_eos(first)
         out_ids, out_logprobs = state.out_ids, state.out_logprobs  # every row's, written back after compactions
@@ -168,7 +183,8 @@ class NativeEngine:
                 out_ids.index_copy_(0, rows, state.out_ids)
                 out_logprobs.index_copy_(0, rows, state.out_logprobs)
 
-        # One pool: captures replace each other (a kept graph's with later compactions': replays never overlap).
+        # One memory pool for the wave's captures (and a kept graph's with later rounds'): their replays never
+        # overlap, and none reads what another left in the pool (its outputs go to the state's tensors).
         pool = kept.pool if kept else torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         t, steps = 0, max_new_tokens - 1
         while t < steps:
@@ -247,7 +263,9 @@ class NativeEngine:
         state.restore(saved)
         torch.cuda.set_rng_state(rng)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
+        with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
             step()
         return graph.replay
 
@@ -318,7 +336,7 @@ def _window_masks(windows: set[int], length: int, device) -> dict[int, torch.Ten
     return {w: (key <= query) & (key > query - w) for w in windows}
 
 
-@dataclass
+@dataclass(eq=False)
 class KeptWave:
     """A one-wave round's KV cache, decode state and captured decode step (NativeEngine.keep_between_rounds), for
     the next round of as many sequences and new tokens: the graph replays on the same tensors, so they stay."""
@@ -328,13 +346,17 @@ class KeptWave:
     run: Callable[[], None]  # the captured step's replay (the eager step without CUDA graphs)
     pool: object  # the graphs' memory pool
     max_new_tokens: int
-    rope: list[torch.Tensor]  # the decoder's rotary tables the graph reads (ensure_positions replaces them)
+    rope: list[torch.Tensor]  # the rotary tables the graph reads: longer ones replace them (ensure_positions)
 
-    def fits(self, batch: int, capacity: int, max_new_tokens: int, decoder: Decoder) -> bool:
+    def fits(self, batch: int, capacity: int, max_new_tokens: int, decoder: Decoder, kv_fp8: bool) -> bool:
+        """Whether a wave of this shape can replay it. A cache over twice what the wave needs is not kept on: one
+        long round would otherwise hold the largest cache, and spread the attention over more splits, for good.
+        (New rotary tables hold the old ones' values too, but the graph reads the old tensors: captured again.)"""
         return (
             len(self.state.tokens) == batch
-            and capacity <= self.cache.capacity
+            and capacity <= self.cache.capacity < 2 * capacity
             and max_new_tokens == self.max_new_tokens
+            and self.cache.fp8 == kv_fp8
             and decoder.cos is self.rope
         )
 
@@ -351,24 +373,24 @@ class DecodeState:
         pad_token_id: int,
     ):
         batch, device = first.shape[0], first.device
-        self.tokens = first.clone()  # the token each sequence feeds next
-        self.positions = lengths.clone()  # ... and its position
-        self.seq_lens = lengths + 1  # keys valid during the step
+        self.pad_token_id = pad_token_id
+        self.tokens = torch.empty_like(first)  # the token each sequence feeds next
+        self.positions = torch.empty_like(lengths)  # ... and its position
+        self.seq_lens = torch.empty_like(lengths)  # keys valid during the step
         self.batch_idx = torch.arange(batch, dtype=torch.int32, device=device)
-        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.out_ids = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        self.out_logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
-        self.out_ids[:, 0] = first
-        self.out_logprobs[:, 0] = first_logprob
-        self.step = torch.ones(1, dtype=torch.long, device=device)
+        self.done = torch.empty(batch, dtype=torch.bool, device=device)
+        self.out_ids = torch.empty((batch, max_new_tokens), dtype=torch.long, device=device)
+        self.out_logprobs = torch.empty((batch, max_new_tokens), dtype=torch.float32, device=device)
+        self.step = torch.empty(1, dtype=torch.long, device=device)
+        self.reset(first, first_logprob, lengths)
 
-    def reset(self, first: torch.Tensor, first_logprob: torch.Tensor, lengths: torch.Tensor, pad_token_id: int):
-        """A new round's start in the same tensors (a kept graph replays on their addresses): as __init__ sets it."""
+    def reset(self, first: torch.Tensor, first_logprob: torch.Tensor, lengths: torch.Tensor) -> None:
+        """A round's start, written into the state's tensors (a kept graph replays on their addresses)."""
         self.tokens.copy_(first)
         self.positions.copy_(lengths)
         torch.add(lengths, 1, out=self.seq_lens)
         self.done.zero_()
-        self.out_ids.fill_(pad_token_id)
+        self.out_ids.fill_(self.pad_token_id)
         self.out_logprobs.zero_()
         self.out_ids[:, 0] = first
         self.out_logprobs[:, 0] = first_logprob
@@ -388,4 +410,5 @@ class DecodeState:
             setattr(kept, name, getattr(self, name)[rows])
         kept.batch_idx = torch.arange(len(rows), dtype=torch.int32, device=rows.device)
         kept.step = self.step.clone()
+        kept.pad_token_id = self.pad_token_id
         return kept

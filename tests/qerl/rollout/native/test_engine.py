@@ -8,6 +8,7 @@ import torch
 from native_policies import ARCHITECTURES, _engine, _hf_greedy, _logprob_differences, _policy, _prompts
 from transformers import GenerationConfig
 
+from qerl import aqn
 from qerl.rollout import truncate_at_eos
 from qerl.rollout.native.decoder import Decoder
 from qerl.rollout.native.engine import NativeEngine
@@ -182,8 +183,8 @@ def _round_prompts(tokenizer, lengths, seed):
 
 
 # (prompt lengths, new tokens) of successive rounds, and whether each replays the round before's cache and state:
-# the same batch and new tokens within the kept capacity (rounded up to 128) do; another new-token count, batch, or
-# a capacity past 128 build anew, and what they build is kept in turn.
+# the same batch and new tokens within the kept capacity (rounded up to 128) do; another new-token count, batch, a
+# capacity past the kept one, or under half of it, build anew, and what they build is kept in turn.
 KEPT_ROUNDS = [
     ((5, 11, 2, 8, 3, 9, 4, 7), 12, False),
     ((9, 3, 7, 4, 12, 6, 2, 5), 12, True),
@@ -191,7 +192,8 @@ KEPT_ROUNDS = [
     ((6, 6, 6, 6, 6, 6), 8, False),
     ((2, 12, 4, 8, 3, 5), 8, True),
     ((130, 5, 6, 2, 9, 4), 8, False),
-    ((3, 14, 7, 5, 1, 8), 8, True),
+    ((3, 125, 7, 5, 1, 8), 8, True),
+    ((3, 14, 7, 5, 1, 8), 8, False),
 ]
 
 
@@ -236,7 +238,7 @@ def test_a_kept_wave_samples_each_round_from_its_own_prompts(seed):
         ids, logprobs = engine.generate(prompts, new_tokens)
         assert engine.last_kept_wave_reused == reused
         assert _logprob_differences(model, prompts, ids, logprobs, 0.7).max() < 1e-4
-    engine.kv_cache_bytes = 2 * engine._kv_bytes_per_sequence(128)  # two sequences a wave
+    engine.kv_cache_bytes = 2 * engine._kv_bytes_per_sequence(9 + 8)  # two sequences a wave (none at 128 tokens)
     engine.generate(_round_prompts(tokenizer, (9, 3, 7, 4), 20), 8)
     assert engine.last_waves == 2 and not engine.last_kept_wave_reused and engine._kept is None
 
@@ -247,3 +249,58 @@ def test_keeping_waves_refuses_a_sharded_policy():
     decoder.gather_each_round = True
     with pytest.raises(ValueError, match="keep_between_rounds needs an unsharded policy"):
         NativeEngine(decoder, Sampler(GenerationConfig()), [-1], tokenizer.pad_token_id, keep_between_rounds=True)
+
+
+def _addresses(decoder: Decoder) -> dict[str, int]:
+    """data_ptr of every tensor reachable from the decoder (its layers, projections, norm holders and per-head
+    scales, embeddings, rotary tables; the policy's modules it refers to too), by attribute path."""
+    found, seen = {}, set()
+
+    def walk(obj, path):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found[path] = obj.data_ptr()
+        elif isinstance(obj, torch.nn.Module):
+            for name, tensor in [*obj.named_parameters(), *obj.named_buffers()]:
+                walk(tensor, f"{path}.{name}")
+        elif isinstance(obj, (list, tuple)):
+            for i, item in enumerate(obj):
+                walk(item, f"{path}[{i}]")
+        elif isinstance(obj, dict):
+            for key, item in obj.items():
+                walk(item, f"{path}[{key!r}]")
+        elif type(obj).__module__.startswith("qerl.rollout.native"):
+            for name, item in vars(obj).items():
+                walk(item, f"{path}.{name}")
+
+    walk(decoder, "decoder")
+    return found
+
+
+@ARCHITECTURES
+def test_what_a_kept_graph_reads_stays_where_it_was_captured(arch):
+    """A kept decode graph replays on the addresses it captured (keep_between_rounds; the CPU runs the step eagerly,
+    so this is what holds the GPU's replays to the current policy): every tensor the decoder reads keeps its
+    storage through what happens between rounds: the adapter and norms moving in place (an optimizer step),
+    Decoder.refresh, one round's AQN noise on the engine's holders (per-head norms included) and its undo, and
+    lay_out_head_norms."""
+    model, _ = _policy(**arch)
+    decoder = Decoder(model)
+    decoder.refresh()
+    decoder.ensure_positions(64)
+    decoder.lay_out_head_norms()
+    before = _addresses(decoder)
+    assert any(".lora_a" in path for path in before) and any("cos[" in path for path in before)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    decoder.refresh()
+    noise = aqn.RoundNoise(seed=3, include_final=True, dtype_rule="fp32", include_head_norms=bool(arch))
+    with noise.of_round(decoder.norms, 1e-2, (1, 0), fp32_compute=False):
+        decoder.lay_out_head_norms()
+        assert _addresses(decoder) == before
+    decoder.ensure_positions(64)
+    assert _addresses(decoder) == before

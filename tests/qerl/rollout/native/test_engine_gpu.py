@@ -253,21 +253,40 @@ def _train_a_little(model) -> None:
                 p.add_(torch.randn_like(p) * 0.05)
 
 
-@pytest.mark.parametrize("precision", ["nvfp4", "bf16"])
-def test_a_kept_graph_replays_the_current_adapter_and_norms(precision):
+@pytest.mark.parametrize(
+    "precision,kv_dtype,compact", [("nvfp4", "auto", False), ("bf16", "auto", False), ("nvfp4", "fp8", True)]
+)
+def test_a_kept_graph_replays_the_current_adapter_and_norms(precision, kv_dtype, compact):
     """keep_between_rounds on the GPU: rounds 2 and 3 replay round 1's captured step on its cache, while between
-    rounds the adapter and norms change in place and Decoder.refresh writes them into the engine's buffers. Greedy:
-    each round's tokens and log-probs equal those of a new keeping engine (the same capacity, so the same kernels)
-    that captures afresh. Sampled: every log-prob stays within the engine's bounds of the changed policy's own
-    forward (a graph that read the round before's weights would be far off). Not run on a GPU yet."""
+    rounds the adapter and norms change in place and Decoder.refresh writes them into the engine's buffers (with
+    live-row compaction too: rows end at different steps, smaller steps are captured in the kept graph's pool, and
+    rows move inside the kept cache). Greedy: each round's tokens and log-probs equal those of a new keeping engine
+    (the same capacity, so the same kernels) that captures afresh. Sampled: every log-prob up to EOS stays within the
+    engine's bounds of the changed policy's own forward (a graph that read the round before's weights would be far
+    off). Not run on a GPU yet."""
     model, tokenizer = _policy(precision)
     decoder = Decoder(model)
+    decoder.refresh()
     greedy = Sampler(GenerationConfig(do_sample=False))
     sampled = Sampler(GenerationConfig(do_sample=True, temperature=1.0))
-    kept_greedy = NativeEngine(decoder, greedy, [-1], 0, keep_between_rounds=True)
-    kept_sampled = NativeEngine(decoder, sampled, [-1], 0, keep_between_rounds=True)
     lengths = (37, 5, 120, 64, 1, 90, 33, 7)
-    mean_bound, max_bound = LOGPROB_BOUNDS["auto"]
+    eos = [-1]
+    if compact:  # a few of a free run's tokens become EOS, so that rows end at different steps
+        free, _ = NativeEngine(decoder, greedy, [-1], 0, kv_cache_dtype=kv_dtype).generate(
+            _prompts(len(tokenizer), lengths=lengths), 48
+        )
+        eos = sorted({free[row][step] for row, step in ((0, 3), (2, 9), (4, 20), (6, 33))})
+
+    def keeping(sampler):
+        engine = NativeEngine(
+            decoder, sampler, eos, 0, kv_cache_dtype=kv_dtype, compact_rows=compact, row_multiple=2,
+            keep_between_rounds=True,
+        )  # fmt: skip
+        engine.sync_every = 4
+        return engine
+
+    kept_greedy, kept_sampled = keeping(greedy), keeping(sampled)
+    mean_bound, max_bound = LOGPROB_BOUNDS[kv_dtype]
     for round_index in range(3):
         if round_index:
             _train_a_little(model)
@@ -275,8 +294,8 @@ def test_a_kept_graph_replays_the_current_adapter_and_norms(precision):
         prompts = _prompts(len(tokenizer), lengths=lengths[round_index:] + (9,) * round_index)  # 8 rows each round
         out = kept_greedy.generate(prompts, 48)
         assert kept_greedy.last_kept_wave_reused == (round_index > 0)
-        assert out == NativeEngine(decoder, greedy, [-1], 0, keep_between_rounds=True).generate(prompts, 48)
-        ids, logprobs = kept_sampled.generate(prompts, 48)
+        assert out == keeping(greedy).generate(prompts, 48)
+        sampled_out = truncate_at_eos(*kept_sampled.generate(prompts, 48), eos)
         assert kept_sampled.last_kept_wave_reused == (round_index > 0)
-        diffs = _policy_differences(model, prompts, ids, logprobs)
+        diffs = _policy_differences(model, prompts, sampled_out.completion_ids, sampled_out.logprobs)
         assert diffs.mean() < mean_bound and diffs.max() < max_bound
