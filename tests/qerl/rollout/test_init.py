@@ -30,6 +30,18 @@ def test_auto_backend_on_a_machine_without_vllm_is_transformers(monkeypatch):
         rollout.resolve_backend("sglang")
 
 
+def _setup(model, tokenizer, device, **settings):
+    """A rollout setup of `model` that samples 4 tokens."""
+    return rollout.RolloutSetup(
+        generation_config=GenerationConfig(do_sample=True, max_new_tokens=4),
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        open_policy=lambda: contextlib.nullcontext(model),
+        device=device,
+        **settings,
+    )
+
+
 def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monkeypatch, caplog):
     from qerl import rollout
 
@@ -43,13 +55,7 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
     monkeypatch.setattr(rollout, "vllm_available", lambda: False)
     model, tokenizer = build_tiny(num_layers=1)
     model.config.hidden_act = "gelu"
-    setup = rollout.RolloutSetup(
-        generation_config=GenerationConfig(do_sample=True, max_new_tokens=4),
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        open_policy=lambda: contextlib.nullcontext(model),
-        device=torch.device("cuda"),
-    )
+    setup = _setup(model, tokenizer, torch.device("cuda"))
     with caplog.at_level(logging.WARNING):
         assert rollout.create_backend("auto", setup).name == "transformers"
     reason = "the native engine cannot run Qwen2ForCausalLM: hidden_act 'gelu'; the engine's MLP gates are silu"
@@ -75,14 +81,8 @@ def test_keeping_rounds_refuses_a_sharded_policy_in_one_line():
 
     model, tokenizer = build_tiny(num_layers=1)
     quantize_model(model)
-    setup = rollout.RolloutSetup(
-        generation_config=GenerationConfig(do_sample=True, max_new_tokens=4),
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        open_policy=lambda: contextlib.nullcontext(model),
-        device=torch.device("cpu"),
-        sharding="fsdp2",
-        native=rollout.NativeSettings(keep_between_rounds=True),
+    setup = _setup(
+        model, tokenizer, torch.device("cpu"), sharding="fsdp2", native=rollout.NativeSettings(keep_between_rounds=True)
     )
     with pytest.raises(UsageError, match=r"^rollout_keep_between_rounds: the policy is sharded \(fsdp2\)"):
         rollout.create_backend("native", setup)
