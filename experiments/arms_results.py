@@ -114,6 +114,19 @@ def gpu_name(gpu: int | None) -> str:
     return out.stdout.strip() or "unknown GPU"
 
 
+def software_versions() -> dict[str, str]:
+    """The versions of the libraries a figure depends on, as installed (those missing left out)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("torch", "transformers", "trl", "accelerate", "peft", "deepspeed", "vllm"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
 def current_commit() -> str:
     """The commit the runs are made from: QERL_COMMIT where the tree is a copy without .git (the GPU machine)."""
     if os.environ.get("QERL_COMMIT"):
@@ -134,6 +147,7 @@ def base_record(args, device: str, commit: str, program: str, argv: list[str] | 
         "name": args.name or args.bf16.rstrip("/").rsplit("/", 1)[-1],
         "card": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
         "commit": commit,
+        "software": software_versions(),
         "command": f"python -m {program} " + " ".join(sys.argv[1:] if argv is None else argv),
         "data": args.data,
         "dtype": args.dtype,

@@ -19,7 +19,15 @@ from pathlib import Path
 
 from benchmarks import launch
 from benchmarks.launch import REPO, run_or_raise
-from experiments.arms_results import OTHER_BASE, current_commit, gpu_name, record_path, run_record, write_record
+from experiments.arms_results import (
+    OTHER_BASE,
+    current_commit,
+    gpu_name,
+    record_path,
+    run_record,
+    software_versions,
+    write_record,
+)
 
 # arm -> (base checkpoint, AQN on). bf16_lora_aqn is the ablation the reference's users asked for (NVlabs/QeRL#11):
 # AQN's noise without the quantization it is meant to extend. nvfp4_gptq_lora trains on the NVFP4 base GPTQ rounded
@@ -232,6 +240,7 @@ def experiment_setting(args, steps: int) -> dict:
         "sharing": sharing,
         "runs_per_gpu": args.per_gpu if args.gpu_ids else None,
         "commit": current_commit(),
+        "software": software_versions(),
     }
 
 

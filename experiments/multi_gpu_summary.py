@@ -11,18 +11,7 @@ import tarfile
 from pathlib import Path
 
 from experiments import resume_check
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("torch", "transformers", "trl", "accelerate", "peft", "deepspeed"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    return found
+from experiments.arms_results import software_versions
 
 
 def load_results(out: Path) -> dict[str, dict]:
@@ -121,7 +110,7 @@ def summarize(args) -> str:
     out = Path(args.out)
     results = load_results(out)
     devices = sorted({r["device"] for r in results.values() if r.get("device")})
-    v = versions()
+    v = software_versions()
     text = [
         f"Machine: {args.gpus} x {', '.join(devices) or '?'}; " + ", ".join(f"{k} {x}" for k, x in v.items()),
         f"Command: python -m experiments.multi_gpu_suite run --out {args.out}"
