@@ -80,6 +80,13 @@ def markdown(result: dict) -> str:
             "(masked by DAPO: no gradient left to leave that state)."
         )
     lines += ["", *_comparison_table(result["comparisons"])]
+    lines += [
+        "",
+        "The same accuracy comparisons paired by seed (a seed trains both arms on the same prompts in the same order; "
+        "a secondary endpoint, fixed after seeds 20-24 of the fixed recipe, before any later seed):",
+        "",
+        *_comparison_table(result["paired_by_seed"]),
+    ]
     second = result["without_stuck"]
     lines += [
         "",

@@ -23,7 +23,7 @@ from experiments.arms_results import (
     write_report,
 )
 from experiments.arms_runs import ARMS, LORA_ARMS, PROTOCOLS, recipe_sha256
-from experiments.arms_stats import fisher_exact, mean_interval, variance_ratio, welch
+from experiments.arms_stats import fisher_exact, mean_interval, paired, variance_ratio, welch
 from qerl import plotting
 
 # Fixed before the runs (issue 42): (arm a, arm b, what a - b answers). The first is QeRL's claim.
@@ -188,6 +188,20 @@ def comparisons(
     return out
 
 
+def paired_by_seed(runs: list[dict], measures: dict) -> list[dict]:
+    """Each fixed comparison's greedy accuracy over the seeds both arms ran, the difference paired by seed (a seed
+    gives both arms the same prompts in the same order) with its t interval and TOST at +-MARGIN: a secondary
+    endpoint beside Welch's, added on 2026-11-29 after seeds 20-24 of the fixed recipe and before any later seed."""
+    out = []
+    for a, b, question in compared(runs):
+        accuracy = {arm: {r["seed"]: measures[r["name"]]["greedy"] for r in runs if r["arm"] == arm} for arm in (a, b)}
+        seeds = sorted(s for s in set(accuracy[a]) & set(accuracy[b]) if None not in (accuracy[a][s], accuracy[b][s]))
+        diff = paired([accuracy[a][s] - accuracy[b][s] for s in seeds], MARGIN)
+        out.append({"a": a, "b": b, "question": question, "measure": "greedy", "seeds": seeds,
+                    **(diff.as_dict() if diff else {})})  # fmt: skip
+    return out
+
+
 def without_stuck(runs: list[dict], measures: dict) -> dict:
     """Chosen after the runs, not before (so a second look, not the fixed test): the accuracy comparisons over the
     runs that did not get stuck at the length cap, and whether the arms got stuck at different rates (Fisher)."""
@@ -296,6 +310,7 @@ def report(args) -> dict:
         "reward_level": measures.get("_level"),
         "arms": arm_table(runs, measures),
         "comparisons": comparisons(runs, measures),
+        "paired_by_seed": paired_by_seed(runs, measures),
         "without_stuck": without_stuck(runs, measures),
         "base_split": base_split(runs, measures),
         "settings": setting_effects(same_experiment, measures, chosen["sharing"]),

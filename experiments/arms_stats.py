@@ -1,6 +1,7 @@
 """The statistics of experiments.arms, over seeds: a mean's 95% t interval, the difference of two arms' means with
-its Welch 95% interval, equivalence within a margin by two one-sided tests (TOST), the F test of two spreads and
-Fisher's exact test of two counts. The distributions come from scipy.
+its Welch 95% interval (or, over the seeds both arms ran, the mean of their paired differences with its t interval),
+equivalence within a margin by two one-sided tests (TOST), the F test of two spreads and Fisher's exact test of two
+counts. The distributions come from scipy.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Difference:
-    """mean(a) - mean(b) over seeds, Welch's way (the arms' spreads need not be equal)."""
+    """mean(a) - mean(b) over seeds: Welch's way (the arms' spreads need not be equal), or paired by seed."""
 
     n_a: int
     n_b: int
@@ -55,17 +56,30 @@ def welch(a: list[float], b: list[float], margin: float | None = None) -> Differ
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     if va + vb == 0:
         return None
-    se = math.sqrt(va + vb)
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    return _t_difference(len(a), len(b), statistics.fmean(a) - statistics.fmean(b), math.sqrt(va + vb), df, margin)
+
+
+def paired(differences: list[float], margin: float | None = None) -> Difference | None:
+    """The mean of per-seed differences a - b (a seed trains both arms on the same prompts in the same order, so
+    what the prompts do to a run cancels) with its 95% t interval (n - 1 degrees of freedom), two-sided p and, with
+    a margin, the TOST p. None under two pairs, or when the differences do not vary."""
+    if len(differences) < 2 or statistics.stdev(differences) == 0:
+        return None
+    n = len(differences)
+    se = statistics.stdev(differences) / math.sqrt(n)
+    return _t_difference(n, n, statistics.fmean(differences), se, n - 1, margin)
+
+
+def _t_difference(n_a: int, n_b: int, difference: float, se: float, df: float, margin: float | None) -> Difference:
     t = _t()
-    difference = statistics.fmean(a) - statistics.fmean(b)
     half = float(t.ppf(0.975, df)) * se
     p = float(2 * t.sf(abs(difference) / se, df))
     p_equivalent = None
     if margin is not None:
         # H0: difference <= -margin (rejected for large t) and H0: difference >= +margin (rejected for small t).
         p_equivalent = float(max(t.sf((difference + margin) / se, df), t.cdf((difference - margin) / se, df)))
-    return Difference(len(a), len(b), difference, difference - half, difference + half, df, p, margin, p_equivalent)
+    return Difference(n_a, n_b, difference, difference - half, difference + half, df, p, margin, p_equivalent)
 
 
 def variance_ratio(a: list[float], b: list[float]) -> tuple[float, float] | None:

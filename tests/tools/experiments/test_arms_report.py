@@ -63,6 +63,12 @@ def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
     assert not [c for c in result["comparisons"] if "nvfp4_gptq_lora" in (c["a"], c["b"])]  # an arm that never ran
     reference = stats.ttest_ind([0.61, 0.60, 0.62], [0.60, 0.62, 0.64], equal_var=False)
     assert first["difference"] == pytest.approx(-0.01) and first["p"] == pytest.approx(reference.pvalue)
+    # Paired by seed (the same seeds' accuracies): scipy's related-samples test.
+    paired = result["paired_by_seed"][0]
+    assert (paired["a"], paired["b"], paired["seeds"]) == ("nvfp4_lora_aqn", "bf16_lora", [0, 1, 2])
+    related = stats.ttest_rel([0.61, 0.60, 0.62], [0.60, 0.62, 0.64])
+    assert paired["difference"] == pytest.approx(-0.01) and paired["p"] == pytest.approx(related.pvalue)
+    assert "difference" not in next(c for c in result["paired_by_seed"] if c["a"] == "bf16_lora_aqn")  # one seed
     # The second look leaves the stuck run out (its arm then has none) and compares the stuck counts.
     second = result["without_stuck"]
     assert second["left_out"] == ["bf16_lora_aqn-seed0"]

@@ -8,7 +8,7 @@ import statistics
 import pytest
 from scipy import stats
 
-from experiments.arms_stats import mean_interval, variance_ratio, welch
+from experiments.arms_stats import mean_interval, paired, variance_ratio, welch
 
 
 def _accuracies(rng, n, mean, sd):
@@ -39,6 +39,25 @@ def test_welch_is_scipys_unequal_variance_t_test(rng):
         assert (diff.low, diff.high) == (pytest.approx(interval.low), pytest.approx(interval.high))
         assert diff.p == pytest.approx(reference.pvalue) and diff.df == pytest.approx(reference.df)
     assert welch([0.5], [0.4, 0.6]) is None and welch([0.5, 0.5], [0.6, 0.6]) is None
+
+
+def test_paired_is_scipys_related_samples_t_test(rng):
+    """Two arms' accuracies sharing a per-seed effect (the seed's prompts): the paired difference's interval and p
+    are scipy's ttest_rel's, its TOST agrees with the 90% interval, and pairing removes the shared effect that
+    Welch's interval carries."""
+    for n in (3, 5, 12):
+        shared = _accuracies(rng, n, 0.0, 0.03)
+        a = [s + x for s, x in zip(shared, _accuracies(rng, n, 0.60, 0.005), strict=True)]
+        b = [s + x for s, x in zip(shared, _accuracies(rng, n, 0.62, 0.005), strict=True)]
+        diff = paired([x - y for x, y in zip(a, b, strict=True)], margin=0.02)
+        reference = stats.ttest_rel(a, b)
+        interval = reference.confidence_interval(0.95)
+        assert (diff.low, diff.high) == (pytest.approx(interval.low), pytest.approx(interval.high))
+        assert diff.p == pytest.approx(reference.pvalue) and diff.df == n - 1 and diff.n_a == diff.n_b == n
+        inside = stats.ttest_rel(a, b).confidence_interval(0.90)
+        assert diff.equivalent == (-0.02 < inside.low and inside.high < 0.02)
+        assert diff.high - diff.low < welch(a, b).high - welch(a, b).low
+    assert paired([0.01]) is None and paired([0.01, 0.01]) is None
 
 
 def test_tost_says_equivalent_exactly_when_the_90_interval_is_inside_the_margin(rng):
