@@ -7,6 +7,7 @@ Jobs, started in list order on the first free GPU (a job whose result file exist
 redoes only what was lost); a job whose inputs are still arriving waits for them on its GPU:
   kernels      benchmarks.probes.nvfp4_speed on the 0.5B and 1.5B layers (each GEMM at 1-64 rows against its bytes
                and cuBLAS), then probes.gemm small (the same GEMMs with the engine's LoRA, every CUDA config of a grid)
+  gptq         benchmarks.gptq_speed: GPTQ into NVFP4 of one decoder layer at the 1.5B's and 7B's shapes
   rollout      benchmarks.rollout, native engine, NVFP4 and BF16 at 0.5B, 1.5B, 3B, 7B, batch 8 and 64, 512 new
                tokens (the 1.5B with --profile: GPU time per kernel family)
   step-7b      benchmarks.step --profile on the random 7B (the default recipe, 2048 tokens): NVFP4 with and without
@@ -171,6 +172,7 @@ def jobs(args) -> list[Job]:
         bench_job(args, "kernels", [("kernels-small", ["-m", "benchmarks.probes.nvfp4_speed", "--models", "0.5B,1.5B",
                                                        "--no-large"]),
                                     (None, ["-m", "benchmarks.probes.gemm", "small"])]),
+        bench_job(args, "gptq", [("gptq", ["-m", "benchmarks.gptq_speed", "--sizes", "1.5b,7b"])]),
         bench_job(args, "rollout", rollout),
         bench_job(args, "step-7b", step_7b, site=True),
     ]  # fmt: skip
@@ -250,6 +252,12 @@ def summarize(args) -> str:
                         )
             elif "step_seconds" in value or "profile" in value:
                 text += step_lines(key, value)
+            elif "layer_seconds" in next(iter(value.get("sizes", {}).values()), {}):  # benchmarks.gptq_speed
+                text += [
+                    f"- {key} {size}: {s['layer_seconds']:.2f} s a layer, ~{s['model_seconds'] / 60:.1f} min a model, "
+                    f"{value['card']}"
+                    for size, s in value["sizes"].items()
+                ]
     kernels_log = out / "logs" / "kernels-1.log"
     if kernels_log.is_file():
         text += ["", "## probe_gemm small", ""]

@@ -16,14 +16,14 @@ def _args(tmp_path, gguf=None):
 
 def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
     without = [job.name for job in speed_suite.jobs(_args(tmp_path))]
-    assert without == ["kernels", "rollout", "step-7b", "gpu-tests", "vllm-rollout"]
+    assert without == ["kernels", "gptq", "rollout", "step-7b", "gpu-tests", "vllm-rollout"]
     with_gguf = [job.name for job in speed_suite.jobs(_args(tmp_path, gguf="/tmp/q15.gguf"))]
     assert with_gguf == [
-        "kernels", "rollout", "step-7b", "gpu-tests", "vllm-rollout", "real-prep", "real-nvfp4", "real-nvfp4-dense",
-        "real-bf16", "trl-baseline", "real-nvfp4-dense-compiled", "real-bf16-compiled", "real-nvfp4-dense-compact",
-        "real-bf16-compact", "real-nvfp4-dense-random-split", "real-bf16-random-split", "real-nvfp4-dense-kept",
-        "real-bf16-kept", "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32", "real-nvfp4-dense-resident",
-        "real-bf16-resident",
+        "kernels", "gptq", "rollout", "step-7b", "gpu-tests", "vllm-rollout", "real-prep", "real-nvfp4",
+        "real-nvfp4-dense", "real-bf16", "trl-baseline", "real-nvfp4-dense-compiled", "real-bf16-compiled",
+        "real-nvfp4-dense-compact", "real-bf16-compact", "real-nvfp4-dense-random-split", "real-bf16-random-split",
+        "real-nvfp4-dense-kept", "real-bf16-kept", "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32",
+        "real-nvfp4-dense-resident", "real-bf16-resident",
     ]  # fmt: skip
     prep = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == "real-prep")
     assert prep.gpus == 0 and prep.share == 3  # beside the others, on the last GPU
@@ -58,7 +58,10 @@ def test_summary_gives_medians_lengths_phases_and_failures(tmp_path):
     }
     (results / "real-nvfp4-dense.json").write_text(json.dumps({"real-nvfp4-dense": {"profile": profile}}))
     (results / "vllm-rollout.json").write_text(json.dumps({"error": "RuntimeError: no vLLM"}))
+    gptq = {"card": "NVIDIA H200", "sizes": {"1.5b": {"layer_seconds": 2.5, "model_seconds": 70.0, "passes": {}}}}
+    (results / "gptq.json").write_text(json.dumps({"gptq": gptq}))
     text = speed_suite.summarize(_args(tmp_path))
+    assert "- gptq 1.5b: 2.50 s a layer, ~1.2 min a model, NVIDIA H200" in text
     assert "- real-nvfp4-dense: median 3.50 s over 3 steps, NVIDIA H100 80GB HBM3" in text
     assert "longest completions 300-512 (median 450); dense-weight rounds 3" in text
     assert "phases (s/step): rollout 1.50, backward 0.90" in text
