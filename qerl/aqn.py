@@ -111,8 +111,8 @@ def noisy_norms(
     With the fp32 rule and `fp32_compute`, the perturbed norms also run in FP32 (FP32Compute) so that the noise
     survives until their output is rounded once; engines whose norms take an FP32 scale themselves (or whose
     forward runs in CUDA graphs, where hooks do not run) pass False. `include_head_norms` adds the per-head q/k
-    norms (Qwen3, Gemma-3) after the others (their draws unchanged); see QeRLConfig.aqn_head_norms. Yields
-    NoiseStats.
+    norms (Qwen3, Gemma-3), leaving the others' draws as they were (each norm's is its own); see
+    QeRLConfig.aqn_head_norms. Yields NoiseStats.
     """
     if dtype_rule not in DTYPE_RULES:
         raise ValueError(f"unknown AQN dtype rule {dtype_rule!r}; known: {', '.join(DTYPE_RULES)}")

@@ -41,11 +41,10 @@ def fused_siblings(module_name: str) -> tuple[str, ...]:
 def fused_groups(names) -> list[tuple[str, ...]]:
     """`names` (module names) grouped as they share a global scale (fused_siblings among `names`), in the order
     each group first appears."""
-    present = list(dict.fromkeys(names))
+    present = dict.fromkeys(names)  # in order, with set lookups
     groups = {}
     for name in present:
-        group = tuple(m for m in fused_siblings(name) if m in present) or (name,)
-        groups.setdefault(group, None)
+        groups.setdefault(tuple(m for m in fused_siblings(name) if m in present), None)
     return list(groups)
 
 
