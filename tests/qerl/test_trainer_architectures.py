@@ -7,24 +7,29 @@ from fakes import make_trainer, recipe_config
 
 from qerl import norms
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.tiny import save_tiny_checkpoints
+from qerl.tiny import build_tiny, save_tiny_checkpoints
+
+
+def _nvfp4_checkpoint(tmp_path, architecture: str) -> str:
+    """qerl.tiny's model of `architecture` (head_dim 32) saved and quantized by our quantizer: its NVFP4 folder."""
+    model, tokenizer = build_tiny(architecture=architecture, head_dim=32)
+    return save_tiny_checkpoints(str(tmp_path / architecture), model, tokenizer)[1]
+
+
+def _head_norms(model) -> dict:
+    """A copy of the per-head q/k norm scales, by parameter name."""
+    heads = ("q_norm.weight", "k_norm.weight")
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(heads)}
 
 
 def test_qwen3_nvfp4_dapo_steps_perturb_only_the_layer_norms(tmp_path):
     """A Qwen3 (per-head q/k norms, head_dim 32 on a hidden size of 64) quantized by our quantizer: DAPO steps at
     the recipe's rate with AQN. The noise goes on the two hidden-size norms per layer only (the paper's rule: noise
     that folds into the next projections' input channels); the per-head norms stay frozen and untouched."""
-    from qerl.tiny import build_tiny
-
-    model, tokenizer = build_tiny(architecture="qwen3", head_dim=32)
-    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "qwen3"), model, tokenizer)
+    nvfp4_dir = _nvfp4_checkpoint(tmp_path, "qwen3")
     trainer = make_trainer(nvfp4_dir, recipe_config(tmp_path, trainable_norms=True, max_steps=3, num_stages=3))
     policy_model = trainer.model
-    head_norms = {
-        n: p.detach().clone()
-        for n, p in policy_model.named_parameters()
-        if n.endswith(("q_norm.weight", "k_norm.weight"))
-    }
+    head_norms = _head_norms(policy_model)
     assert len(head_norms) == 4 and not any(policy_model.get_parameter(n).requires_grad for n in head_norms)
     sites = norms.find_norms(policy_model)
     assert (
@@ -41,10 +46,7 @@ def test_qwen3_nvfp4_dapo_steps_perturb_only_the_layer_norms(tmp_path):
 def test_aqn_head_norms_perturbs_qwen3s_per_head_norms_in_rollout_and_shift_forward(tmp_path):
     """aqn_head_norms: the round's noise covers the per-head q/k norms too (2 layer norms + 2 head norms per layer),
     on the native engine and in the training forward that measures AQN's shift; the clean norms come back."""
-    from qerl.tiny import build_tiny
-
-    model, tokenizer = build_tiny(architecture="qwen3", head_dim=32)
-    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "qwen3"), model, tokenizer)
+    nvfp4_dir = _nvfp4_checkpoint(tmp_path, "qwen3")
     args = recipe_config(
         tmp_path,
         max_steps=2,
@@ -56,11 +58,7 @@ def test_aqn_head_norms_perturbs_qwen3s_per_head_norms_in_rollout_and_shift_forw
         aqn_log_shift=True,
     )
     trainer = make_trainer(nvfp4_dir, args)
-    head_norms = {
-        n: p.detach().clone()
-        for n, p in trainer.model.named_parameters()
-        if n.endswith(("q_norm.weight", "k_norm.weight"))
-    }
+    head_norms = _head_norms(trainer.model)
     trainer.train()
     assert trainer.last_noise.sigma > 0 and trainer.last_noise.num_norms == 8
     assert any(h["aqn/logprob_shift"] > 0 for h in trainer.state.log_history if "aqn/logprob_shift" in h)
@@ -73,10 +71,7 @@ def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
     w of the four hidden-size norms per layer (w + Z scales by 1 + w + Z, the same shift), reaches the engine's
     scales at every noisy round, and leaves the per-head norms alone. (Live-row compaction and the wave kept between
     rounds on: the flags reach the engine, and the last round replays the round before's wave.)"""
-    from qerl.tiny import build_tiny
-
-    model, tokenizer = build_tiny(architecture="gemma3", head_dim=32)
-    _, nvfp4_dir = save_tiny_checkpoints(str(tmp_path / "gemma3"), model, tokenizer)
+    nvfp4_dir = _nvfp4_checkpoint(tmp_path, "gemma3")
     args = recipe_config(
         tmp_path,
         trainable_norms=True,
@@ -100,11 +95,7 @@ def test_gemma3_nvfp4_dapo_steps_on_the_native_engine_with_aqn(tmp_path):
         "post_feedforward_layernorm",
         "pre_feedforward_layernorm",
     ]
-    head_norms = {
-        n: p.detach().clone()
-        for n, p in policy_model.named_parameters()
-        if n.endswith(("q_norm.weight", "k_norm.weight"))
-    }
+    head_norms = _head_norms(policy_model)
     engine_noise, perturb_of = [], trainer.rollout.generate
 
     def watched(prompt_ids, perturb):
