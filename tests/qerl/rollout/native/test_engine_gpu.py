@@ -261,9 +261,11 @@ def test_a_kept_graph_replays_the_current_adapter_and_norms(precision, kv_dtype,
     rounds the adapter and norms change in place and Decoder.refresh writes them into the engine's buffers (with
     live-row compaction too: rows end at different steps, smaller steps are captured in the kept graph's pool, and
     rows move inside the kept cache). Greedy: each round's tokens and log-probs equal those of a new keeping engine
-    (the same capacity, so the same kernels) that captures afresh. Sampled: every log-prob up to EOS stays within the
-    engine's bounds of the changed policy's own forward (a graph that read the round before's weights would be far
-    off). Not run on a GPU yet."""
+    (the same capacity, so the same kernels) that captures afresh. Sampled: the log-probs up to EOS differ from the
+    changed policy's own forward no more than a new engine's do (twice its mean at most; no bound on the max, which
+    one token decides). The trained-a-little policy is sharper than round 1's, so both sit above LOGPROB_BOUNDS:
+    measured on an H200 (BF16 KV, rounds 2-3), kept 0.015-0.026 and a new engine 0.016-0.026 (FP8 KV with compaction:
+    kept 0.076, new 0.087, max 0.69), while the round before's weights (the buffers before refresh) give 0.50-0.52."""
     model, tokenizer = _policy(precision)
     decoder = Decoder(model)
     decoder.refresh()
@@ -285,8 +287,11 @@ def test_a_kept_graph_replays_the_current_adapter_and_norms(precision, kv_dtype,
         engine.sync_every = 4
         return engine
 
+    def sampled_differences(engine, prompts):
+        out = truncate_at_eos(*engine.generate(prompts, 48), eos)
+        return _policy_differences(model, prompts, out.completion_ids, out.logprobs)
+
     kept_greedy, kept_sampled = keeping(greedy), keeping(sampled)
-    mean_bound, max_bound = LOGPROB_BOUNDS[kv_dtype]
     for round_index in range(3):
         if round_index:
             _train_a_little(model)
@@ -295,7 +300,7 @@ def test_a_kept_graph_replays_the_current_adapter_and_norms(precision, kv_dtype,
         out = kept_greedy.generate(prompts, 48)
         assert kept_greedy.last_kept_wave_reused == (round_index > 0)
         assert out == keeping(greedy).generate(prompts, 48)
-        sampled_out = truncate_at_eos(*kept_sampled.generate(prompts, 48), eos)
+        diffs = sampled_differences(kept_sampled, prompts)
         assert kept_sampled.last_kept_wave_reused == (round_index > 0)
-        diffs = _policy_differences(model, prompts, sampled_out.completion_ids, sampled_out.logprobs)
-        assert diffs.mean() < mean_bound and diffs.max() < max_bound
+        fresh = NativeEngine(decoder, sampled, eos, 0, kv_cache_dtype=kv_dtype, compact_rows=compact, row_multiple=2)
+        assert diffs.mean() < 2 * sampled_differences(fresh, prompts).mean()
