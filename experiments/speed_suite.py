@@ -44,30 +44,31 @@ SIZES = ("1.5b", "7b", "3b", "0.5b")  # the recipe's size first: a job's later c
 KEPT = ["--gradient-checkpointing", "false"]
 MICRO_BATCH_32 = ["--per-device-train-batch-size", "32", "--gradient-accumulation-steps", "2"]
 RESIDENT = ["--rollout-keep-between-rounds", "true"]
-# name: (NVFP4 or BF16 checkpoint, qerl.train flags) of the real-model step runs
+# name: (NVFP4 or BF16 checkpoint, qerl.train flags) of the real-model step runs, in the order one GPU runs them: the
+# plain pair, then the newest variants first (a lease that ends early loses the oldest questions)
 REAL_RUNS = {
     "real-nvfp4": ("nvfp4", ["--dense-training-weights", "false"]),
     "real-nvfp4-dense": ("nvfp4", ["--dense-training-weights", "true"]),
     "real-bf16": ("bf16", []),
-    "real-nvfp4-dense-compiled": ("nvfp4", ["--dense-training-weights", "true", "--compile-layers", "true"]),
-    "real-bf16-compiled": ("bf16", ["--compile-layers", "true"]),
-    "real-nvfp4-dense-compact": ("nvfp4", ["--dense-training-weights", "true", "--rollout-compact-rows", "true"]),
-    "real-bf16-compact": ("bf16", ["--rollout-compact-rows", "true"]),
-    # TRL's random split into micro-batches, the training passes' layout before qerl/micro_batches.py
-    "real-nvfp4-dense-random-split": (
-        "nvfp4",
-        ["--dense-training-weights", "true", "--group-micro-batches-by-length", "false"],
-    ),  # fmt: skip
-    "real-bf16-random-split": ("bf16", ["--group-micro-batches-by-length", "false"]),
+    # The rollout's KV cache and captured decode step kept from one round to the next, not allocated and captured anew
+    "real-nvfp4-dense-resident": ("nvfp4", ["--dense-training-weights", "true", *RESIDENT]),
+    "real-bf16-resident": ("bf16", RESIDENT),
     # Activations kept instead of recomputed in the backward (the recipe checkpoints them so that several runs share
     # a GPU); then the same with micro-batches of 32, half the passes' launches
     "real-nvfp4-dense-kept": ("nvfp4", ["--dense-training-weights", "true", *KEPT]),
     "real-bf16-kept": ("bf16", KEPT),
     "real-nvfp4-dense-kept-mb32": ("nvfp4", ["--dense-training-weights", "true", *KEPT, *MICRO_BATCH_32]),
     "real-bf16-kept-mb32": ("bf16", [*KEPT, *MICRO_BATCH_32]),
-    # The rollout's KV cache and captured decode step kept from one round to the next, not allocated and captured anew
-    "real-nvfp4-dense-resident": ("nvfp4", ["--dense-training-weights", "true", *RESIDENT]),
-    "real-bf16-resident": ("bf16", RESIDENT),
+    # TRL's random split into micro-batches, the training passes' layout before qerl/micro_batches.py
+    "real-nvfp4-dense-random-split": (
+        "nvfp4",
+        ["--dense-training-weights", "true", "--group-micro-batches-by-length", "false"],
+    ),  # fmt: skip
+    "real-bf16-random-split": ("bf16", ["--group-micro-batches-by-length", "false"]),
+    "real-nvfp4-dense-compact": ("nvfp4", ["--dense-training-weights", "true", "--rollout-compact-rows", "true"]),
+    "real-bf16-compact": ("bf16", ["--rollout-compact-rows", "true"]),
+    "real-nvfp4-dense-compiled": ("nvfp4", ["--dense-training-weights", "true", "--compile-layers", "true"]),
+    "real-bf16-compiled": ("bf16", ["--compile-layers", "true"]),
 }
 
 
