@@ -5,7 +5,7 @@ forwards left out).
 
     python -m benchmarks.gptq_speed --sizes 1.5b,7b --repeats 3 --out runs/gptq_speed.json
 
-GPTQ rounds one input column at a time with a few small kernels each (13,500 columns a 1.5B layer), so it runs at the
+GPTQ rounds one input column at a time with seven small kernels each (13,568 columns a 1.5B layer), so it runs at the
 host's launch rate when the host queues ahead of the GPU; a wait for the GPU inside the column loop shows here.
 """
 

@@ -46,15 +46,6 @@ class InputMoments:
         return 2 * self.sum / self.rows
 
 
-def _round_column(
-    w: torch.Tensor, effective: torch.Tensor, code_values: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E2M1 codes, their values) of column w [N] FP32 under its groups' effective scales [N]; `code_values`:
-    codec.FP4_CODE_VALUES on w's device."""
-    codes = codec.round_to_codes(w / effective)
-    return codes, code_values[codes.long()] * effective
-
-
 @torch.no_grad()
 def gptq_weight(
     weight: torch.Tensor, h: torch.Tensor, global_scale: torch.Tensor, name: str = "weight"
@@ -74,13 +65,13 @@ def gptq_weight(
     h_inv = torch.linalg.cholesky(torch.cholesky_solve(identity, torch.linalg.cholesky(h)), upper=True)
     codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     scales = torch.empty(n, k // codec.GROUP_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
-    # Copied once: a copy from host memory per column would wait for the GPU each time, and the column loop is a
-    # stream of small kernels that only keeps the GPU busy while the host queues ahead of it.
-    code_values = codec.FP4_CODE_VALUES.to(w.device)
+    # The column loop is a stream of small kernels that keeps the GPU busy only while the host queues ahead of it:
+    # seven a column, nothing that waits for the GPU, the codes of a whole block at its end.
     for start in range(0, k, BLOCK):
         end = min(start + BLOCK, k)
         block, inv = w[:, start:end], h_inv[start:end, start:end]
-        errors = torch.empty_like(block)
+        scaled = torch.empty(end - start, n, device=w.device)  # each column over its scales, a row each
+        errors = torch.empty(end - start, n, device=w.device)
         for i in range(end - start):
             column = start + i
             if column % codec.GROUP_SIZE == 0:
@@ -89,10 +80,11 @@ def gptq_weight(
                 group_weights = block[:, i : i + codec.GROUP_SIZE].to(weight.dtype)
                 scales[:, group : group + 1] = codec.compute_group_scales(group_weights, global_scale)
                 effective = scales[:, group].float() / global_scale
-            codes[:, column], rounded = _round_column(block[:, i], effective, code_values)
-            errors[:, i] = (block[:, i] - rounded) / inv[i, i]
-            block[:, i:] -= errors[:, i : i + 1] * inv[i : i + 1, i:]
-        w[:, end:] -= errors @ h_inv[start:end, end:]
+            x = torch.div(block[:, i], effective, out=scaled[i])
+            torch.div(block[:, i] - codec.round_to_values(x) * effective, inv[i, i], out=errors[i])
+            block[:, i:].addr_(errors[i], inv[i, i:], alpha=-1)
+        codes[:, start:end] = codec.round_to_codes(scaled).T
+        w[:, end:] -= errors.T @ h_inv[start:end, end:]
     return codec.NVFP4Weight(codec.pack_codes(codes), scales, global_scale)
 
 

@@ -82,6 +82,18 @@ def test_ties_round_half_to_even():
     assert codes[-2] == 8 and codes[-1] == 0  # small negative -> -0 (code 8); exact -0.0 -> +0
 
 
+def test_round_to_values_is_the_value_of_round_to_codes(seed):
+    """GPTQ's two-kernel rounding against the codes: on every bound of the buckets and the FP32 values next to it
+    (where ties go to the even mantissa, both signs), saturation, and random values at three scales."""
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    inf = torch.tensor(float("inf"))
+    near = torch.cat([bounds, torch.nextafter(bounds, inf), torch.nextafter(bounds, -inf)])
+    edges = torch.tensor([0.0, 7.0, 1e30, float("inf")])
+    x = torch.cat([near, -near, edges, -edges, *(torch.randn(4096) * scale for scale in (0.5, 3.0, 10.0))])
+    expected = codec.FP4_CODE_VALUES[codec.round_to_codes(x).long()]
+    assert torch.equal(codec.round_to_values(x), expected)  # torch.equal: -0.0 == 0.0, the sign of a zero aside
+
+
 def test_pack_unpack_round_trip(seed):
     codes = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
     packed = codec.pack_codes(codes)
