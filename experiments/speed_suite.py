@@ -14,10 +14,10 @@ redoes only what was lost); a job whose inputs are still arriving waits for them
                the dense training weights, BF16                                                          (needs --site)
   real-prep    the GGUF converted to BF16 and quantized to NVFP4, beside another job          (needs --site, --gguf)
   real-*       benchmarks.step --profile on the real Qwen2.5-Coder-1.5B-Instruct, its recipe as written, --steps
-               steps: NVFP4 without / with the dense training weights, BF16, both compiled (--compile-layers),
-               both with live-row compaction (--rollout-compact-rows), both with TRL's random micro-batches, both
-               with activations kept (-kept, -kept-mb32), and both with the KV cache and decode graph kept between
-               rounds (-resident)
+               steps: NVFP4 without / with the dense training weights, BF16, both with every option below at once
+               (-combined), both compiled (--compile-layers), both with live-row compaction
+               (--rollout-compact-rows), both with TRL's random micro-batches, both with activations kept (-kept,
+               -kept-mb32), and both with the KV cache and decode graph kept between rounds (-resident)
   trl-baseline benchmarks.trl_baseline on the BF16 checkpoint, the same recipe and steps
   gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
   vllm-rollout benchmarks.rollout --rollout-backend vllm at 1.5B (vLLM's share from the free memory)  (needs --site)
@@ -44,12 +44,18 @@ SIZES = ("1.5b", "7b", "3b", "0.5b")  # the recipe's size first: a job's later c
 KEPT = ["--gradient-checkpointing", "false"]
 MICRO_BATCH_32 = ["--per-device-train-batch-size", "32", "--gradient-accumulation-steps", "2"]
 RESIDENT = ["--rollout-keep-between-rounds", "true"]
+COMPACT = ["--rollout-compact-rows", "true"]
+COMPILED = ["--compile-layers", "true"]
+# Every speed option at once: the fastest step the code can take today, the figure issue 50's goal reads
+COMBINED = [*COMPACT, *RESIDENT, *KEPT, *COMPILED]
 # name: (NVFP4 or BF16 checkpoint, qerl.train flags) of the real-model step runs, in the order one GPU runs them: the
 # plain pair, then the newest variants first (a lease that ends early loses the oldest questions)
 REAL_RUNS = {
     "real-nvfp4": ("nvfp4", ["--dense-training-weights", "false"]),
     "real-nvfp4-dense": ("nvfp4", ["--dense-training-weights", "true"]),
     "real-bf16": ("bf16", []),
+    "real-nvfp4-dense-combined": ("nvfp4", ["--dense-training-weights", "true", *COMBINED]),
+    "real-bf16-combined": ("bf16", COMBINED),
     # The rollout's KV cache and captured decode step kept from one round to the next, not allocated and captured anew
     "real-nvfp4-dense-resident": ("nvfp4", ["--dense-training-weights", "true", *RESIDENT]),
     "real-bf16-resident": ("bf16", RESIDENT),
@@ -65,10 +71,10 @@ REAL_RUNS = {
         ["--dense-training-weights", "true", "--group-micro-batches-by-length", "false"],
     ),  # fmt: skip
     "real-bf16-random-split": ("bf16", ["--group-micro-batches-by-length", "false"]),
-    "real-nvfp4-dense-compact": ("nvfp4", ["--dense-training-weights", "true", "--rollout-compact-rows", "true"]),
-    "real-bf16-compact": ("bf16", ["--rollout-compact-rows", "true"]),
-    "real-nvfp4-dense-compiled": ("nvfp4", ["--dense-training-weights", "true", "--compile-layers", "true"]),
-    "real-bf16-compiled": ("bf16", ["--compile-layers", "true"]),
+    "real-nvfp4-dense-compact": ("nvfp4", ["--dense-training-weights", "true", *COMPACT]),
+    "real-bf16-compact": ("bf16", COMPACT),
+    "real-nvfp4-dense-compiled": ("nvfp4", ["--dense-training-weights", "true", *COMPILED]),
+    "real-bf16-compiled": ("bf16", COMPILED),
 }
 
 

@@ -21,7 +21,8 @@ def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
     # the plain pair and TRL first, then the newest questions: a lease that ends early loses the oldest
     assert with_gguf == [
         "kernels", "gptq", "rollout", "step-7b", "gpu-tests", "vllm-rollout", "real-prep", "real-nvfp4",
-        "real-nvfp4-dense", "real-bf16", "trl-baseline", "real-nvfp4-dense-resident", "real-bf16-resident",
+        "real-nvfp4-dense", "real-bf16", "trl-baseline", "real-nvfp4-dense-combined", "real-bf16-combined",
+        "real-nvfp4-dense-resident", "real-bf16-resident",
         "real-nvfp4-dense-kept", "real-bf16-kept", "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32",
         "real-nvfp4-dense-random-split", "real-bf16-random-split", "real-nvfp4-dense-compact", "real-bf16-compact",
         "real-nvfp4-dense-compiled", "real-bf16-compiled",
