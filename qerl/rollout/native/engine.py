@@ -21,18 +21,21 @@ wave:
   5. frees the cache and the graph, so the trainer gets the memory back for its log-prob and backward passes; or,
      with `keep_between_rounds`, keeps them for the next round when it is one wave of as many sequences and as many
      new tokens (GRPO's rounds are): that round writes its prompts into the same cache and replays the same graph,
-     skipping an allocation and a capture (~0.1 s a round), at the cost of holding that memory through the training
-     passes (the cache, and the graphs' pool of the step's temporaries). Its capacity is rounded up to
-     KEPT_CAPACITY_MULTIPLE so that rounds whose longest prompts differ by a few tokens share it; one over twice
-     what a round needs is rebuilt. The graph reads the adapter, norm and noise buffers in place (Projection.refresh,
-     NormScales.refresh and AQN write into them), so a kept graph samples from the current policy.
+     skipping an allocation and a capture (~0.1 s a round), and so for each smaller step compaction reached (its rows
+     sit at the front of the same cache; a later round that compacts to that size copies its live rows into the
+     kept step's state and replays it: with compaction, up to 0.24 s of captures a step), at the cost of holding
+     that memory through the training passes (the cache, and the graphs' pool of the step's temporaries). Its
+     capacity is rounded up to KEPT_CAPACITY_MULTIPLE so that rounds whose longest prompts differ by a few tokens
+     share it; one over twice what a round needs is rebuilt. The graphs read the adapter, norm and noise buffers in
+     place (Projection.refresh, NormScales.refresh and AQN write into them), so a kept graph samples from the
+     current policy.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +88,7 @@ class NativeEngine:
         self.last_kept_wave_reused = False  # whether the last round replayed the round before's cache and graph
         self.last_waves = 0  # waves of the last round (for benchmarks and logs)
         self.last_compactions = 0  # ... and the times their live rows were compacted
+        self.last_step_builds = 0  # ... and the decode steps built (captured, with CUDA graphs) rather than kept
 
     # ------------------------------------------------------------------------------------------------ sizing
 
@@ -135,7 +139,7 @@ class NativeEngine:
         self.decoder.ensure_positions(capacity)
         self.decoder.lay_out_head_norms()
         ids, logprobs = [], []
-        self.last_waves = self.last_compactions = 0
+        self.last_waves = self.last_compactions = self.last_step_builds = 0
         self.last_kept_wave_reused = False
         for start in range(0, len(prompts), size):
             wave_ids, wave_lps = self._wave(prompts[start : start + size], max_new_tokens, keep_for_next)
@@ -171,7 +175,7 @@ class NativeEngine:
         if kept is None:
             state = DecodeState(first, first_logprob, lengths, max_new_tokens, self.pad_token_id)
         else:
-            state = kept.state
+            state = kept.steps[len(prompts)].state
             state.reset(first, first_logprob, lengths)
         self.last_kept_wave_reused = kept is not None
         state.done |= self._is_eos(first)
@@ -188,13 +192,16 @@ class NativeEngine:
         pool = kept.pool if kept else torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         t, steps = 0, max_new_tokens - 1
         while t < steps:
-            if kept is not None and rows is None:
-                run = kept.run
+            if kept is not None and len(state.tokens) in kept.steps:
+                run = kept.steps[len(state.tokens)].run
             else:
                 step = self._decode_step(state, cache)
                 run = self._capture(step, state, pool) if self.cuda_graphs else step
-                if keep_for_next and rows is None:
-                    self._kept = kept = KeptWave(cache, state, run, pool, max_new_tokens, d.cos)
+                self.last_step_builds += 1
+                if keep_for_next:
+                    if kept is None:
+                        self._kept = kept = KeptWave(cache, pool, max_new_tokens, d.cos)
+                    kept.steps[len(state.tokens)] = KeptStep(state, run)
             smaller = None
             while t < steps and smaller is None:
                 run()
@@ -210,7 +217,11 @@ class NativeEngine:
                 keep = keep.sort().values  # in wave order: each row moves to a lower index (kv_cache.keep_rows)
                 write_back()
                 rows = keep if rows is None else rows[keep]
-                cache, state = cache.keep_rows(keep), state.keep_rows(keep)
+                cache = cache.keep_rows(keep)  # a view at the front of the same memory: the same addresses
+                if kept is not None and smaller in kept.steps:  # a step of this size kept from an earlier round
+                    state = kept.steps[smaller].state.take_rows(state, keep)
+                else:
+                    state = state.keep_rows(keep)
                 self.last_compactions += 1
         write_back()
         return out_ids.tolist(), out_logprobs.tolist()  # the cache and graph go with this frame, unless kept
@@ -337,16 +348,30 @@ def _window_masks(windows: set[int], length: int, device) -> dict[int, torch.Ten
 
 
 @dataclass(eq=False)
-class KeptWave:
-    """A one-wave round's KV cache, decode state and captured decode step (NativeEngine.keep_between_rounds), for
-    the next round of as many sequences and new tokens: the graph replays on the same tensors, so they stay."""
+class KeptStep:
+    """A decode step of one batch size and the state it reads and advances (fixed addresses across replays)."""
 
-    cache: kv_cache.KVCache
     state: DecodeState
     run: Callable[[], None]  # the captured step's replay (the eager step without CUDA graphs)
+
+
+@dataclass(eq=False)
+class KeptWave:
+    """A one-wave round's KV cache and captured decode steps (NativeEngine.keep_between_rounds), for the next round
+    of as many sequences and new tokens: the graphs replay on the same tensors, so they stay. `steps` by batch size:
+    the wave's, and each smaller one live-row compaction reached (its rows are a view at the front of the same
+    cache, and a later round that compacts to that size copies its live rows into that step's state)."""
+
+    cache: kv_cache.KVCache
     pool: object  # the graphs' memory pool
     max_new_tokens: int
-    rope: list[torch.Tensor]  # the rotary tables the graph reads: longer ones replace them (ensure_positions)
+    rope: list[torch.Tensor]  # the rotary tables the graphs read: longer ones replace them (ensure_positions)
+    steps: dict[int, KeptStep] = field(default_factory=dict)
+
+    @property
+    def state(self) -> DecodeState:
+        """The whole wave's decode state."""
+        return self.steps[max(self.steps)].state
 
     def fits(self, batch: int, capacity: int, max_new_tokens: int, decoder: Decoder, kv_fp8: bool) -> bool:
         """Whether a wave of this shape can replay it. A cache over twice what the wave needs is not kept on: one
@@ -402,6 +427,14 @@ class DecodeState:
     def restore(self, saved) -> None:
         for t, s in zip((self.tokens, self.positions, self.done, self.step), saved, strict=True):
             t.copy_(s)
+
+    def take_rows(self, source: DecodeState, rows: torch.Tensor) -> DecodeState:
+        """`source`'s rows `rows` written into this state's tensors (as keep_rows gives them, at fixed addresses);
+        returns self."""
+        for name in ("tokens", "positions", "seq_lens", "done", "out_ids", "out_logprobs"):
+            torch.index_select(getattr(source, name), 0, rows, out=getattr(self, name))
+        self.step.copy_(source.step)
+        return self
 
     def keep_rows(self, rows: torch.Tensor) -> DecodeState:
         """The state of rows `rows` only (new tensors, numbered 0..len(rows)-1 in the cache: kv_cache.keep_rows)."""

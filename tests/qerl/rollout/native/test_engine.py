@@ -212,18 +212,23 @@ def test_a_kept_wave_gives_every_round_a_fresh_engines_tokens(compact, kv_cache_
         engine.compact_rows, engine.row_multiple, engine.sync_every = compact, 1, 2
         engine.keep_between_rounds = keep
         engine.decoder.refresh()
-    compactions = 0
+    compactions = compacted_steps_replayed = 0
     for seed, (lengths, new_tokens, reused) in enumerate(KEPT_ROUNDS):
         prompts = _round_prompts(tokenizer, lengths, seed)
         fresh_ids, fresh_lps = engines[False].generate(prompts, new_tokens)
         ids, lps = engines[True].generate(prompts, new_tokens)
         assert engines[True].last_kept_wave_reused == reused and not engines[False].last_kept_wave_reused
-        compactions += engines[True].last_compactions
+        kept = engines[True]
+        compactions += kept.last_compactions
+        # every step size a round runs is built once, unless kept from an earlier round: the wave's and compactions'
+        assert kept.last_step_builds <= 1 + kept.last_compactions
+        compacted_steps_replayed += 1 + kept.last_compactions - kept.last_step_builds - reused
         assert ids == fresh_ids
         fresh = truncate_at_eos(fresh_ids, fresh_lps, eos)
         for row, fresh_row in zip(truncate_at_eos(ids, lps, eos).logprobs, fresh.logprobs, strict=True):
             assert row == pytest.approx(fresh_row, abs=1e-5)
     assert compactions >= (2 if compact else 0)
+    assert compacted_steps_replayed >= (1 if compact else 0)  # a smaller step kept from a round before replayed
 
 
 def test_a_kept_wave_samples_each_round_from_its_own_prompts(seed):
