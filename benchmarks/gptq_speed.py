@@ -6,7 +6,8 @@ forwards left out).
     python -m benchmarks.gptq_speed --sizes 1.5b,7b --repeats 3 --out runs/gptq_speed.json
 
 GPTQ rounds one input column at a time with seven small kernels each (13,568 columns a 1.5B layer), so it runs at the
-host's launch rate when the host queues ahead of the GPU; a wait for the GPU inside the column loop shows here.
+host's launch rate when the host queues ahead of the GPU; a wait for the GPU inside the column loop shows here. On a
+GPU each pass is timed twice: the column loop eager, and replayed as a CUDA graph (gptq_weight(graph=True)).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def layer_passes(size: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def time_pass(rows: int, columns: int, repeats: int, device: str) -> list[float]:
-    """Seconds of gptq_weight on one [rows, columns] BF16 weight, `repeats` times (after one untimed warm-up)."""
+def time_pass(rows: int, columns: int, repeats: int, device: str, graph: bool = False) -> list[float]:
+    """Seconds of gptq_weight on one [rows, columns] BF16 weight, `repeats` times (after one untimed warm-up);
+    `graph`: its column loop replayed as a CUDA graph (captured inside every call, as a quantization does)."""
     import torch
 
     from qerl.nvfp4 import codec
@@ -49,7 +51,7 @@ def time_pass(rows: int, columns: int, repeats: int, device: str) -> list[float]
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
-        gptq_weight(weight, h, global_scale)
+        gptq_weight(weight, h, global_scale, graph=graph)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -63,19 +65,25 @@ def measure(sizes: list[str], repeats: int, device: str) -> dict:
 
     card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     result = {"card": card, "device": device, "repeats": repeats, "sizes": {}}
+    loops = ("eager", "graph") if device.startswith("cuda") else ("eager",)
     for size in sizes:
-        per_pass = {
-            name: {"rows": n, "columns": k, **spread(time_pass(n, k, repeats, device))}
-            for name, (n, k) in layer_passes(size).items()
-        }
-        layer = sum(p["median"] for p in per_pass.values())
         layers = QWEN25[size][2]
-        result["sizes"][size] = {"passes": per_pass, "layer_seconds": layer, "model_seconds": layer * layers}
-        print(
-            f"{size}: {layer:.2f} s a layer ("
-            + ", ".join(f"{name} {p['median']:.2f}" for name, p in per_pass.items())
-            + f"), ~{layer * layers / 60:.1f} min for {layers} layers  [{card}]"
-        )
+        for loop in loops:
+            per_pass = {
+                name: {"rows": n, "columns": k, **spread(time_pass(n, k, repeats, device, graph=loop == "graph"))}
+                for name, (n, k) in layer_passes(size).items()
+            }
+            layer = sum(p["median"] for p in per_pass.values())
+            timed = {"passes": per_pass, "layer_seconds": layer, "model_seconds": layer * layers}
+            if loop == "eager":  # the layout of the records before the graph existed
+                result["sizes"][size] = timed
+            else:
+                result["sizes"][size]["graph"] = timed
+            print(
+                f"{size}, {loop} column loop: {layer:.2f} s a layer ("
+                + ", ".join(f"{name} {p['median']:.2f}" for name, p in per_pass.items())
+                + f"), ~{layer * layers / 60:.1f} min for {layers} layers  [{card}]"
+            )
     return result
 
 

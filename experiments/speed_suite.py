@@ -261,9 +261,11 @@ def summarize(args) -> str:
                 text += step_lines(key, value)
             elif "layer_seconds" in next(iter(value.get("sizes", {}).values()), {}):  # benchmarks.gptq_speed
                 text += [
-                    f"- {key} {size}: {s['layer_seconds']:.2f} s a layer, ~{s['model_seconds'] / 60:.1f} min a model, "
-                    f"{value['card']}"
-                    for size, s in value["sizes"].items()
+                    f"- {key} {size}{label}: {s['layer_seconds']:.2f} s a layer, ~{s['model_seconds'] / 60:.1f} min "
+                    f"a model, {value['card']}"
+                    for size, eager in value["sizes"].items()
+                    for label, s in ((" eager", eager), (" graph", eager.get("graph")))
+                    if s is not None
                 ]
     kernels_log = out / "logs" / "kernels-1.log"
     if kernels_log.is_file():

@@ -46,12 +46,58 @@ class InputMoments:
         return 2 * self.sum / self.rows
 
 
+class _ColumnLoop:
+    """GPTQ's inner loop over one block's columns, on fixed buffers: round each column under its group's scale (set
+    at the group's first column), keep its error and spread it onto the block's later columns. Seven small kernels a
+    column, so on the GPU the host's launches set the pace; there the loop is captured once as a CUDA graph after
+    its first (eager) block, and later blocks of the same width replay it: one launch a block."""
+
+    def __init__(self, n: int, width: int, weight_dtype: torch.dtype, global_scale: torch.Tensor, graph: bool):
+        device = global_scale.device
+        self.weight_dtype, self.global_scale = weight_dtype, global_scale
+        self.block = torch.empty(n, width, device=device)  # in: the block's weights; updated as columns round
+        self.inv = torch.empty(width, width, device=device)  # in: the block's rows and columns of H^-1's factor
+        self.scaled = torch.empty(width, n, device=device)  # out: each column over its scales, a row each
+        self.errors = torch.empty(width, n, device=device)  # out: each column's error, over inv's diagonal
+        self.scales = torch.empty(n, width // codec.GROUP_SIZE, dtype=torch.float8_e4m3fn, device=device)  # out
+        self.graph = graph and device.type == "cuda"
+        self._replay = None
+
+    def __call__(self, block: torch.Tensor, inv: torch.Tensor) -> None:
+        self.block.copy_(block)
+        self.inv.copy_(inv)
+        if self._replay is not None:
+            self._replay()
+            return
+        self._run()  # the first block: also the warm-up the capture needs (the rounding tables are made here)
+        if self.graph:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # records the loop; the buffers keep the first block's results
+                self._run()
+            self._replay = graph.replay
+
+    def _run(self) -> None:
+        block, inv = self.block, self.inv
+        for i in range(block.shape[1]):
+            if i % codec.GROUP_SIZE == 0:
+                group = i // codec.GROUP_SIZE
+                # in the weight's dtype, as codec.quantize sets them: with H = I this is round-to-nearest
+                group_weights = block[:, i : i + codec.GROUP_SIZE].to(self.weight_dtype)
+                self.scales[:, group : group + 1] = codec.compute_group_scales(group_weights, self.global_scale)
+                effective = self.scales[:, group].float() / self.global_scale
+            x = torch.div(block[:, i], effective, out=self.scaled[i])
+            torch.div(block[:, i] - codec.round_to_values(x) * effective, inv[i, i], out=self.errors[i])
+            block[:, i:].addr_(self.errors[i], inv[i, i:], alpha=-1)
+
+
 @torch.no_grad()
 def gptq_weight(
-    weight: torch.Tensor, h: torch.Tensor, global_scale: torch.Tensor, name: str = "weight"
+    weight: torch.Tensor, h: torch.Tensor, global_scale: torch.Tensor, name: str = "weight", graph: bool = False
 ) -> codec.NVFP4Weight:
     """GPTQ of one [N, K] weight given its inputs' H [K, K]; `global_scale` as codec.quantize takes it (the fused
-    group's). An input that never fired (H's diagonal 0) gets its weights rounded alone."""
+    group's). An input that never fired (H's diagonal 0) gets its weights rounded alone. `graph`: on a CUDA device,
+    replay the column loop as a CUDA graph (the same kernels, so the same numbers); off until its GPU test and
+    benchmarks.gptq_speed have run on a GPU (docs/benchmarks.md, "GPTQ's speed")."""
     codec.check_weight(weight, name)
     n, k = weight.shape
     w = weight.float().clone()
@@ -65,26 +111,17 @@ def gptq_weight(
     h_inv = torch.linalg.cholesky(torch.cholesky_solve(identity, torch.linalg.cholesky(h)), upper=True)
     codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     scales = torch.empty(n, k // codec.GROUP_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
-    # The column loop is a stream of small kernels that keeps the GPU busy only while the host queues ahead of it:
-    # seven a column, nothing that waits for the GPU, the codes of a whole block at its end.
+    loops: dict[int, _ColumnLoop] = {}  # by block width: all BLOCK but a narrower last one
     for start in range(0, k, BLOCK):
         end = min(start + BLOCK, k)
-        block, inv = w[:, start:end], h_inv[start:end, start:end]
-        scaled = torch.empty(end - start, n, device=w.device)  # each column over its scales, a row each
-        errors = torch.empty(end - start, n, device=w.device)
-        for i in range(end - start):
-            column = start + i
-            if column % codec.GROUP_SIZE == 0:
-                group = column // codec.GROUP_SIZE
-                # in the weight's dtype, as codec.quantize sets them: with H = I this is round-to-nearest
-                group_weights = block[:, i : i + codec.GROUP_SIZE].to(weight.dtype)
-                scales[:, group : group + 1] = codec.compute_group_scales(group_weights, global_scale)
-                effective = scales[:, group].float() / global_scale
-            x = torch.div(block[:, i], effective, out=scaled[i])
-            torch.div(block[:, i] - codec.round_to_values(x) * effective, inv[i, i], out=errors[i])
-            block[:, i:].addr_(errors[i], inv[i, i:], alpha=-1)
-        codes[:, start:end] = codec.round_to_codes(scaled).T
-        w[:, end:] -= errors.T @ h_inv[start:end, end:]
+        width = end - start
+        if width not in loops:  # a graph pays only where blocks of its width follow: never for a narrower last one
+            loops[width] = _ColumnLoop(n, width, weight.dtype, global_scale, graph and k - start >= 2 * width)
+        loop = loops[width]
+        loop(w[:, start:end], h_inv[start:end, start:end])
+        codes[:, start:end] = codec.round_to_codes(loop.scaled).T
+        scales[:, start // codec.GROUP_SIZE : end // codec.GROUP_SIZE] = loop.scales
+        w[:, end:] -= loop.errors.T @ h_inv[start:end, end:]
     return codec.NVFP4Weight(codec.pack_codes(codes), scales, global_scale)
 
 

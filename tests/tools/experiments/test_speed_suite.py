@@ -60,10 +60,15 @@ def test_summary_gives_medians_lengths_phases_and_failures(tmp_path):
     }
     (results / "real-nvfp4-dense.json").write_text(json.dumps({"real-nvfp4-dense": {"profile": profile}}))
     (results / "vllm-rollout.json").write_text(json.dumps({"error": "RuntimeError: no vLLM"}))
-    gptq = {"card": "NVIDIA H200", "sizes": {"1.5b": {"layer_seconds": 2.5, "model_seconds": 70.0, "passes": {}}}}
+    graph = {"layer_seconds": 0.5, "model_seconds": 14.0, "passes": {}}
+    gptq = {
+        "card": "NVIDIA H200",
+        "sizes": {"1.5b": {"layer_seconds": 2.5, "model_seconds": 70.0, "passes": {}, "graph": graph}},
+    }
     (results / "gptq.json").write_text(json.dumps({"gptq": gptq}))
     text = speed_suite.summarize(_args(tmp_path))
-    assert "- gptq 1.5b: 2.50 s a layer, ~1.2 min a model, NVIDIA H200" in text
+    assert "- gptq 1.5b eager: 2.50 s a layer, ~1.2 min a model, NVIDIA H200" in text
+    assert "- gptq 1.5b graph: 0.50 s a layer, ~0.2 min a model, NVIDIA H200" in text
     assert "- real-nvfp4-dense: median 3.50 s over 3 steps, NVIDIA H100 80GB HBM3" in text
     assert "longest completions 300-512 (median 450); dense-weight rounds 3" in text
     assert "phases (s/step): rollout 1.50, backward 0.90" in text
