@@ -15,9 +15,9 @@ redoes only what was lost); a job whose inputs are still arriving waits for them
   real-prep    the GGUF converted to BF16 and quantized to NVFP4, beside another job          (needs --site, --gguf)
   real-*       benchmarks.step --profile on the real Qwen2.5-Coder-1.5B-Instruct, its recipe as written, --steps
                steps: NVFP4 without / with the dense training weights, BF16, both with every option below at once
-               (-combined), both compiled (--compile-layers), both with live-row compaction
-               (--rollout-compact-rows), both with TRL's random micro-batches, both with activations kept (-kept,
-               -kept-mb32), and both with the KV cache and decode graph kept between rounds (-resident)
+               (-combined, micro-batches of 32 among them), both compiled (--compile-layers), both with live-row
+               compaction (--rollout-compact-rows), both with TRL's random micro-batches, both with activations kept
+               (-kept, -kept-mb32), and both with the KV cache and decode graph kept between rounds (-resident)
   trl-baseline benchmarks.trl_baseline on the BF16 checkpoint, the same recipe and steps
   gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
   vllm-rollout benchmarks.rollout --rollout-backend vllm at 1.5B (vLLM's share from the free memory)  (needs --site)
@@ -47,7 +47,7 @@ RESIDENT = ["--rollout-keep-between-rounds", "true"]
 COMPACT = ["--rollout-compact-rows", "true"]
 COMPILED = ["--compile-layers", "true"]
 # Every speed option at once: the fastest step the code can take today, the figure issue 50's goal reads
-COMBINED = [*COMPACT, *RESIDENT, *KEPT, *COMPILED]
+COMBINED = [*COMPACT, *RESIDENT, *KEPT, *MICRO_BATCH_32, *COMPILED]
 # name: (NVFP4 or BF16 checkpoint, qerl.train flags) of the real-model step runs, in the order one GPU runs them: the
 # plain pair, then the newest variants first (a lease that ends early loses the oldest questions)
 REAL_RUNS = {
