@@ -7,7 +7,9 @@ weight, the whole decode step in one CUDA graph.
     attention.py    decode attention over each sequence's valid keys only (Triton, split-K)
     sampling.py     temperature / top-k / top-p / min-p and the sampled token's log-prob, on the GPU
     kv_cache.py     the cache's layout and its FP8 format
-    engine.py       KV cache sized from the round's lengths (waves when it does not fit), prefill, graph, EOS
+    engine.py       KV cache sized from the round's lengths (waves when it does not fit), prefill, graph, EOS,
+                    live-row compaction
+    decode_state.py what a captured decode step reads and advances, and what a kept wave holds between rounds
 
 Every round: refresh the decoder's LoRA buffers and norm scales from the policy (gathered whole where FSDP2 or
 ZeRO-3 shard it) -> AQN noise on those scales -> prefill + decode -> clean scales back. Runs on CPU too (eager,
