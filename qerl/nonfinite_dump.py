@@ -14,6 +14,21 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+def loss_settings(args, temperature: float, loss_type: str) -> dict:
+    """What a replay needs to rebuild a run's loss besides the batch: TRL's temperature and loss type, and the LoRA
+    of `args` (a QeRLConfig)."""
+    return {
+        "temperature": temperature,
+        "loss_type": loss_type,
+        "lora": {
+            "rank": args.lora_rank,
+            "alpha": args.lora_alpha,
+            "targets": list(args.lora_target_modules),
+            "trainable_norms": args.trainable_norms,
+        },
+    }
+
+
 def nonfinite_grads(model: nn.Module) -> list[str]:
     """The names of the parameters whose gradient holds a NaN or an Inf."""
     return [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]

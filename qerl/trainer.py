@@ -26,7 +26,7 @@ from qerl import aqn, base_model, cli, lora, micro_batches, rewards, rollout, sh
 from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
 from qerl.dense_weights import DenseWeights
-from qerl.nonfinite_dump import dump_if_nonfinite
+from qerl.nonfinite_dump import dump_if_nonfinite, loss_settings
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.truncation import TruncationWatch
 
@@ -361,9 +361,10 @@ class QeRLTrainer(GRPOTrainer):
         **multimodal,
     ):
         if self.args.unpadded_forward and not compute_aux_loss and all(v is None for v in multimodal.values()):
-            result = self._unpadded_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
+            logps, entropies = unpadded_forward.completion_logps(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, self.accelerator.autocast
             )
+            result = logps, entropies, None
         else:
             result = super()._get_per_token_logps_and_entropies(
                 model,
@@ -378,24 +379,6 @@ class QeRLTrainer(GRPOTrainer):
         if self._loss_logps is not None:
             self._loss_logps.append(result[0].detach())
         return result
-
-    def _unpadded_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
-    ):
-        """TRL's per-token log-probs (and entropies) of the completion tokens, in TRL's layout, from forwards over
-        the rows' real tokens only (qerl/unpadded_forward.py), through the fused LM head TRL puts on the model."""
-        batch_size = batch_size or input_ids.size(0)
-        logps, entropies = [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            chunk = unpadded_forward.unpad(
-                input_ids[start : start + batch_size], attention_mask[start : start + batch_size], logits_to_keep
-            )
-            with self.accelerator.autocast():
-                out = model(input_ids=chunk.input_ids, labels=chunk.labels, fused_lm_head=True)
-            logps.append(unpadded_forward.to_completion_layout(out.log_probs, chunk))
-            if compute_entropy:
-                entropies.append(unpadded_forward.to_completion_layout(out.entropy, chunk))
-        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     def _compute_loss(self, model, inputs):
         # Without old log-probs, TRL's loss forward runs the clean policy with the parameters that sampled the
@@ -440,24 +423,14 @@ class QeRLTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         with sdpa_kernel(TRAINING_SDPA_BACKENDS):  # the backward runs inside too; see TRAINING_SDPA_BACKENDS
             loss = super().training_step(model, inputs, num_items_in_batch)
-        a = self.args
-        if a.dump_nonfinite_grads and self.nonfinite_dump is None:
+        if self.args.dump_nonfinite_grads and self.nonfinite_dump is None:
             self.nonfinite_dump = dump_if_nonfinite(
                 self.accelerator.unwrap_model(self.model),
-                a.output_dir,
+                self.args.output_dir,
                 step=self.state.global_step + 1,
                 micro=(self._step - 1) % self.current_gradient_accumulation_steps,
                 batch=self._micro_batch,
-                loss_settings={
-                    "temperature": self.temperature,
-                    "loss_type": self.loss_type,
-                    "lora": {
-                        "rank": a.lora_rank,
-                        "alpha": a.lora_alpha,
-                        "targets": list(a.lora_target_modules),
-                        "trainable_norms": a.trainable_norms,
-                    },
-                },
+                loss_settings=loss_settings(self.args, self.temperature, self.loss_type),
             )
         return loss
 

@@ -15,6 +15,8 @@ differences only. The native engine's prefill numbers positions the same way.)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,3 +65,29 @@ def to_completion_layout(per_token: torch.Tensor, batch: UnpaddedBatch) -> torch
     kept = per_token.gather(1, index) * (j < batch.completion_lengths[batch.rows, None])
     out = kept.new_zeros(batch.completion_lengths.numel(), batch.completion_width)
     return out.index_copy(0, batch.rows, kept)
+
+
+def completion_logps(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_width: int,
+    batch_size: int | None,
+    compute_entropy: bool,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TRL's per-token log-probs (and entropies) of the completion tokens, in TRL's layout, from forwards over the
+    rows' real tokens only, `batch_size` rows at a time, through the fused LM head TRL puts on the model
+    (model(input_ids, labels, fused_lm_head=True) -> .log_probs, .entropy); `autocast`: the trainer's."""
+    batch_size = batch_size or input_ids.size(0)
+    logps, entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        chunk = unpad(
+            input_ids[start : start + batch_size], attention_mask[start : start + batch_size], completion_width
+        )
+        with autocast():
+            out = model(input_ids=chunk.input_ids, labels=chunk.labels, fused_lm_head=True)
+        logps.append(to_completion_layout(out.log_probs, chunk))
+        if compute_entropy:
+            entropies.append(to_completion_layout(out.entropy, chunk))
+    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None
