@@ -86,6 +86,11 @@ def markdown(result: dict) -> str:
         "a secondary endpoint, fixed after seeds 20-24 of the fixed recipe, before any later seed):",
         "",
         *_comparison_table(result["paired_by_seed"]),
+        "",
+        f"The same over the seeds run after it was fixed (from seed {result['paired_registered_from_seed']}: its "
+        "registered reading; the table above also holds the seeds it was chosen after):",
+        "",
+        *_comparison_table(result["paired_by_seed_registered"]),
     ]
     second = result["without_stuck"]
     lines += [

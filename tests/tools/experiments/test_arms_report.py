@@ -9,7 +9,7 @@ import pytest
 from arms_folders import _run
 from scipy import stats
 
-from experiments import arms, arms_results, arms_runs
+from experiments import arms, arms_report, arms_results, arms_runs
 
 
 def _record(results, arm, seed, accuracy, rewards=(0.1,) * 10 + (0.5,) * 10, sharing="mps", steps=20, **broken):
@@ -24,7 +24,8 @@ def _record(results, arm, seed, accuracy, rewards=(0.1,) * 10 + (0.5,) * 10, sha
     return record
 
 
-def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
+def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(arms_report, "PAIRED_REGISTERED_FROM_SEED", 1)  # the paired endpoint's seeds: 1 and 2 here
     results = tmp_path / "results"
     for seed, (bf16, nvfp4, aqn) in enumerate([(0.60, 0.58, 0.61), (0.62, 0.57, 0.60), (0.64, 0.59, 0.62)]):
         _record(results, "bf16_lora", seed, bf16)
@@ -69,6 +70,10 @@ def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
     related = stats.ttest_rel([0.61, 0.60, 0.62], [0.60, 0.62, 0.64])
     assert paired["difference"] == pytest.approx(-0.01) and paired["p"] == pytest.approx(related.pvalue)
     assert "difference" not in next(c for c in result["paired_by_seed"] if c["a"] == "bf16_lora_aqn")  # one seed
+    # Its registered reading: only the seeds from the one it was fixed before (here 1 and 2, whose differences do
+    # not vary: no interval)
+    registered = result["paired_by_seed_registered"][0]
+    assert registered["seeds"] == [1, 2] and "difference" not in registered
     # The second look leaves the stuck run out (its arm then has none) and compares the stuck counts.
     second = result["without_stuck"]
     assert second["left_out"] == ["bf16_lora_aqn-seed0"]
@@ -92,6 +97,7 @@ def test_report_pools_one_experiment_and_compares_the_arms(tmp_path, capsys):
     assert "| BF16 + LoRA | 3 | 62.0 ± 5.0 | 2.0 |" in printed and "| base BF16, no training | - | 30.0 |" in printed
     assert "| NVFP4 + AQN vs BF16 LoRA (QeRL against 16-bit LoRA) | greedy | -1.0 |" in printed
     assert "| AQN within BF16 | greedy | - | - | - | - | too few runs |" in printed
+    assert "The same over the seeds run after it was fixed (from seed 1" in printed
     assert "| BF16 + LoRA + AQN | 1 | 50.0 ± 0.0 | 0.0 |" in printed and "| 1 of 1 |" in printed
     assert "| AQN within BF16 | 1 of 1 | 0 of 3 | 0.25 |" in printed
     assert (tmp_path / "out" / "report.md").read_text() in printed
