@@ -94,41 +94,31 @@ def round_to_codes(x: torch.Tensor) -> torch.Tensor:
     The sign bit is set for x < 0, so a small negative value that rounds to zero is stored as -0 (code 8),
     as compressed-tensors does; an exact -0.0 input is stored as +0 there too.
     """
-    bounds, ties_down = _rounding_tables(x.device)
-    mag = x.abs().clamp(max=FP4_MAX)
-    index = torch.bucketize(mag, bounds, right=True) - torch.isin(mag, ties_down).long()
+    magnitude_bounds, _, _ = _rounding_tables(x.device)
+    index = torch.bucketize(x.abs(), magnitude_bounds, right=True)  # past the last bound: 7, i.e. 6 (saturated)
     return index.to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)
 
 
 def round_to_values(x: torch.Tensor) -> torch.Tensor:
     """The E2M1 value round_to_codes(x) stands for (FP4_CODE_VALUES of it, up to the sign of a zero), in two
     kernels: GPTQ rounds one column at a time, and its speed is the host's rate of launching them."""
-    bounds, values = _signed_rounding_tables(x.device)
-    return values[torch.bucketize(x, bounds, right=True)]
+    _, signed_bounds, signed_values = _rounding_tables(x.device)
+    return signed_values[torch.bucketize(x, signed_bounds, right=True)]
 
 
 @functools.cache
-def _rounding_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """_BUCKET_BOUNDS and _TIES_DOWN as FP32 tensors on `device`, made once (a copy from the host per call would
-    wait for the GPU)."""
-    return (
-        torch.tensor(_BUCKET_BOUNDS, dtype=torch.float32, device=device),
-        torch.tensor(_TIES_DOWN, dtype=torch.float32, device=device),
-    )
-
-
-@functools.cache
-def _signed_rounding_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bounds over the signed line and the value of each bucket, for one bucketize(right=True): a value on a bound
-    goes to the bucket above it, so where a tie must go below (toward zero for x > 0, away from it for x < 0) the
-    bound moves up by one FP32 step, and the FP32 values on either side of it land where round_to_codes puts them."""
+def _rounding_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bucket bounds for one bucketize(right=True), made once per device (a copy from the host per call would wait
+    for the GPU): over |x|, and over the signed line with the value of each bucket. A value on a bound goes to the
+    bucket above it, so where a tie must go below (toward zero for x > 0, away from it for x < 0) the bound moves up
+    by one FP32 step: the FP32 values on and next to it then land where ties-to-even puts them."""
     bounds = torch.tensor(_BUCKET_BOUNDS, dtype=torch.float32)
     ties_down = torch.isin(bounds, torch.tensor(_TIES_DOWN, dtype=torch.float32))
     up = torch.tensor(float("inf"))
     positive = torch.where(ties_down, torch.nextafter(bounds, up), bounds)
     negative = torch.where(ties_down, -bounds, torch.nextafter(-bounds, up)).flip(0)
     values = torch.cat([-FP4_VALUES[1:].flip(0), FP4_VALUES])
-    return torch.cat([negative, positive]).to(device), values.to(device)
+    return positive.to(device), torch.cat([negative, positive]).to(device), values.to(device)
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
