@@ -173,7 +173,7 @@ def test_the_column_loop_replayed_as_a_cuda_graph_gives_the_eager_codes():
     h = 2 * x.T @ x / x.shape[0]
     weight = torch.randn(96, 576, dtype=torch.bfloat16, device="cuda") * 0.05
     scale = codec.compute_global_scale(weight)
-    replayed, eager = gptq.gptq_weight(weight, h, scale, graph=True), gptq.gptq_weight(weight, h, scale)
+    replayed, eager = gptq.gptq_weight(weight, h, scale), gptq.gptq_weight(weight, h, scale, graph=False)
     assert torch.equal(replayed.packed, eager.packed)
     assert torch.equal(replayed.scale.view(torch.uint8), eager.scale.view(torch.uint8))
     # and GPTQ's point on the GPU too: a smaller output error than round-to-nearest on these inputs
