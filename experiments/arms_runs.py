@@ -196,6 +196,8 @@ def train_task(args, name: str, base: str, aqn: bool, lr: float, seed: int, step
                str(args.temperature), "--overwrite-output-dir", "true"]  # fmt: skip
     if save_every:
         command += ["--save-strategy", "steps", "--save-steps", str(save_every)]
+    if args.per_gpu > 1:  # runs sharing a GPU each see the others' memory as free: the recipe's checkpointing holds
+        command += ["--keep-activations", "false"]
     done = (folder / "adapter_config.json").exists()
     return Task(
         f"{name} train ({steps} steps, lr {lr:g})", None if done else command + args.train_flags, folder / "log.txt"

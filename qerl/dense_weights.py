@@ -20,11 +20,11 @@ available) and on a 141 GB one (~115 GiB), so the 32B recipe keeps its 4-bit foo
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from qerl.device_facts import available_bytes
 from qerl.nvfp4.linear import NVFP4Linear
 
 logger = logging.getLogger(__name__)
@@ -42,18 +42,6 @@ def copy_bytes(layers: list[NVFP4Linear]) -> int:
         layer.out_features * layer.in_features * torch.empty((), dtype=layer.compute_dtype).element_size()
         for layer in layers
     )
-
-
-def available_bytes(device: torch.device) -> int:
-    """Memory a new allocation can take on `device`: on CUDA the free memory plus what torch's caching allocator
-    reserved and does not use (the engine's freed KV cache sits there after a round); on the CPU the free RAM."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # no sysconf (not POSIX): do not guess
-        return 0
 
 
 class DenseWeights:

@@ -1,6 +1,7 @@
 """What the kernels ask of the device they run on: whether Triton's CPU interpreter is on, whether the Triton kernels
 take a tensor, a GPU's compute capability (which kernels and launch features it has) and how many streaming
-multiprocessors it has (what split-K and grid sizes are fitted to).
+multiprocessors it has (what split-K and grid sizes are fitted to); and how much memory a new allocation can take (what
+the memory rules of the dense training weights and the kept rollout cache read).
 
 Imports nothing of qerl, so that every layer (nvfp4, the rollout engine, benchmarks) can read it.
 """
@@ -43,3 +44,15 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take on `device`: on CUDA the free memory plus what torch's caching allocator
+    reserved and does not use (the engine's freed KV cache sits there after a round); on the CPU the free RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (not POSIX): do not guess
+        return 0

@@ -26,6 +26,7 @@ from qerl import aqn, base_model, cli, lora, micro_batches, rewards, rollout, sh
 from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
 from qerl.dense_weights import DenseWeights
+from qerl.kept_activations import KeptActivations
 from qerl.nonfinite_dump import dump_if_nonfinite, loss_settings
 from qerl.nvfp4.linear import NVFP4Linear
 from qerl.truncation import TruncationWatch
@@ -92,6 +93,10 @@ class QeRLTrainer(GRPOTrainer):
         self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup())
         # The training passes' BF16 copy of the frozen NVFP4 weights: made after each rollout, dropped before the next.
         self.dense_weights = DenseWeights(self.model, args.dense_training_weights)
+        # Activations kept instead of recomputed, round by round, where they fit beside the dense copy.
+        self.kept_activations = KeptActivations(
+            self.model, args.keep_activations, args.gradient_checkpointing, self.accelerator.num_processes
+        )
         self.round_noise = aqn.RoundNoise(
             args.seed, args.aqn_final_norm, args.aqn_dtype, args.aqn_head_norms, required=self.aqn_enabled
         )
@@ -297,6 +302,9 @@ class QeRLTrainer(GRPOTrainer):
             output = self.rollout.generate(prompt_ids, lambda model: self._perturb(model, sigma))
         with profiling_context(self, "dense_weights.materialize"):
             self.dense_weights.materialize()
+        if mode == "train":  # the largest micro-batch: its rows padded to the round's longest
+            longest = max(len(p) + len(c) for p, c in zip(prompt_ids, output.completion_ids, strict=True))
+            self.kept_activations.decide(self.args.per_device_train_batch_size * longest, self.accelerator.device)
         self.last_noise = output.noise  # the round's noise, for the metrics and the shift forward
         if mode == "train":
             self._metrics[mode]["aqn/sigma"].append(sigma)

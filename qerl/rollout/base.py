@@ -27,7 +27,7 @@ class NativeSettings:
     kv_cache_gib: float | None = None  # KV-cache memory a round may take (None: 80% of what is free); waves past it
     kv_cache_dtype: str = "auto"  # field_rules.KV_CACHE_DTYPES
     compact_rows: bool = False  # decode only the live rows once at most half are (engine.py)
-    keep_between_rounds: bool = False  # a round's KV cache and captured step kept for the next (engine.py)
+    keep_between_rounds: bool | None = None  # a round's KV cache and steps kept for the next (None: by memory)
 
 
 @dataclass(frozen=True)

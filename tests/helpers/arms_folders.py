@@ -69,6 +69,7 @@ def _args(tmp_path, **overrides):
         step_margin=1.1,
         warmup_seconds=60,
         min_steps=30,
+        per_gpu=1,
     )
     for key, value in overrides.items():
         setattr(args, key, value)

@@ -48,7 +48,7 @@ class NativeRollout(RolloutBackend):
         if self.engine is None or self._policy_id != id(policy):  # built once: the module tree never changes
             settings = self.setup.native
             gib = settings.kv_cache_gib
-            if settings.keep_between_rounds and self.setup.sharding is not None:
+            if settings.keep_between_rounds is True and self.setup.sharding is not None:
                 raise UsageError(
                     f"rollout_keep_between_rounds: the policy is sharded ({self.setup.sharding}) and gathered anew "
                     "every round, which a kept decode graph would not read; turn it off"

@@ -19,32 +19,41 @@ wave:
      as long as the longest on average, so about half of a wave's row-steps are finished rows. Each compaction costs
      one copy of the live rows' KV and one capture; halving bounds them at log2(B / row_multiple) a wave;
   5. frees the cache and the graph, so the trainer gets the memory back for its log-prob and backward passes; or,
-     with `keep_between_rounds`, keeps them for the next round when it is one wave of as many sequences and as many
-     new tokens (GRPO's rounds are): that round writes its prompts into the same cache and replays the same graph,
-     skipping an allocation and a capture (~0.1 s a round), and so for each smaller step compaction reached (its rows
-     sit at the front of the same cache; a later round that compacts to that size copies its live rows into the
-     kept step's state and replays it: with compaction, up to 0.24 s of captures a step), at the cost of holding
-     that memory through the training passes (the cache, and the graphs' pool of the step's temporaries). Its
-     capacity is rounded up to KEPT_CAPACITY_MULTIPLE so that rounds whose longest prompts differ by a few tokens
-     share it; one over twice what a round needs is rebuilt. The graphs read the adapter, norm and noise buffers in
-     place (Projection.refresh, NormScales.refresh and AQN write into them), so a kept graph samples from the
-     current policy.
+     with `keep_between_rounds` (None, a training run's default: while the cache takes at most KEPT_AUTO_SHARE of
+     the memory the passes could have, so not the 32B recipe's ~21 GB), keeps them for the next round when it is
+     one wave of as many sequences and as many new tokens (GRPO's rounds are): that round writes its prompts into
+     the same cache and replays the same graph, skipping an allocation and a capture (~0.1 s a round), and so for
+     each smaller step compaction reached (its rows sit at the front of the same cache; a later round that compacts
+     to that size copies its live rows into the kept step's state and replays it: with compaction, up to 0.24 s of
+     captures a step), at the cost of holding that memory through the training passes (the cache, and the graphs'
+     pool of the step's temporaries). Its capacity is rounded up to KEPT_CAPACITY_MULTIPLE so that rounds whose
+     longest prompts differ by a few tokens share it; one over twice what a round needs is rebuilt. The graphs read
+     the adapter, norm and noise buffers in place (Projection.refresh, NormScales.refresh and AQN write into them),
+     so a kept graph samples from the current policy.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 
+from qerl.device_facts import available_bytes
 from qerl.rollout.native import kv_cache
 from qerl.rollout.native.attention import decode_attention
 from qerl.rollout.native.decode_state import DecodeState, KeptStep, KeptWave
 from qerl.rollout.native.decoder import Decoder
 from qerl.rollout.native.sampling import Sampler
 
+logger = logging.getLogger(__name__)
+
 KEPT_CAPACITY_MULTIPLE = 128  # a kept cache's capacity in tokens is a multiple of it
+# keep_between_rounds None keeps a cache taking at most this share of the memory available with it freed: 1.4 GB of
+# ~130 GB at 1.5B on an H200 is kept; the 32B recipe's (64 rows of 1,280 tokens, ~21 GB of ~55) is not, so that its
+# training passes keep their memory.
+KEPT_AUTO_SHARE = 0.1
 
 
 class NativeEngine:
@@ -61,7 +70,7 @@ class NativeEngine:
         kv_cache_dtype: str = "auto",
         compact_rows: bool = False,
         row_multiple: int = 8,
-        keep_between_rounds: bool = False,
+        keep_between_rounds: bool | None = False,
     ):
         self.decoder = decoder
         self.sampler = sampler
@@ -79,8 +88,12 @@ class NativeEngine:
                 "native rollout: keep_between_rounds needs an unsharded policy (a sharded one's embedding and "
                 "biases are gathered into new tensors every round, which a kept graph would not read)"
             )
-        self.keep_between_rounds = keep_between_rounds
+        # None (by memory, KEPT_AUTO_SHARE): never for a sharded policy
+        self.keep_between_rounds = (
+            False if keep_between_rounds is None and decoder.gather_each_round else keep_between_rounds
+        )
         self._kept: KeptWave | None = None
+        self._auto_kept: bool | None = None  # the last decision of keep_between_rounds None, logged when it changes
         # The engine's own capture stream: cuBLAS keeps a workspace per stream that captured graphs bake in, and
         # a graph's destruction frees it; with one stream per engine a kept graph never shares it with another's.
         self._capture_stream: torch.cuda.Stream | None = None
@@ -130,7 +143,7 @@ class NativeEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("native rollout: empty prompt")
         needed = max(len(p) for p in prompts) + max_new_tokens
-        keep_for_next = self.keep_between_rounds and self._fits_one_wave(len(prompts), self._capacity(needed, True))
+        keep_for_next = self._keep_for_next(len(prompts), self._capacity(needed, True))
         if not keep_for_next:  # a round in waves keeps nothing
             self._kept = None
         capacity = self._capacity(needed, keep_for_next)
@@ -146,6 +159,28 @@ class NativeEngine:
             logprobs += wave_lps
             self.last_waves += 1
         return ids, logprobs
+
+    def _keep_for_next(self, num_prompts: int, capacity: int) -> bool:
+        """Whether this round's cache and steps are kept for the next: never for a round in waves; with
+        keep_between_rounds None, while the cache takes at most KEPT_AUTO_SHARE of the memory it would leave."""
+        if self.keep_between_rounds is False or not self._fits_one_wave(num_prompts, capacity):
+            return False
+        if self.keep_between_rounds:
+            return True
+        cache = num_prompts * self._kv_bytes_per_sequence(capacity)
+        available = available_bytes(self.decoder.device) + (self._kept.cache.nbytes if self._kept else 0)
+        keep = cache <= KEPT_AUTO_SHARE * available
+        if keep != self._auto_kept:
+            logger.info(
+                "native rollout: the KV cache and decode graphs %s between rounds (the cache takes %.2f GiB of %.1f "
+                "GiB available; kept up to %d%%; rollout_keep_between_rounds true/false decides)",
+                "kept" if keep else "not kept",
+                cache / 2**30,
+                available / 2**30,
+                KEPT_AUTO_SHARE * 100,
+            )
+            self._auto_kept = keep
+        return keep
 
     def _fits_one_wave(self, num_prompts: int, capacity: int) -> bool:
         budget = self._kv_budget()

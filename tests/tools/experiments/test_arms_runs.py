@@ -23,6 +23,11 @@ def test_each_run_is_qerl_train_then_eval_gsm8k(tmp_path):
     arm = (flags["--aqn"], flags["--learning-rate"], flags["--seed"], flags["--max-steps"])
     assert arm == ("true", "0.0001", "2", "80")
     assert (flags["--save-strategy"], flags["--save-steps"]) == ("steps", "27")
+    assert "--keep-activations" not in train  # alone on its GPU: the trainer's memory rule decides
+    # runs sharing a GPU keep the recipe's checkpointing (each would see the others' memory as free); a flag given
+    # to every run still wins
+    shared = arms_runs.train_task(_args(tmp_path, per_gpu=6), "r", "b", True, 1e-4, 2, 80).command
+    assert shared[shared.index("--keep-activations") + 1] == "false" and shared[-1] == "--x"
     evaluate = arms_runs.eval_task(args, "ckpt/nvfp4", tmp_path / "run", "greedy", tmp_path / "run" / "e.jsonl", task)
     command = evaluate.command
     assert command[1:3] == ["-m", "eval.gsm8k"] and command[-2:] == ["--adapter", str(tmp_path / "run")]

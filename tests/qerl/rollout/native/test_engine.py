@@ -10,6 +10,7 @@ from transformers import GenerationConfig
 
 from qerl import aqn
 from qerl.rollout import truncate_at_eos
+from qerl.rollout.native import engine as engine_module
 from qerl.rollout.native.decoder import Decoder
 from qerl.rollout.native.engine import NativeEngine
 from qerl.rollout.native.sampling import Sampler
@@ -255,6 +256,34 @@ def test_keeping_waves_refuses_a_sharded_policy():
     decoder.gather_each_round = True
     with pytest.raises(ValueError, match="keep_between_rounds needs an unsharded policy"):
         NativeEngine(decoder, Sampler(GenerationConfig()), [-1], tokenizer.pad_token_id, keep_between_rounds=True)
+    # by memory (a training run's default) it is simply off
+    assert (
+        NativeEngine(decoder, Sampler(GenerationConfig()), [-1], 0, keep_between_rounds=None).keep_between_rounds
+        is False
+    )
+
+
+def test_keeping_waves_by_memory_keeps_a_cache_of_at_most_a_tenth_of_what_is_available(monkeypatch):
+    """keep_between_rounds None (a training run's default): a round's cache is kept while it takes at most
+    KEPT_AUTO_SHARE of the memory available with the kept cache counted as free, so the 1.5B recipe's 1.4 GB are kept
+    on a large card and the 32B recipe's ~21 GB are not; once memory is short again the cache goes."""
+    model, tokenizer = _policy()
+    engine = _engine(model, [-1], tokenizer.pad_token_id)
+    engine.keep_between_rounds = None
+    engine.decoder.refresh()
+    (lengths, new_tokens, _), (lengths2, _, _) = KEPT_ROUNDS[:2]
+    cache = len(lengths) * engine._kv_bytes_per_sequence(engine._capacity(max(lengths) + new_tokens, True))
+    limit = cache / engine_module.KEPT_AUTO_SHARE  # the memory at which the cache is exactly the share
+    available = {"bytes": int(1.01 * limit)}
+    monkeypatch.setattr(engine_module, "available_bytes", lambda device: available["bytes"])
+    engine.generate(_round_prompts(tokenizer, lengths, 0), new_tokens)
+    # the kept cache counts as available: without it 0.91 of the limit would be
+    available["bytes"] = int(1.01 * limit) - cache
+    engine.generate(_round_prompts(tokenizer, lengths2, 1), new_tokens)
+    assert engine.last_kept_wave_reused and engine._kept is not None
+    available["bytes"] = int(0.9 * limit) - cache
+    engine.generate(_round_prompts(tokenizer, lengths2, 2), new_tokens)
+    assert not engine.last_kept_wave_reused and engine._kept is None
 
 
 def _addresses(decoder: Decoder) -> dict[str, int]:
