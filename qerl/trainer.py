@@ -370,7 +370,15 @@ class QeRLTrainer(GRPOTrainer):
     ):
         if self.args.unpadded_forward and not compute_aux_loss and all(v is None for v in multimodal.values()):
             logps, entropies = unpadded_forward.completion_logps(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, self.accelerator.autocast
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                self.accelerator.autocast,
+                # torch.compile's dynamic shapes specialize a size of 1: a forward of one row would compile anew
+                min_rows=2 if self.args.compile_layers else 1,
             )
             result = logps, entropies, None
         else:

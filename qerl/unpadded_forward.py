@@ -34,16 +34,20 @@ class UnpaddedBatch:
     completion_width: int  # the padded batch's completion columns, the width of what to_completion_layout returns
 
 
-def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int) -> UnpaddedBatch:
+def unpad(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int, min_rows: int = 1
+) -> UnpaddedBatch:
     """The rows of a [prompt | completion] batch (TRL's layout: the last `completion_width` columns are the
     completion, each mask a contiguous run of ones) with their real tokens moved to the front. One host sync (the
-    width and the rows kept)."""
+    width and the rows kept). `min_rows`: rows with nothing to score fill up to this many rows (as far as the batch
+    has them); they run with every label IGNORE, and read back as zeros."""
     mask = attention_mask.bool()
     completion_lengths = mask[:, -completion_width:].sum(1)
     prompt_lengths = mask.sum(1) - completion_lengths
     rows = (completion_lengths > 0).nonzero().squeeze(1)
-    if rows.numel() == 0:  # nothing to score: one row still runs, so the loss stays connected to the graph
-        rows = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+    if rows.numel() < min(max(min_rows, 1), mask.size(0)):  # with none, one row still runs: the loss stays connected
+        fill = (completion_lengths == 0).nonzero().squeeze(1)[: max(min_rows, 1) - rows.numel()]
+        rows = torch.cat([rows, fill]).sort().values
     mask, lengths = mask[rows], (prompt_lengths + completion_lengths)[rows]
     # A stable sort on "is padding" puts each row's real tokens first, in their order.
     order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
@@ -75,15 +79,20 @@ def completion_logps(
     batch_size: int | None,
     compute_entropy: bool,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    min_rows: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """TRL's per-token log-probs (and entropies) of the completion tokens, in TRL's layout, from forwards over the
     rows' real tokens only, `batch_size` rows at a time, through the fused LM head TRL puts on the model
-    (model(input_ids, labels, fused_lm_head=True) -> .log_probs, .entropy); `autocast`: the trainer's."""
+    (model(input_ids, labels, fused_lm_head=True) -> .log_probs, .entropy); `autocast`: the trainer's; `min_rows`:
+    unpad's (2 under compile_layers: torch.compile specializes a batch of one row, which would compile again)."""
     batch_size = batch_size or input_ids.size(0)
     logps, entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
         chunk = unpad(
-            input_ids[start : start + batch_size], attention_mask[start : start + batch_size], completion_width
+            input_ids[start : start + batch_size],
+            attention_mask[start : start + batch_size],
+            completion_width,
+            min_rows,
         )
         with autocast():
             out = model(input_ids=chunk.input_ids, labels=chunk.labels, fused_lm_head=True)

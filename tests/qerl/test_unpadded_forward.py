@@ -65,6 +65,27 @@ def test_unpad_keeps_one_row_when_no_row_is_scored():
     assert unpadded_forward.to_completion_layout(torch.ones(1, 1), batch).tolist() == [[0.0], [0.0]]
 
 
+def test_unpad_fills_up_to_min_rows_with_rows_that_score_nothing():
+    """compile_layers runs unpad with min_rows=2: torch.compile specializes a batch of one row, so a micro-batch with
+    one row to score (or none) runs a second row with every label IGNORE, which reads back as zeros."""
+    rows = [([5, 6], [7], False), ([8], [9, 10], True), ([11, 12, 13], [14], False)]
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _padded_batch(rows, pad=0)
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    assert unpad_rows(ids, mask, completion_ids.size(1), 1) == [1]
+    batch = unpadded_forward.unpad(ids, mask, completion_ids.size(1), min_rows=2)
+    assert batch.rows.tolist() == [0, 1] and (batch.labels[0] == unpadded_forward.IGNORE).all()
+    next_token = batch.labels[:, 1:].clamp(min=0).float()
+    assert torch.equal(
+        unpadded_forward.to_completion_layout(next_token, batch), (completion_ids * completion_mask).float()
+    )
+    nothing_scored = torch.cat([prompt_mask, torch.zeros_like(completion_mask)], 1)
+    assert unpad_rows(ids, nothing_scored, completion_ids.size(1), 2) == [0, 1]
+
+
+def unpad_rows(ids, mask, width, min_rows) -> list[int]:
+    return unpadded_forward.unpad(ids, mask, width, min_rows=min_rows).rows.tolist()
+
+
 def _gsm8k_rows(tokenizer, count: int, gen: torch.Generator):
     """Chat-formatted GSM8K questions, each answered by its own solution cut at a random length (a fifth of the rows
     truncated and masked, as DAPO masks a completion that hit the length cap)."""
