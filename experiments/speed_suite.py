@@ -14,10 +14,10 @@ redoes only what was lost); a job whose inputs are still arriving waits for them
                the dense training weights, BF16                                                          (needs --site)
   real-prep    the GGUF converted to BF16 and quantized to NVFP4, beside another job          (needs --site, --gguf)
   real-*       benchmarks.step --profile on the real Qwen2.5-Coder-1.5B-Instruct, its recipe as written, --steps
-               steps: NVFP4 without / with the dense training weights, BF16, both with every option below at once
-               (-combined, micro-batches of 32 among them), both compiled (--compile-layers), both with live-row
-               compaction (--rollout-compact-rows), both with TRL's random micro-batches, both with activations kept
-               (-kept, -kept-mb32), and both with the KV cache and decode graph kept between rounds (-resident)
+               steps: NVFP4 without / with the dense training weights, BF16, both with the defaults before e497ac2
+               (-before: no cache or activations kept), both with every option below at once (-combined), both with
+               live-row compaction (--rollout-compact-rows), both with activations kept in micro-batches of 32
+               (-kept-mb32), both with TRL's random micro-batches, both compiled (--compile-layers)
   trl-baseline benchmarks.trl_baseline on the BF16 checkpoint, the same recipe and steps
   gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
   vllm-rollout benchmarks.rollout --rollout-backend vllm at 1.5B (vLLM's share from the free memory)  (needs --site)
@@ -41,39 +41,35 @@ from experiments.multi_gpu_summary import bundle, load_results
 REAL_MODEL = "qwen2.5-coder-1.5b-instruct"
 REAL_RECIPE = RECIPES[REAL_MODEL]
 SIZES = ("1.5b", "7b", "3b", "0.5b")  # the recipe's size first: a job's later commands run after a failure too
-KEPT = ["--gradient-checkpointing", "false"]
 MICRO_BATCH_32 = ["--per-device-train-batch-size", "32", "--gradient-accumulation-steps", "2"]
-RESIDENT = ["--rollout-keep-between-rounds", "true"]
+# The defaults until commit e497ac2, before the cache and graphs kept between rounds and the activations kept (each
+# by memory) became the defaults: the same lease's before and after
+BEFORE = ["--rollout-keep-between-rounds", "false", "--keep-activations", "false"]
+KEPT = ["--rollout-keep-between-rounds", "true", "--keep-activations", "true"]  # whatever the memory rules say
 COMPACT = ["--rollout-compact-rows", "true"]
 COMPILED = ["--compile-layers", "true"]
 # Every speed option at once: the fastest step the code can take today, the figure issue 50's goal reads
-COMBINED = [*COMPACT, *RESIDENT, *KEPT, *MICRO_BATCH_32, *COMPILED]
+COMBINED = [*COMPACT, *KEPT, *MICRO_BATCH_32, *COMPILED]
+DENSE = ["--dense-training-weights", "true"]
 # name: (NVFP4 or BF16 checkpoint, qerl.train flags) of the real-model step runs, in the order one GPU runs them: the
-# plain pair, then the newest variants first (a lease that ends early loses the oldest questions)
+# defaults' pair, then the newest questions first (a lease that ends early loses the oldest)
 REAL_RUNS = {
     "real-nvfp4": ("nvfp4", ["--dense-training-weights", "false"]),
-    "real-nvfp4-dense": ("nvfp4", ["--dense-training-weights", "true"]),
+    "real-nvfp4-dense": ("nvfp4", DENSE),
     "real-bf16": ("bf16", []),
-    "real-nvfp4-dense-combined": ("nvfp4", ["--dense-training-weights", "true", *COMBINED]),
+    "real-nvfp4-dense-before": ("nvfp4", [*DENSE, *BEFORE]),
+    "real-bf16-before": ("bf16", BEFORE),
+    "real-nvfp4-dense-combined": ("nvfp4", [*DENSE, *COMBINED]),
     "real-bf16-combined": ("bf16", COMBINED),
-    # The rollout's KV cache and captured decode step kept from one round to the next, not allocated and captured anew
-    "real-nvfp4-dense-resident": ("nvfp4", ["--dense-training-weights", "true", *RESIDENT]),
-    "real-bf16-resident": ("bf16", RESIDENT),
-    # Activations kept instead of recomputed in the backward (the recipe checkpoints them so that several runs share
-    # a GPU); then the same with micro-batches of 32, half the passes' launches
-    "real-nvfp4-dense-kept": ("nvfp4", ["--dense-training-weights", "true", *KEPT]),
-    "real-bf16-kept": ("bf16", KEPT),
-    "real-nvfp4-dense-kept-mb32": ("nvfp4", ["--dense-training-weights", "true", *KEPT, *MICRO_BATCH_32]),
+    "real-nvfp4-dense-compact": ("nvfp4", [*DENSE, *COMPACT]),
+    "real-bf16-compact": ("bf16", COMPACT),
+    # micro-batches of 32 with the activations kept: half the passes' launches
+    "real-nvfp4-dense-kept-mb32": ("nvfp4", [*DENSE, *KEPT, *MICRO_BATCH_32]),
     "real-bf16-kept-mb32": ("bf16", [*KEPT, *MICRO_BATCH_32]),
     # TRL's random split into micro-batches, the training passes' layout before qerl/micro_batches.py
-    "real-nvfp4-dense-random-split": (
-        "nvfp4",
-        ["--dense-training-weights", "true", "--group-micro-batches-by-length", "false"],
-    ),  # fmt: skip
+    "real-nvfp4-dense-random-split": ("nvfp4", [*DENSE, "--group-micro-batches-by-length", "false"]),
     "real-bf16-random-split": ("bf16", ["--group-micro-batches-by-length", "false"]),
-    "real-nvfp4-dense-compact": ("nvfp4", ["--dense-training-weights", "true", *COMPACT]),
-    "real-bf16-compact": ("bf16", COMPACT),
-    "real-nvfp4-dense-compiled": ("nvfp4", ["--dense-training-weights", "true", *COMPILED]),
+    "real-nvfp4-dense-compiled": ("nvfp4", [*DENSE, *COMPILED]),
     "real-bf16-compiled": ("bf16", COMPILED),
 }
 
@@ -186,7 +182,8 @@ def jobs(args) -> list[Job]:
     # These two run while the real model is being prepared.
     tests = ["-m", "pytest", "-q", "-m", "gpu", "tests/qerl/test_dense_weights.py", "tests/qerl/nvfp4/test_ops.py",
              "tests/qerl/nvfp4/test_triton_kernels.py", "tests/qerl/nvfp4/test_cuda_gemm.py",
-             "tests/qerl/rollout/native/test_engine_gpu.py", "tests/qerl/nvfp4/test_linear.py"]  # fmt: skip
+             "tests/qerl/rollout/native/test_engine_gpu.py", "tests/qerl/nvfp4/test_linear.py",
+             "tests/qerl/test_kept_activations.py"]  # fmt: skip
     found.append(bench_job(args, "gpu-tests", [(None, tests)], site=True))
     vllm = ["-m", "benchmarks.rollout", "--rollout-backend", "vllm", "--size", "1.5b", "--batches", "8,64",
             "--new-tokens", "512"]  # fmt: skip

@@ -118,3 +118,24 @@ def test_a_step_that_keeps_its_activations_gets_the_recomputing_steps_gradient(c
     a = torch.cat([g.flatten().double() for g in kept.values()])
     b = torch.cat([g.flatten().double() for g in recomputed.values()])
     assert (a - b).norm() <= 1e-3 * b.norm() and b.norm() > 0
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_probe_predicts_what_a_forward_leaves_allocated():
+    """On CUDA (its attention kernels, its allocator) the probe's bytes per token times a micro-batch's tokens are what
+    the allocator holds after that micro-batch's forward with gradients: the saved tensors (the output is one
+    position's logits)."""
+    device = torch.device("cuda")
+    model = build_tiny_model(
+        build_tiny_tokenizer(), hidden_size=512, intermediate_size=1792, num_layers=4, num_heads=8, num_kv_heads=2,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    model = get_peft_model(model.to(device), lora.lora_config(model, rank=16, alpha=16)).train()
+    per_token = saved_bytes_per_token(model, list(base_model.decoder_layers(model)), device)
+    ids = torch.randint(5, 40, (4, 512), device=device)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    held = torch.cuda.memory_allocated(device) - before
+    assert out.logits.shape[1] == 1
+    assert held == pytest.approx(per_token * ids.numel(), rel=0.15)

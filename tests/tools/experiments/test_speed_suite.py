@@ -18,14 +18,13 @@ def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
     without = [job.name for job in speed_suite.jobs(_args(tmp_path))]
     assert without == ["kernels", "gptq", "rollout", "step-7b", "gpu-tests", "vllm-rollout"]
     with_gguf = [job.name for job in speed_suite.jobs(_args(tmp_path, gguf="/tmp/q15.gguf"))]
-    # the plain pair and TRL first, then the newest questions: a lease that ends early loses the oldest
+    # the defaults' pair and TRL first, then the newest questions: a lease that ends early loses the oldest
     assert with_gguf == [
         "kernels", "gptq", "rollout", "step-7b", "gpu-tests", "vllm-rollout", "real-prep", "real-nvfp4",
-        "real-nvfp4-dense", "real-bf16", "trl-baseline", "real-nvfp4-dense-combined", "real-bf16-combined",
-        "real-nvfp4-dense-resident", "real-bf16-resident",
-        "real-nvfp4-dense-kept", "real-bf16-kept", "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32",
-        "real-nvfp4-dense-random-split", "real-bf16-random-split", "real-nvfp4-dense-compact", "real-bf16-compact",
-        "real-nvfp4-dense-compiled", "real-bf16-compiled",
+        "real-nvfp4-dense", "real-bf16", "trl-baseline", "real-nvfp4-dense-before", "real-bf16-before",
+        "real-nvfp4-dense-combined", "real-bf16-combined", "real-nvfp4-dense-compact", "real-bf16-compact",
+        "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32", "real-nvfp4-dense-random-split",
+        "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled",
     ]  # fmt: skip
     prep = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == "real-prep")
     assert prep.gpus == 0 and prep.share == 3  # beside the others, on the last GPU
