@@ -298,7 +298,10 @@ class QeRLTrainer(GRPOTrainer):
             self.dense_weights.materialize()
         else:
             self.dense_weights.release()  # the engine gets the memory; a policy-side rollout decodes per call
-        with profiling_context(self, f"{self.rollout.name}.generate"):
+        # Compiled layers run eagerly in a rollout that calls them (the transformers backend): compiled, they would
+        # compile again for every layer index and cache state; the training passes keep their graphs.
+        eager = torch.compiler.set_stance("force_eager") if self.args.compile_layers else contextlib.nullcontext()
+        with profiling_context(self, f"{self.rollout.name}.generate"), eager:
             output = self.rollout.generate(prompt_ids, lambda model: self._perturb(model, sigma))
         with profiling_context(self, "dense_weights.materialize"):
             self.dense_weights.materialize()

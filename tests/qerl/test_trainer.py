@@ -13,6 +13,7 @@ from torch.nn.attention import sdpa_kernel
 
 from qerl import aqn, base_model, norms
 from qerl.nvfp4.linear import NVFP4Linear
+from qerl.rollout import RolloutOutput
 from qerl.tiny import save_tiny_checkpoints
 from qerl.trainer import TRAINING_SDPA_BACKENDS
 
@@ -291,3 +292,23 @@ def test_training_attention_backward_is_finite_where_cudnn_returns_nan():
     valid = keys_valid.cuda()[:, None, :, None]
     for ours, reference in ((q, q64), (k, k64), (v, v64)):
         torch.testing.assert_close((ours.grad.double() * valid), reference.grad * valid, atol=5e-2, rtol=5e-2)
+
+
+def test_a_rollout_runs_compiled_layers_eagerly(checkpoints, tmp_path):
+    """With compile_layers, a rollout that calls the policy's modules (the transformers backend) runs them eagerly:
+    compiled, generate would compile every layer again per layer index and KV-cache state (the training passes keep
+    their graphs). Seen through a compiled function called inside the rollout: traced, it reads True."""
+    _, nvfp4_dir = checkpoints
+    args = recipe_config(tmp_path, compile_layers=True, max_steps=1)
+    trainer = make_trainer(nvfp4_dir, args)
+    seen = []
+    traced = torch.compile(torch.compiler.is_dynamo_compiling, fullgraph=True)
+
+    def generate(prompt_ids, perturb):
+        seen.append(traced())
+        return RolloutOutput([[1, 2]] * len(prompt_ids), [[-0.5, -0.5]] * len(prompt_ids), aqn.NoiseStats())
+
+    trainer.rollout.generate = generate
+    completion_ids, _ = trainer._generate_single_turn([[3, 4, 5]] * 2, None, None, 2)
+    assert seen == [False] and completion_ids == [[1, 2]] * 2
+    assert traced() is True  # the same function, outside the rollout, is compiled
