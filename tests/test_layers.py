@@ -39,6 +39,7 @@ LAYERS = [
         "qerl.rewards",
         "qerl.nonfinite_dump",
         "qerl.dense_weights",
+        "qerl.kept_activations",
     ],
     ["qerl.aqn", "qerl.base_model", "qerl.lora", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
     ["qerl.callbacks", "qerl.truncation", "qerl.recipes"],
