@@ -24,7 +24,7 @@ import logging
 import torch
 from torch import nn
 
-from qerl.device_facts import available_bytes
+from qerl.device_facts import MemoryRule, available_bytes
 from qerl.nvfp4.linear import NVFP4Linear
 
 logger = logging.getLogger(__name__)
@@ -53,26 +53,17 @@ class DenseWeights:
         self.nbytes = copy_bytes(self.layers)
         self.active = False
         self.rounds = 0  # rounds whose passes ran on the copies
-        self._logged: bool | None = None  # the last decision logged
+        self.rule = MemoryRule(
+            logger, "dense training weights (the BF16 copy of the frozen NVFP4 weights)", AUTO_SHARE,
+            "dense_training_weights", "on", "off",
+        )  # fmt: skip
 
     def wanted(self) -> bool:
         if not self.layers or self.enabled is False:
             return False
         if self.enabled:
             return True
-        available = available_bytes(self.layers[0].weight_packed.device)
-        take = self.nbytes <= AUTO_SHARE * available
-        if take != self._logged:
-            logger.info(
-                "dense training weights %s: the BF16 copy of the frozen NVFP4 weights takes %.1f GiB, %.1f GiB "
-                "available (auto takes it up to %d%%; dense_training_weights true/false decides)",
-                "on" if take else "off",
-                self.nbytes / 2**30,
-                available / 2**30,
-                AUTO_SHARE * 100,
-            )
-            self._logged = take
-        return take
+        return self.rule(self.nbytes, available_bytes(self.layers[0].weight_packed.device))
 
     @torch.no_grad()
     def materialize(self) -> None:

@@ -9,6 +9,7 @@ Imports nothing of qerl, so that every layer (nvfp4, the rollout engine, benchma
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -56,3 +57,27 @@ def available_bytes(device: torch.device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):  # no sysconf (not POSIX): do not guess
         return 0
+
+
+class MemoryRule:
+    """A default taken while what it holds takes at most `share` of the memory available (the dense training weights,
+    the kept rollout cache, the kept activations), saying in one line each time the decision changes."""
+
+    def __init__(self, logger: logging.Logger, what: str, share: float, flag: str, taken: str, left: str):
+        self.logger, self.what, self.share, self.flag, self.taken, self.left = logger, what, share, flag, taken, left
+        self._last: bool | None = None
+
+    def __call__(self, needed: int, available: int) -> bool:
+        take = needed <= self.share * available
+        if take != self._last:
+            self.logger.info(
+                "%s %s: %.2f GiB of %.1f GiB available (taken up to %d%%; %s true/false decides)",
+                self.what,
+                self.taken if take else self.left,
+                needed / 2**30,
+                available / 2**30,
+                round(self.share * 100),
+                self.flag,
+            )
+            self._last = take
+        return take

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from qerl.device_facts import available_bytes
+from qerl.device_facts import MemoryRule, available_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,10 @@ class KeptActivations:
         self._checkpointed: list[nn.Module] = []  # those the recipe turned on (every_n_layers may skip layers)
         self.kept = False  # the last round's decision
         self.rounds = 0  # rounds whose passes kept their activations
-        self._logged: bool | None = None
+        self.rule = MemoryRule(
+            logger, "activations of the largest micro-batch", KEEP_SHARE, "keep_activations", "kept",
+            "recomputed (gradient checkpointing)",
+        )  # fmt: skip
 
     def decide(self, micro_batch_tokens: int, device) -> bool:
         """Before a round's training passes, whose largest micro-batch runs `micro_batch_tokens` tokens (rows x
@@ -103,19 +106,7 @@ class KeptActivations:
         if self.enabled is None and self.per_token is None:
             layers = [m for m in self._checkpointed if isinstance(m, GradientCheckpointingLayer)]
             self.per_token = saved_bytes_per_token(self.model, layers, device)
-        needed = micro_batch_tokens * (self.per_token or 0)
-        available = available_bytes(device)
-        keep = self.enabled or needed <= KEEP_SHARE * available
-        if self.enabled is None and keep != self._logged:
-            logger.info(
-                "activations %s: the largest micro-batch's take ~%.1f GiB, %.1f GiB available (kept up to %d%%; "
-                "keep_activations true/false decides)",
-                "kept" if keep else "recomputed (gradient checkpointing)",
-                needed / 2**30,
-                available / 2**30,
-                KEEP_SHARE * 100,
-            )
-            self._logged = keep
+        keep = self.enabled or self.rule(micro_batch_tokens * self.per_token, available_bytes(device))
         for module in self._checkpointed:
             module.gradient_checkpointing = not keep
         self.kept = keep

@@ -371,30 +371,14 @@ class QeRLTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **multimodal,
     ):
+        batch = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy)
         if self.args.unpadded_forward and not compute_aux_loss and all(v is None for v in multimodal.values()):
-            logps, entropies = unpadded_forward.completion_logps(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                self.accelerator.autocast,
-                # torch.compile's dynamic shapes specialize a size of 1: a forward of one row would compile anew
-                min_rows=2 if self.args.compile_layers else 1,
-            )
+            # torch.compile's dynamic shapes specialize a size of 1: a forward of one row would compile anew
+            min_rows = 2 if self.args.compile_layers else 1
+            logps, entropies = unpadded_forward.completion_logps(*batch, self.accelerator.autocast, min_rows)
             result = logps, entropies, None
         else:
-            result = super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **multimodal,
-            )
+            result = super()._get_per_token_logps_and_entropies(*batch, compute_aux_loss, **multimodal)
         if self._loss_logps is not None:
             self._loss_logps.append(result[0].detach())
         return result

@@ -40,7 +40,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from qerl.device_facts import available_bytes
+from qerl.device_facts import MemoryRule, available_bytes
 from qerl.rollout.native import kv_cache
 from qerl.rollout.native.attention import decode_attention
 from qerl.rollout.native.decode_state import DecodeState, KeptStep, KeptWave
@@ -93,7 +93,10 @@ class NativeEngine:
             False if keep_between_rounds is None and decoder.gather_each_round else keep_between_rounds
         )
         self._kept: KeptWave | None = None
-        self._auto_kept: bool | None = None  # the last decision of keep_between_rounds None, logged when it changes
+        self._kept_by_memory = MemoryRule(
+            logger, "native rollout: the KV cache and decode graphs between rounds", KEPT_AUTO_SHARE,
+            "rollout_keep_between_rounds", "kept", "not kept",
+        )  # fmt: skip
         # The engine's own capture stream: cuBLAS keeps a workspace per stream that captured graphs bake in, and
         # a graph's destruction frees it; with one stream per engine a kept graph never shares it with another's.
         self._capture_stream: torch.cuda.Stream | None = None
@@ -168,19 +171,9 @@ class NativeEngine:
         if self.keep_between_rounds:
             return True
         cache = num_prompts * self._kv_bytes_per_sequence(capacity)
-        available = available_bytes(self.decoder.device) + (self._kept.cache.nbytes if self._kept else 0)
-        keep = cache <= KEPT_AUTO_SHARE * available
-        if keep != self._auto_kept:
-            logger.info(
-                "native rollout: the KV cache and decode graphs %s between rounds (the cache takes %.2f GiB of %.1f "
-                "GiB available; kept up to %d%%; rollout_keep_between_rounds true/false decides)",
-                "kept" if keep else "not kept",
-                cache / 2**30,
-                available / 2**30,
-                KEPT_AUTO_SHARE * 100,
-            )
-            self._auto_kept = keep
-        return keep
+        return self._kept_by_memory(
+            cache, available_bytes(self.decoder.device) + (self._kept.cache.nbytes if self._kept else 0)
+        )
 
     def _fits_one_wave(self, num_prompts: int, capacity: int) -> bool:
         budget = self._kv_budget()
