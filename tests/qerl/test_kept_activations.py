@@ -108,11 +108,15 @@ def _one_step(checkpoint, tmp_path, keep):
 
 def test_a_step_that_keeps_its_activations_gets_the_recomputing_steps_gradient(checkpoints, tmp_path):
     """One DAPO step of the tiny NVFP4 model in BF16 (the recipe's optimizer settings) with gradient checkpointing,
-    its activations kept against recomputed: the same rollouts and the same gradient."""
+    its activations kept against recomputed: the same rollouts and the same gradient; by memory (the default, whose
+    probe runs inside the trainer: TRL's fused LM head on the model, the dense copies made), kept."""
     _, nvfp4_dir = checkpoints
     recomputed, checkpointed, never = _one_step(nvfp4_dir, tmp_path, keep=False)
     kept, not_checkpointed, always = _one_step(nvfp4_dir, tmp_path, keep=True)
+    by_memory = _one_step(nvfp4_dir, tmp_path, keep=None)  # the default: the probe runs inside the trainer
     assert never.rounds == 0 and always.rounds == 1
+    assert by_memory[2].rounds == 1 and by_memory[2].per_token > 0 and not any(by_memory[1])  # a tiny step fits
+    assert all(torch.equal(by_memory[0][name], grad) for name, grad in kept.items())
     assert all(checkpointed) and not any(not_checkpointed) and len(checkpointed) == 3  # through the passes
     assert kept.keys() == recomputed.keys() and len(kept) > 0
     a = torch.cat([g.flatten().double() for g in kept.values()])
