@@ -216,9 +216,12 @@ def step_lines(name: str, result: dict) -> list[str]:
     lengths = profile.get("completion_lengths") or result.get("completion_lengths") or []
     if not seconds:
         return [f"- {name}: no steps"]
-    median = statistics.median(seconds)
+    device = profile.get("device", result.get("device"))
+    if "median_step_seconds" in result:  # the benchmark's own, over its timed steps (trl_baseline: steps 2-N)
+        line = f"- {name}: median {result['median_step_seconds']:.2f} s of {len(seconds)} steps run, {device}"
+    else:  # benchmarks.step --profile: step_seconds holds its timed steps only
+        line = f"- {name}: median {statistics.median(seconds):.2f} s over {len(seconds)} steps, {device}"
     longest = [int(length[0]) for length in lengths]
-    line = f"- {name}: median {median:.2f} s over {len(seconds)} steps, {profile.get('device', result.get('device'))}"
     if longest:
         line += f"; longest completions {min(longest)}-{max(longest)} (median {statistics.median(longest):.0f})"
     if "dense_weight_rounds" in profile:

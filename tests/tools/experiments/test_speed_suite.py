@@ -59,6 +59,8 @@ def test_summary_gives_medians_lengths_phases_and_failures(tmp_path):
     }
     (results / "real-nvfp4-dense.json").write_text(json.dumps({"real-nvfp4-dense": {"profile": profile}}))
     (results / "vllm-rollout.json").write_text(json.dumps({"error": "RuntimeError: no vLLM"}))
+    trl = {"device": "NVIDIA H100 80GB HBM3", "step_seconds": [9.0, 3.0, 4.0], "median_step_seconds": 3.5}
+    (results / "trl-baseline.json").write_text(json.dumps({"trl-baseline": trl}))
     graph = {"layer_seconds": 0.5, "model_seconds": 14.0, "passes": {}}
     gptq = {
         "card": "NVIDIA H200",
@@ -72,6 +74,8 @@ def test_summary_gives_medians_lengths_phases_and_failures(tmp_path):
     assert "longest completions 300-512 (median 450); dense-weight rounds 3" in text
     assert "phases (s/step): rollout 1.50, backward 0.90" in text
     assert "- vllm-rollout: FAILED: RuntimeError: no vLLM" in text
+    # TRL's own median leaves its first step out, as the QeRL profile's steps do
+    assert "- trl-baseline: median 3.50 s of 3 steps run, NVIDIA H100 80GB HBM3" in text
     assert (tmp_path / "summary.md").read_text() == text
 
 
