@@ -1,7 +1,7 @@
 """What the kernels ask of the device they run on: whether Triton's CPU interpreter is on, whether the Triton kernels
 take a tensor, a GPU's compute capability (which kernels and launch features it has) and how many streaming
-multiprocessors it has (what split-K and grid sizes are fitted to); and how much memory a new allocation can take (what
-the memory rules of the dense training weights and the kept rollout cache read).
+multiprocessors it has (what split-K and grid sizes are fitted to); and how much memory a new allocation can take, with
+the rule the dense training weights, the kept rollout cache and the kept activations each take it by (MemoryRule).
 
 Imports nothing of qerl, so that every layer (nvfp4, the rollout engine, benchmarks) can read it.
 """
