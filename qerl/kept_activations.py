@@ -86,7 +86,6 @@ class KeptActivations:
         self.model = model
         self.per_token: int | None = None  # saved_bytes_per_token, counted at the first round that asks
         self._checkpointed: list[nn.Module] = []  # those the recipe turned on (every_n_layers may skip layers)
-        self.kept = False  # the last round's decision
         self.rounds = 0  # rounds whose passes kept their activations
         self.rule = MemoryRule(
             logger, "activations of the largest micro-batch", KEEP_SHARE, "keep_activations", "kept",
@@ -109,6 +108,5 @@ class KeptActivations:
         keep = self.enabled or self.rule(micro_batch_tokens * self.per_token, available_bytes(device))
         for module in self._checkpointed:
             module.gradient_checkpointing = not keep
-        self.kept = keep
         self.rounds += keep
         return keep

@@ -305,11 +305,11 @@ class QeRLTrainer(GRPOTrainer):
             output = self.rollout.generate(prompt_ids, lambda model: self._perturb(model, sigma))
         with profiling_context(self, "dense_weights.materialize"):
             self.dense_weights.materialize()
-        if mode == "train":  # the largest micro-batch: its rows padded to the round's longest
-            longest = max(len(p) + len(c) for p, c in zip(prompt_ids, output.completion_ids, strict=True))
-            self.kept_activations.decide(self.args.per_device_train_batch_size * longest, self.accelerator.device)
         self.last_noise = output.noise  # the round's noise, for the metrics and the shift forward
         if mode == "train":
+            # the largest micro-batch: its rows padded to the round's longest
+            longest = max(len(p) + len(c) for p, c in zip(prompt_ids, output.completion_ids, strict=True))
+            self.kept_activations.decide(self.args.per_device_train_batch_size * longest, self.accelerator.device)
             self._metrics[mode]["aqn/sigma"].append(sigma)
             self._metrics[mode]["aqn/changed_fraction"].append(self.last_noise.changed_fraction)
         return output.completion_ids, output.logprobs

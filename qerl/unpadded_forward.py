@@ -39,14 +39,16 @@ def unpad(
 ) -> UnpaddedBatch:
     """The rows of a [prompt | completion] batch (TRL's layout: the last `completion_width` columns are the
     completion, each mask a contiguous run of ones) with their real tokens moved to the front. One host sync (the
-    width and the rows kept). `min_rows`: rows with nothing to score fill up to this many rows (as far as the batch
-    has them); they run with every label IGNORE, and read back as zeros."""
+    width and the rows kept). `min_rows` (>= 1): rows with nothing to score fill up to this many rows (as far as the
+    batch has them; with none to score one still runs, so the loss stays connected to the graph); they run with every
+    label IGNORE, and read back as zeros."""
     mask = attention_mask.bool()
     completion_lengths = mask[:, -completion_width:].sum(1)
     prompt_lengths = mask.sum(1) - completion_lengths
     rows = (completion_lengths > 0).nonzero().squeeze(1)
-    if rows.numel() < min(max(min_rows, 1), mask.size(0)):  # with none, one row still runs: the loss stays connected
-        fill = (completion_lengths == 0).nonzero().squeeze(1)[: max(min_rows, 1) - rows.numel()]
+    wanted = min(min_rows, mask.size(0))
+    if rows.numel() < wanted:
+        fill = (completion_lengths == 0).nonzero().squeeze(1)[: wanted - rows.numel()]
         rows = torch.cat([rows, fill]).sort().values
     mask, lengths = mask[rows], (prompt_lengths + completion_lengths)[rows]
     # A stable sort on "is padding" puts each row's real tokens first, in their order.
