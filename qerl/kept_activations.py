@@ -30,12 +30,20 @@ KEEP_SHARE = 0.6  # of the memory available after the rollout and the dense copy
 PROBE_TOKENS = 64
 
 
+def held_tensors(model: nn.Module):
+    """Every tensor the model's modules hold: parameters, buffers, and tensors set as plain attributes."""
+    yield from itertools.chain(model.parameters(), model.buffers())
+    for module in model.modules():
+        yield from (value for value in vars(module).values() if isinstance(value, torch.Tensor))
+
+
 def saved_bytes_per_token(model: nn.Module, layers: list[nn.Module], device: torch.device) -> int:
     """Bytes the decoder `layers` save for the backward per token, counted on one forward of PROBE_TOKENS random
     tokens through `model` as the training passes run it (its dtype, adapter, attention kernels, the dense copies),
-    with checkpointing off and any compiled layer run eagerly (what it saves is at most that). The model's own
-    parameters and buffers are not counted: they are held anyway."""
-    own = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    with checkpointing off and any compiled layer run eagerly (what it saves is at most that). What the model holds
+    anyway is not counted: its parameters, buffers and plain tensor attributes (the dense training weights, which
+    F.linear saves for the input gradient: counted as 64 tokens' worth, the 1.5B's 3 GB refused every round)."""
+    own = {t.untyped_storage().data_ptr() for t in held_tensors(model)}
     saved: dict[int, int] = {}  # by storage: views of one tensor count once
     inside = [0]
 

@@ -10,6 +10,7 @@ from peft import get_peft_model
 from transformers import TrainerCallback
 
 from qerl import base_model, kept_activations, lora
+from qerl.dense_weights import DenseWeights
 from qerl.kept_activations import KeptActivations, saved_bytes_per_token
 from qerl.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -50,6 +51,20 @@ def test_the_probe_counts_what_each_decoder_layer_adds_to_the_saved_tensors(arch
     # the layers' flags and hooks are as they were
     assert not any(layer.gradient_checkpointing for layer in layers)
     assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+
+
+def test_the_probe_does_not_count_the_dense_training_weights_that_the_passes_save(checkpoints):
+    """F.linear saves its weight for the input gradient: the dense copies (plain attributes of the NVFP4 layers) are
+    held by the model, not by a token. Counted, the 1.5B's 3 GB made every round recompute on the H200."""
+    _, nvfp4_dir = checkpoints
+    base = base_model.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu")
+    model = get_peft_model(base, lora.lora_config(base, rank=16, alpha=16)).train()
+    layers, cpu = list(base_model.decoder_layers(model)), torch.device("cpu")
+    per_call = saved_bytes_per_token(model, layers, cpu)
+    dense = DenseWeights(model, enabled=True)
+    dense.materialize()
+    assert dense.active and per_call > 0
+    assert saved_bytes_per_token(model, layers, cpu) == per_call
 
 
 def _checkpointed_policy():
