@@ -166,7 +166,10 @@ class StepProfile(TrainerCallback):
         self._wrap(t.accelerator, "backward", "backward")
         self._wrap(t, "_clip_grad_norm", "grad clip")
         self._wrap(t, "log", "logging")
-        base_model.decoder_layers(t.accelerator.unwrap_model(t.model))[0].register_forward_pre_hook(self._count_forward)
+        # Out of torch.compile's reach: a hook on a compiled layer is traced with it, and each step's new counter
+        # compiled the hook again (eight times a run on the H200, logged with TORCH_LOGS=recompiles).
+        counter = torch.compiler.disable(self._count_forward)
+        base_model.decoder_layers(t.accelerator.unwrap_model(t.model))[0].register_forward_pre_hook(counter)
 
     def _count_tokens(self, trainer):
         """Real tokens (and the sum of squared row lengths, for attention FLOPs) of each training forward."""

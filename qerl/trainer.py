@@ -373,9 +373,8 @@ class QeRLTrainer(GRPOTrainer):
     ):
         batch = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy)
         if self.args.unpadded_forward and not compute_aux_loss and all(v is None for v in multimodal.values()):
-            # torch.compile's dynamic shapes specialize a size of 1: a forward of one row would compile anew
-            min_rows = 2 if self.args.compile_layers else 1
-            logps, entropies = unpadded_forward.completion_logps(*batch, self.accelerator.autocast, min_rows)
+            compiled = self.args.compile_layers
+            logps, entropies = unpadded_forward.completion_logps(*batch, self.accelerator.autocast, compiled)
             result = logps, entropies, None
         else:
             result = super()._get_per_token_logps_and_entropies(*batch, compute_aux_loss, **multimodal)

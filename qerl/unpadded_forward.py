@@ -22,6 +22,12 @@ from dataclasses import dataclass
 import torch
 
 IGNORE = -100  # the label of a position that is not scored, as transformers and TRL's fused LM head read it
+# Under compiled layers (compile_layers, dynamic shapes) a shape torch.compile specialized on compiles anew: a batch of
+# one row (a size of 1 is always specialized), and a width that breaks the alignment to 8 that inductor guarded on
+# when the first width was a multiple of 8 (seen on the H200: a recompile at the third step). Such batches are given
+# a second row that scores nothing and their width padded up to a multiple of 8.
+COMPILED_MIN_ROWS = 2
+COMPILED_WIDTH_MULTIPLE = 8
 
 
 @dataclass
@@ -35,18 +41,19 @@ class UnpaddedBatch:
 
 
 def unpad(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int, min_rows: int = 1
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int, compiled: bool = False
 ) -> UnpaddedBatch:
     """The rows of a [prompt | completion] batch (TRL's layout: the last `completion_width` columns are the
     completion, each mask a contiguous run of ones) with their real tokens moved to the front. One host sync (the
-    width and the rows kept). `min_rows` (>= 1): rows with nothing to score fill up to this many rows (as far as the
-    batch has them; with none to score one still runs, so the loss stays connected to the graph); they run with every
-    label IGNORE, and read back as zeros."""
+    width and the rows kept). Rows with nothing to score are left out, but one still runs when none is scored (so the
+    loss stays connected to the graph); with `compiled`, rows fill up to COMPILED_MIN_ROWS (as far as the batch has
+    them) and the width is padded to a multiple of COMPILED_WIDTH_MULTIPLE. Rows and columns added score nothing
+    (labels IGNORE) and read back as zeros."""
     mask = attention_mask.bool()
     completion_lengths = mask[:, -completion_width:].sum(1)
     prompt_lengths = mask.sum(1) - completion_lengths
     rows = (completion_lengths > 0).nonzero().squeeze(1)
-    wanted = min(min_rows, mask.size(0))
+    wanted = min(COMPILED_MIN_ROWS if compiled else 1, mask.size(0))
     if rows.numel() < wanted:
         fill = (completion_lengths == 0).nonzero().squeeze(1)[: wanted - rows.numel()]
         rows = torch.cat([rows, fill]).sort().values
@@ -54,7 +61,11 @@ def unpad(
     # A stable sort on "is padding" puts each row's real tokens first, in their order.
     order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
     width = int(lengths.max())
+    if compiled:
+        width = -(-width // COMPILED_WIDTH_MULTIPLE) * COMPILED_WIDTH_MULTIPLE
+    # Past a row's length sit its own padding tokens; columns past the batch's (a rounded width) repeat the last one.
     ids = input_ids[rows].gather(1, order)[:, :width]
+    ids = torch.cat([ids, ids[:, -1:].expand(-1, width - ids.size(1))], 1)
     columns = torch.arange(width, device=ids.device)
     scored = (columns >= prompt_lengths[rows, None]) & (columns < lengths[:, None])
     return UnpaddedBatch(
@@ -81,12 +92,12 @@ def completion_logps(
     batch_size: int | None,
     compute_entropy: bool,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    min_rows: int = 1,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """TRL's per-token log-probs (and entropies) of the completion tokens, in TRL's layout, from forwards over the
     rows' real tokens only, `batch_size` rows at a time, through the fused LM head TRL puts on the model
-    (model(input_ids, labels, fused_lm_head=True) -> .log_probs, .entropy); `autocast`: the trainer's; `min_rows`:
-    unpad's (2 under compile_layers: torch.compile specializes a batch of one row, which would compile again)."""
+    (model(input_ids, labels, fused_lm_head=True) -> .log_probs, .entropy); `autocast`: the trainer's; `compiled`:
+    the model's decoder layers are torch.compiled (unpad's shapes that do not compile them again)."""
     batch_size = batch_size or input_ids.size(0)
     logps, entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
@@ -94,7 +105,7 @@ def completion_logps(
             input_ids[start : start + batch_size],
             attention_mask[start : start + batch_size],
             completion_width,
-            min_rows,
+            compiled,
         )
         with autocast():
             out = model(input_ids=chunk.input_ids, labels=chunk.labels, fused_lm_head=True)

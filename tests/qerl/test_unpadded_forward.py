@@ -65,25 +65,29 @@ def test_unpad_keeps_one_row_when_no_row_is_scored():
     assert unpadded_forward.to_completion_layout(torch.ones(1, 1), batch).tolist() == [[0.0], [0.0]]
 
 
-def test_unpad_fills_up_to_min_rows_with_rows_that_score_nothing():
-    """compile_layers runs unpad with min_rows=2: torch.compile specializes a batch of one row, so a micro-batch with
-    one row to score (or none) runs a second row with every label IGNORE, which reads back as zeros."""
+def test_unpad_for_compiled_layers_adds_a_row_and_columns_that_score_nothing():
+    """compile_layers runs unpad with compiled=True: torch.compile specializes a batch of one row and a width's
+    alignment to 8, so a micro-batch with one row to score (or none) runs a second row with every label IGNORE, and
+    the width is padded up to a multiple of 8; what they add reads back as zeros."""
     rows = [([5, 6], [7], False), ([8], [9, 10], True), ([11, 12, 13], [14], False)]
     prompt_ids, prompt_mask, completion_ids, completion_mask = _padded_batch(rows, pad=0)
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-    assert unpad_rows(ids, mask, completion_ids.size(1), 1) == [1]
-    batch = unpadded_forward.unpad(ids, mask, completion_ids.size(1), min_rows=2)
+    assert unpad_rows(ids, mask, completion_ids.size(1), compiled=False) == [1]
+    assert ids.size(1) < unpadded_forward.COMPILED_WIDTH_MULTIPLE  # the rounded width is past the batch's columns
+    batch = unpadded_forward.unpad(ids, mask, completion_ids.size(1), compiled=True)
     assert batch.rows.tolist() == [0, 1] and (batch.labels[0] == unpadded_forward.IGNORE).all()
+    assert batch.input_ids.shape == (2, unpadded_forward.COMPILED_WIDTH_MULTIPLE)
+    assert batch.input_ids[1, :3].tolist() == [8, 9, 10] and (batch.labels[1, 3:] == unpadded_forward.IGNORE).all()
     next_token = batch.labels[:, 1:].clamp(min=0).float()
     assert torch.equal(
         unpadded_forward.to_completion_layout(next_token, batch), (completion_ids * completion_mask).float()
     )
     nothing_scored = torch.cat([prompt_mask, torch.zeros_like(completion_mask)], 1)
-    assert unpad_rows(ids, nothing_scored, completion_ids.size(1), 2) == [0, 1]
+    assert unpad_rows(ids, nothing_scored, completion_ids.size(1), compiled=True) == [0, 1]
 
 
-def unpad_rows(ids, mask, width, min_rows) -> list[int]:
-    return unpadded_forward.unpad(ids, mask, width, min_rows=min_rows).rows.tolist()
+def unpad_rows(ids, mask, width, compiled) -> list[int]:
+    return unpadded_forward.unpad(ids, mask, width, compiled=compiled).rows.tolist()
 
 
 def _gsm8k_rows(tokenizer, count: int, gen: torch.Generator):
