@@ -247,7 +247,7 @@ class QeRLTrainer(GRPOTrainer):
             native=rollout.NativeSettings(
                 args.rollout_kv_cache_gib,
                 args.rollout_kv_cache_dtype,
-                args.rollout_compact_rows,
+                self.is_nvfp4 if args.rollout_compact_rows is None else args.rollout_compact_rows,
                 args.rollout_keep_between_rounds,
             ),
             vllm=rollout.VLLMSettings(

@@ -312,3 +312,11 @@ def test_a_rollout_runs_compiled_layers_eagerly(checkpoints, tmp_path):
     completion_ids, _ = trainer._generate_single_turn([[3, 4, 5]] * 2, None, None, 2)
     assert seen == [False] and completion_ids == [[1, 2]] * 2
     assert traced() is True  # the same function, outside the rollout, is compiled
+
+
+def test_live_row_compaction_is_on_by_default_for_an_nvfp4_base_only(checkpoints, tmp_path):
+    """rollout_compact_rows None: on where the H200 measured it to pay (NVFP4), off for BF16; an explicit value wins."""
+    bf16_dir, nvfp4_dir = checkpoints
+    for folder, compact, expected in ((nvfp4_dir, None, True), (bf16_dir, None, False), (nvfp4_dir, False, False)):
+        args = recipe_config(tmp_path, rollout_backend="native", rollout_compact_rows=compact)
+        assert make_trainer(folder, args).rollout.engine.compact_rows is expected
