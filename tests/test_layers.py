@@ -44,7 +44,7 @@ LAYERS = [
     ["qerl.aqn", "qerl.base_model", "qerl.lora", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
     ["qerl.callbacks", "qerl.truncation", "qerl.recipes"],
     ["qerl.trainer", "qerl.run_dir"],
-    ["qerl.train", "qerl.demo"],
+    ["qerl.train", "qerl.demo", "qerl.rollout_server"],
 ]
 
 

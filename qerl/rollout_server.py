@@ -1,0 +1,53 @@
+"""Serve rollouts from one GPU to a trainer elsewhere: a vLLM engine on the trainer's base checkpoint, sampling each
+round with the adapter and the AQN noise the trainer sends (qerl/rollout/server.py; the design: docs/multi_gpu.md).
+
+    CUDA_VISIBLE_DEVICES=1 python -m qerl.rollout_server --model ckpt/qwen-1.5b-nvfp4 --port 8001 --seed 1
+
+One server per rollout GPU, each with its own port and --seed (the trainer refuses two alike: they would draw the
+same completions for the same prompts).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from qerl import cli
+
+
+def build_parser() -> cli.ArgumentParser:
+    parser = cli.ArgumentParser(prog="python -m qerl.rollout_server", description=__doc__)
+    parser.add_argument("--model", required=True, help="the base checkpoint folder the trainer loaded (required)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=cli.Range(int, 1, 65535), required=True, help="port to listen on (required)")
+    parser.add_argument("--lora-rank", type=cli.COUNT, default=16, help="the largest LoRA rank the server takes")
+    parser.add_argument("--seed", type=cli.SEED, default=0, help="vLLM's sampling seed: give each server its own")
+    parser.add_argument("--gpu-memory-utilization", type=cli.FRACTION, default=0.85, help="vLLM's share of the GPU")
+    parser.add_argument("--max-model-len", type=cli.COUNT, help="the engine's context (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=cli.COUNT, help="sequences per batch (default: vLLM's)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from qerl.rollout.server import serve
+    from qerl.rollout.wire import base_fingerprint
+
+    base_fingerprint(args.model)  # a wrong folder in one line, before vLLM takes a minute to load
+    serve(
+        args.model,
+        args.host,
+        args.port,
+        args.lora_rank,
+        args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
+    )
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(cli.run_cli(main, "qerl.rollout_server"))
