@@ -196,3 +196,19 @@ class RoundNoise:
             fp32_compute=fp32_compute,
             include_head_norms=self.include_head_norms,
         )
+
+
+@dataclass(frozen=True)
+class NoisyRound:
+    """A generation round's AQN, handed to the rollout backend as its `perturb`: called on the module a backend samples
+    from, the round's noise on its norms (RoundNoise.of_round); read by a backend that samples elsewhere (a rollout
+    server draws the same noise from these fields). `policy`: the training policy, whose transformers norms need
+    FP32Compute to use an FP32 scale (an engine's own model applies its FP32 scales itself)."""
+
+    noise: RoundNoise
+    sigma: float
+    round: tuple[int, int]  # (optimizer step, round within it)
+    policy: nn.Module | None = None
+
+    def __call__(self, model: nn.Module):
+        return self.noise.of_round(model, self.sigma, self.round, fp32_compute=model is self.policy)

@@ -127,16 +127,13 @@ class QeRLTrainer(GRPOTrainer):
         a = self.args
         return aqn.sigma_at(self.state.global_step, self.state.max_steps, a.sigma_start, a.sigma_end, a.num_stages)
 
-    @contextlib.contextmanager
-    def _perturb(self, model, sigma: float):
-        # Rounds are counted by (optimizer step, round within the step): the same on every rank, so all ranks
-        # sample from one noisy policy as a single process would, and the same after a resume.
+    def _next_round(self, sigma: float) -> aqn.NoisyRound:
+        """The noise of the round about to be sampled. Rounds are counted by (optimizer step, round within the step):
+        the same on every rank, so all ranks sample from one noisy policy as a single process would, and the same
+        after a resume."""
         step = self.state.global_step
         self._noise_round = (step, self._noise_round[1] + 1 if self._noise_round[0] == step else 0)
-        # The policy's transformers norms need FP32Compute to use an FP32 scale; an engine's own model (vLLM:
-        # FP32 norm weights, CUDA graphs where hooks never run) applies its FP32 scales itself.
-        with self.round_noise.of_round(model, sigma, self._noise_round, fp32_compute=model is self.model) as stats:
-            yield stats
+        return aqn.NoisyRound(self.round_noise, sigma, self._noise_round, policy=self.model)
 
     def train(self, *args, **kwargs):
         try:
@@ -302,7 +299,7 @@ class QeRLTrainer(GRPOTrainer):
         # compile again for every layer index and cache state; the training passes keep their graphs.
         eager = torch.compiler.set_stance("force_eager") if self.args.compile_layers else contextlib.nullcontext()
         with profiling_context(self, f"{self.rollout.name}.generate"), eager:
-            output = self.rollout.generate(prompt_ids, lambda model: self._perturb(model, sigma))
+            output = self.rollout.generate(prompt_ids, self._next_round(sigma))
         with profiling_context(self, "dense_weights.materialize"):
             self.dense_weights.materialize()
         self.last_noise = output.noise  # the round's noise, for the metrics and the shift forward

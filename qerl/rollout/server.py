@@ -101,7 +101,7 @@ class RolloutServer:
         return {"version": self.held[0], "digest": self.held[1]}
 
     def generate(self, request: RoundRequest) -> RoundResult:
-        """Sample a round under its AQN, as the trainer's `_perturb` does for the colocated vllm backend."""
+        """Sample a round under its AQN, as `aqn.NoisyRound` does for the colocated vllm backend."""
         spec, model = request.noise, self.engine.model
         with self.lock:
             held = self.held[0] if self.held else None
