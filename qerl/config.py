@@ -127,7 +127,8 @@ class QeRLConfig(GRPOConfig):
             "help": "Rollout engine. auto: native on a CUDA device (vllm or transformers where native cannot run "
             "the model, or under DeepSpeed/FSDP), transformers on CPU. native reads rollout_kv_cache_gib, "
             "rollout_kv_cache_dtype, rollout_compact_rows and rollout_keep_between_rounds; vllm reads TRL's "
-            "vllm_gpu_memory_utilization, vllm_max_model_length and vllm_enable_sleep_mode.",
+            "vllm_gpu_memory_utilization, vllm_max_model_length and vllm_enable_sleep_mode; server samples on "
+            "rollout servers of their own (rollout_servers).",
             "choices": list(ROLLOUT_BACKENDS),
         },
     )
@@ -165,6 +166,21 @@ class QeRLConfig(GRPOConfig):
             "Default: on for an unsharded policy while the cache takes at most 10%% of the memory available "
             "(1.5B on an H200: the step 3.56 -> 3.23 s NVFP4, 3.11 -> 2.95 s BF16, docs/benchmarks.md; the 32B "
             "recipe's ~21 GB cache is not kept)."
+        },
+    )
+    rollout_servers: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "rollout_backend server: the address of each rollout server (http://HOST:PORT), one per GPU, "
+            "each started with python -m qerl.rollout_server on this run's base checkpoint and its own --seed "
+            "(docs/multi_gpu.md)."
+        },
+    )
+    rollout_server_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "rollout_backend server: seconds a call to a server may take, and the wait for every server to "
+            "answer at the start; past it the run stops in one line naming the server."
         },
     )
     vllm_enable_sleep_mode: bool = field(

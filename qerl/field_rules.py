@@ -11,7 +11,7 @@ from collections.abc import Callable
 from qerl import cli
 from qerl.errors import UsageError, nearest
 
-ROLLOUT_BACKENDS = ("auto", "transformers", "vllm", "native")  # qerl.rollout.BACKENDS, read without torch
+ROLLOUT_BACKENDS = ("auto", "transformers", "vllm", "native", "server")  # qerl.rollout.BACKENDS, read without torch
 # The native engine's KV cache. auto: the model's dtype; fp8: E4M3 with a scale per token and KV head.
 KV_CACHE_DTYPES = ("auto", "fp8")
 AQN_DTYPES = ("fp32", "bf16")  # where AQN's noise meets the norm scales (qerl.aqn.DTYPE_RULES)
@@ -50,6 +50,7 @@ RANGES: dict[str, cli.Range | None] = {
         "temperature", "num_train_epochs", "logging_steps", "save_steps", "eval_steps", "adam_epsilon",
         "repetition_penalty", "delta", "sapo_temperature_neg", "sapo_temperature_pos", "vllm_server_timeout",
         "vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap", "rollout_kv_cache_gib",
+        "rollout_server_timeout",
     ), cli.POSITIVE),
     **dict.fromkeys(("min_p", "label_smoothing_factor", "ref_model_mixup_alpha", "top_entropy_quantile"), cli.FRACTION),
     **dict.fromkeys(("top_p", "vllm_gpu_memory_utilization"), cli.Range(float, 0, 1, low_open=True)),

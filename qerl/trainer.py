@@ -247,6 +247,7 @@ class QeRLTrainer(GRPOTrainer):
                 self.is_nvfp4 if args.rollout_compact_rows is None else args.rollout_compact_rows,
                 args.rollout_keep_between_rounds,
             ),
+            server=rollout.ServerSettings(tuple(args.rollout_servers), args.rollout_server_timeout),
             vllm=rollout.VLLMSettings(
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 max_model_len=args.vllm_max_model_length,

@@ -10,6 +10,8 @@ metrics consume) and the noise statistics that `perturb` yielded.
     transformers  generate() on the training policy itself (any device; the fallback)
     vllm          a colocated vLLM engine on the same checkpoint: Marlin NVFP4, LoRA pushed from memory
     native        our engine on the policy's own weights: fused steps, per-sequence KV, CUDA-graph decode
+    server        rollout servers on GPUs of their own (python -m qerl.rollout_server): the adapter sent as it
+                  changes, AQN as its seed (server_backend.py)
     auto          on a CUDA device: native (faster than vllm on NVFP4 at batch 8 and 64, no second copy of the
                   weights: docs/benchmarks.md), or vllm / transformers where native cannot run the model (which
                   includes a BF16 base whose weights FSDP2 or ZeRO-3 shard); on CPU: transformers
@@ -37,6 +39,7 @@ from qerl.rollout.base import (
     RolloutBackend,
     RolloutOutput,
     RolloutSetup,
+    ServerSettings,
     TransformersSettings,
     Unsupported,
     VLLMSettings,
@@ -51,6 +54,7 @@ __all__ = [
     "RolloutBackend",
     "RolloutOutput",
     "RolloutSetup",
+    "ServerSettings",
     "TransformersSettings",
     "Unsupported",
     "VLLMSettings",
@@ -79,6 +83,12 @@ def _vllm() -> type[RolloutBackend]:
     return VLLMRollout
 
 
+def _server() -> type[RolloutBackend]:
+    from qerl.rollout.server_backend import ServerRollout
+
+    return ServerRollout
+
+
 def _native() -> type[RolloutBackend]:
     from qerl.rollout.native import NativeRollout
 
@@ -93,6 +103,7 @@ BACKENDS: dict[str, Callable[[], type[RolloutBackend]]] = {
     "transformers": _transformers,
     "vllm": _vllm,
     "native": _native,
+    "server": _server,
 }
 
 

@@ -50,6 +50,14 @@ class VLLMSettings:
     enforce_eager: bool = False  # no CUDA graphs
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """The rollout servers' settings (qerl/rollout/server_backend.py)."""
+
+    urls: tuple[str, ...] = ()  # http://HOST:PORT of each server (python -m qerl.rollout_server), one per GPU
+    timeout: float = 600.0  # seconds a call, or the wait for the servers at the start, may take
+
+
 @dataclass
 class RolloutSetup:
     """Everything a backend needs from the trainer (or from evaluation, a benchmark), once. The trainer fills every
@@ -71,6 +79,7 @@ class RolloutSetup:
     native: NativeSettings = field(default_factory=NativeSettings)
     transformers: TransformersSettings = field(default_factory=TransformersSettings)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
 
     @classmethod
     def for_model(

@@ -8,7 +8,6 @@ each around a fake engine whose completions are a function of the LoRA and norms
 stale, wrong or noisy adapter shows in the tokens. What they are held to: the policy's own tensors, and RoundNoise
 replayed on the policy (the trainer's own replay of a round)."""
 
-import contextlib
 import json
 import socket
 import threading
@@ -17,11 +16,11 @@ import time
 import pytest
 import torch
 from peft import get_peft_model
+from rollout_servers import EOS, fake_sample, serving
 
 from qerl import lora
 from qerl.aqn import NoiseStats, RoundNoise
 from qerl.errors import UsageError
-from qerl.norms import find_norms
 from qerl.rollout.remote import (
     AdapterMismatch,
     RolloutPipeline,
@@ -32,13 +31,11 @@ from qerl.rollout.remote import (
     StaleAdapter,
     WrongBase,
 )
-from qerl.rollout.server import RolloutServer, make_http_server
 from qerl.rollout.vllm import adapter_tensors, lora_settings
 from qerl.rollout.wire import (
     NoiseSpec,
     RoundRequest,
     RoundResult,
-    adapter_digest,
     base_fingerprint,
     decode_adapter,
     encode_adapter,
@@ -48,7 +45,6 @@ from qerl.rollout.wire import (
 )
 from qerl.tiny import build_tiny
 
-EOS = 2
 SAMPLING = {"temperature": 1.0, "max_tokens": 8, "stop_token_ids": [EOS], "logprobs": 0}
 PROMPTS = [[10 + i, 20, 30 + i] for i in range(5)]  # 5 prompts over 2 servers: shards of 3 and 2
 NO_NOISE = NoiseSpec.of(RoundNoise(0, False, "fp32", False), 0.0, (0, 0))
@@ -145,49 +141,8 @@ def test_a_folder_without_a_checkpoint_is_one_line(tmp_path, missing):
 # The servers
 
 
-def fake_sample(digest: str, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """What FakeEngine samples: the prompt's first token, four tokens read off the digest of what it holds, EOS, and
-    two tokens past EOS that the server's cut must drop."""
-    ids = [prompt[0], *(int(digest[i : i + 2], 16) for i in range(0, 8, 2)), EOS, 99, 99]
-    return ids, [-0.25 * (i + 1) for i in range(len(ids))]
-
-
 def expected(digest: str, prompts=PROMPTS) -> list[list[int]]:
     return [fake_sample(digest, prompt)[0][:6] for prompt in prompts]  # up to and including EOS
-
-
-class FakeEngine:
-    """VLLMEngine's surface on a tiny base model whose norm scales are FP32 (as vLLM's with fp32_norms, unless
-    `fp32_norms=False`); `during_round` runs inside generate, for a test to hold or kill a round."""
-
-    def __init__(self, fp32_norms: bool = True):
-        self.model = build_tiny(dtype=torch.bfloat16)[0]
-        if fp32_norms:
-            for module in find_norms(self.model).select(include_final=True, include_heads=True).values():
-                module.weight.data = module.weight.data.float()
-        self.lora: dict[str, torch.Tensor] = {}
-        self.norm_names: list[str] = []
-        self.loads, self.prompts_seen = 0, 0
-        self.during_round = lambda: None
-
-    def load_lora(self, tensors, settings):
-        assert settings["r"] == 4 and settings["modules_to_save"] is None
-        self.lora = {name: tensor.clone() for name, tensor in tensors.items()}
-        self.loads += 1
-
-    @torch.no_grad()
-    def load_norms(self, norms):
-        params = dict(self.model.named_parameters())
-        for name, value in norms.items():
-            params[name].copy_(value)
-        self.norm_names = sorted(norms)
-
-    def generate(self, prompt_ids, sampling):
-        self.during_round()
-        self.prompts_seen += len(prompt_ids)
-        params = dict(self.model.named_parameters())
-        digest = adapter_digest(self.lora, {name: params[name] for name in self.norm_names})
-        return [fake_sample(digest, prompt) for prompt in prompt_ids]
 
 
 @pytest.fixture(scope="module")
@@ -197,23 +152,6 @@ def bases(tmp_path_factory):
     build_tiny(dtype=torch.bfloat16)[0].save_pretrained(root / "base")
     build_tiny(dtype=torch.bfloat16, num_layers=1)[0].save_pretrained(root / "other")
     return str(root / "base"), str(root / "other")
-
-
-@contextlib.contextmanager
-def serving(base: str, seeds=(1, 2), **engine):
-    """Real HTTP rollout servers on free ports, one thread each; yields [(url, http server, engine)]."""
-    running = []
-    for seed in seeds:
-        fake = FakeEngine(**engine)
-        http = make_http_server(RolloutServer(fake, base, lora_rank=4, seed=seed, name=f"fake{seed}"))
-        threading.Thread(target=http.serve_forever, args=(0.02,), daemon=True).start()  # shutdown() waits a poll
-        running.append((f"http://127.0.0.1:{http.server_address[1]}", http, fake))
-    try:
-        yield running
-    finally:
-        for _, http, _ in running:
-            http.shutdown()
-            http.server_close()
 
 
 def pool_of(servers, base: str, timeout: float = 10.0, lora_rank: int = 4) -> ServerPool:

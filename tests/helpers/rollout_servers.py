@@ -1,0 +1,73 @@
+"""Rollout servers on the CPU for the tests of rollouts on their own GPUs (qerl/rollout/server.py): real HTTP servers on
+free ports, in threads, each around a fake engine whose completions are a function of the LoRA and norms it holds
+when it samples, so that a stale, wrong or noisy adapter shows in the tokens."""
+
+import contextlib
+import threading
+
+import torch
+
+from qerl.norms import find_norms
+from qerl.rollout.server import RolloutServer, make_http_server
+from qerl.rollout.wire import adapter_digest
+from qerl.tiny import build_tiny
+
+EOS = 2  # the tiny tokenizer's
+
+
+def fake_sample(digest: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """What FakeEngine samples: the prompt's first token, four tokens read off the digest of what it holds (inside the
+    tiny vocabulary, never EOS), EOS, and two tokens past EOS that the server's cut must drop."""
+    ids = [prompt[0], *(3 + int(digest[i : i + 2], 16) % 100 for i in range(0, 8, 2)), EOS, 99, 99]
+    return ids, [-0.25 * (i + 1) for i in range(len(ids))]
+
+
+class FakeEngine:
+    """VLLMEngine's surface on a tiny base model whose norm scales are FP32 (as vLLM's with fp32_norms, unless
+    `fp32_norms=False`); `during_round` runs inside generate, for a test to hold or kill a round."""
+
+    def __init__(self, fp32_norms: bool = True):
+        self.model = build_tiny(dtype=torch.bfloat16)[0]
+        if fp32_norms:
+            for module in find_norms(self.model).select(include_final=True, include_heads=True).values():
+                module.weight.data = module.weight.data.float()
+        self.lora: dict[str, torch.Tensor] = {}
+        self.norm_names: list[str] = []
+        self.loads, self.prompts_seen = 0, 0
+        self.during_round = lambda: None
+
+    def load_lora(self, tensors, settings):
+        assert settings["r"] == 4 and settings["modules_to_save"] is None
+        self.lora = {name: tensor.clone() for name, tensor in tensors.items()}
+        self.loads += 1
+
+    @torch.no_grad()
+    def load_norms(self, norms):
+        params = dict(self.model.named_parameters())
+        for name, value in norms.items():
+            params[name].copy_(value)
+        self.norm_names = sorted(norms)
+
+    def generate(self, prompt_ids, sampling):
+        self.during_round()
+        self.prompts_seen += len(prompt_ids)
+        params = dict(self.model.named_parameters())
+        digest = adapter_digest(self.lora, {name: params[name] for name in self.norm_names})
+        return [fake_sample(digest, prompt) for prompt in prompt_ids]
+
+
+@contextlib.contextmanager
+def serving(base: str, seeds=(1, 2), **engine):
+    """Real HTTP rollout servers on free ports, one thread each; yields [(url, http server, engine)]."""
+    running = []
+    for seed in seeds:
+        fake = FakeEngine(**engine)
+        http = make_http_server(RolloutServer(fake, base, lora_rank=4, seed=seed, name=f"fake{seed}"))
+        threading.Thread(target=http.serve_forever, args=(0.02,), daemon=True).start()  # shutdown() waits a poll
+        running.append((f"http://127.0.0.1:{http.server_address[1]}", http, fake))
+    try:
+        yield running
+    finally:
+        for _, http, _ in running:
+            http.shutdown()
+            http.server_close()
