@@ -233,8 +233,8 @@ def _merge(round_index: int, results: list[RoundResult]) -> RoundResult:
         if other.noise_digest != first.noise_digest:
             raise AdapterMismatch(
                 f"rollout servers {first.server} and {other.server} sampled round {round_index} under different "
-                f"noisy norms ({first.noise_digest[:12]} vs {other.noise_digest[:12]}): most likely their torch "
-                "versions differ (see /qerl/info)"
+                f"noisy norms ({first.noise_digest[:12]} vs {other.noise_digest[:12]}): another checkpoint's "
+                "norms, or another torch (see each server's /qerl/info)"
             )
     return RoundResult(
         [ids for r in results for ids in r.completion_ids],

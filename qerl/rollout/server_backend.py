@@ -4,7 +4,8 @@ qerl.rollout_server, one per GPU), with the policy's adapter as it is now.
 Every round: a snapshot of the policy's LoRA and trained norms, sent to the servers that do not hold it yet (a new
 version whenever its digest changed: once per optimizer step, not once per round); the round's AQN as its seed,
 round and sigma, which each server turns into the trainer's noise on its own norms; the prompts cut into one shard
-per server. Synchronous: the trainer waits for its round (staleness 0), so its samples are those of the colocated
+per server; the digest of the norms each server sampled under, checked against the same noise on the policy.
+Synchronous: the trainer waits for its round (staleness 0), so its samples are those of the colocated
 vllm backend on the same adapter and noise. Sampling ahead while a step trains (qerl/rollout/remote.py's
 RolloutPipeline) is not wired into the trainer yet.
 """
@@ -13,12 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from qerl import aqn
+from qerl.aqn import RoundNoise
 from qerl.errors import UsageError
 from qerl.rollout.base import Perturb, RolloutBackend, RolloutOutput, RolloutSetup
-from qerl.rollout.remote import ServerPool
+from qerl.rollout.remote import AdapterMismatch, ServerPool
 from qerl.rollout.vllm import lora_settings, sampling_kwargs
-from qerl.rollout.wire import AdapterSnapshot, NoiseSpec, snapshot
+from qerl.rollout.wire import AdapterSnapshot, NoiseSpec, norms_digest, snapshot
 
 # A round without AQN (evaluation, or AQN off): sigma 0 draws nothing, whatever the other settings.
 NO_NOISE = NoiseSpec(0.0, (0, 0), 0, False, False, "fp32")
@@ -29,6 +33,15 @@ def noise_spec(perturb: Perturb) -> NoiseSpec:
     if isinstance(perturb, aqn.NoisyRound):
         return NoiseSpec.of(perturb.noise, perturb.sigma, perturb.round)
     return NO_NOISE
+
+
+def noisy_norms_digest(policy, spec: NoiseSpec) -> str:
+    """The digest a server reports of its norms under the round's noise, taken on the policy: what the servers must
+    have sampled with (their norms are the checkpoint's, or the trained ones sent, and the noise is a function of
+    the spec alone)."""
+    noise = RoundNoise(*spec.settings)
+    with noise.of_round(policy, spec.sigma, spec.round, fp32_compute=False):
+        return norms_digest(policy, noise)
 
 
 class ServerRollout(RolloutBackend):
@@ -55,10 +68,18 @@ class ServerRollout(RolloutBackend):
         self.rounds = 0
 
     def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
+        spec = noise_spec(perturb)
         with self.setup.open_policy() as policy:
             self.adapter = self._current_adapter(policy)
+            expected = noisy_norms_digest(policy, spec)
         self.pool.sync(self.adapter)
-        result = self.pool.generate(self.rounds, self.adapter.version, noise_spec(perturb), self.sampling, prompt_ids)
+        result = self.pool.generate(self.rounds, self.adapter.version, spec, self.sampling, prompt_ids)
+        if result.noise_digest != expected:
+            raise AdapterMismatch(
+                f"rollout servers {result.server} sampled round {self.rounds} under other norms than the trainer's "
+                f"({result.noise_digest[:12]} vs {expected[:12]}): another checkpoint's norms, or another torch "
+                f"(the trainer's is {torch.__version__}; see each server's /qerl/info)"
+            )
         self.rounds += 1
         return RolloutOutput(result.completion_ids, result.logprobs, result.noise)
 

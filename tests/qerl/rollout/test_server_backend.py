@@ -10,6 +10,7 @@ from rollout_servers import EOS, serving
 from qerl import aqn
 from qerl.errors import UsageError
 from qerl.rollout import no_noise
+from qerl.rollout.remote import AdapterMismatch
 from qerl.rollout.server_backend import NO_NOISE, noise_spec
 from qerl.rollout.vllm import adapter_tensors
 from qerl.rollout.wire import adapter_digest
@@ -46,6 +47,23 @@ def test_dapo_steps_sample_on_the_servers_with_the_policys_adapter_and_noise(che
         for prompt, ids in zip(prompt_ids, output.completion_ids, strict=True):
             assert ids[0] == prompt[0] and ids[-1] == EOS and len(ids) == 6  # the fake's tokens, cut after EOS
     assert torch.isfinite(torch.tensor([log["loss"] for log in trainer.state.log_history if "loss" in log])).all()
+
+
+def test_a_server_sampling_under_other_norms_stops_the_round(checkpoints, tmp_path):
+    """The trainer replays the round's noise on the policy and compares the norms' digest with the one each server
+    read back while sampling: a server on other norms (another checkpoint's, or another torch's noise) is named."""
+    _, nvfp4_dir = checkpoints
+    with serving(nvfp4_dir) as servers:
+        args = recipe_config(tmp_path, rollout_backend="server", rollout_servers=[url for url, _, _ in servers])
+        trainer = make_trainer(nvfp4_dir, args)
+        noisy = trainer._next_round(sigma=1e-2)
+        assert trainer.rollout.generate([[5, 6, 7]] * 2, noisy).noise.sigma == 1e-2  # the same norms: it samples
+        with torch.no_grad():  # both servers alike, or the pool would see them differ first (test_remote.py)
+            for _, _, fake in servers:
+                fake.model.model.layers[0].input_layernorm.weight.add_(0.5)
+        with pytest.raises(AdapterMismatch, match=r"sampled round 1 under other norms than the trainer's") as caught:
+            trainer.rollout.generate([[5, 6, 7]] * 2, trainer._next_round(sigma=1e-2))
+    assert "\n" not in str(caught.value)
 
 
 def test_the_noise_a_server_draws_is_the_rounds():
