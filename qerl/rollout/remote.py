@@ -266,9 +266,11 @@ def _each(items: Sequence[T], call: Callable[[T], Any]) -> list[Any]:
 
 
 class RolloutPipeline:
-    """Rounds sampled on the servers while the trainer trains: round r is sampled with the newest adapter published,
-    once one of version >= r - max_staleness is (version v: the policy after v optimizer steps), so with the default 1
-    round k + 1 samples while step k trains. One worker thread: rounds run in the order submitted."""
+    """Rounds sampled on the servers while the trainer trains. A round is named by its index (any int, unique among
+    the rounds in flight) and trains the optimizer step of its noise (`noise.round[0]`): it is sampled with the newest
+    adapter published once one of version >= that step - max_staleness is (version v: the policy after v optimizer
+    steps), so with the default 1 the round of step k + 1 samples while step k trains. One worker thread: rounds run
+    in the order submitted."""
 
     def __init__(self, pool: ServerPool, max_staleness: int = 1, wait_timeout: float = 1800.0):
         self.pool, self.max_staleness, self.wait_timeout = pool, max_staleness, wait_timeout
@@ -296,13 +298,13 @@ class RolloutPipeline:
         with self._state:
             if not self._state.wait_for(lambda: round_index in self._results, timeout):
                 raise RolloutServerError(f"round {round_index}: no result from the rollout servers after {timeout:g} s")
-            outcome = self._results.pop(round_index)
+            outcome, step = self._results.pop(round_index)
         if isinstance(outcome, Exception):
             raise outcome
-        if not self._fresh(round_index, outcome.adapter_version):
+        if not self._fresh(step, outcome.adapter_version):
             raise StaleAdapter(
-                f"round {round_index} was sampled with adapter v{outcome.adapter_version}, staleness "
-                f"{round_index - outcome.adapter_version} > max {self.max_staleness}"
+                f"round {round_index} (step {step}) was sampled with adapter v{outcome.adapter_version}, staleness "
+                f"{step - outcome.adapter_version} > max {self.max_staleness}"
             )
         return outcome
 
@@ -313,29 +315,30 @@ class RolloutPipeline:
         self._jobs.put(None)
         self._worker.join(timeout)
 
-    def _fresh(self, round_index: int, version: int) -> bool:
-        return round_index - version <= self.max_staleness
+    def _fresh(self, step: int, version: int) -> bool:
+        return step - version <= self.max_staleness
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
+            round_index, prompt_ids, noise, sampling = job
             try:
-                outcome = self._round(*job)
+                outcome = self._round(round_index, prompt_ids, noise, sampling)
             except Exception as err:  # raised again on the trainer's thread, by result()
                 outcome = err
             with self._state:
-                self._results[job[0]] = outcome
+                self._results[round_index] = (outcome, noise.round[0])
                 self._state.notify_all()
 
     def _round(self, round_index: int, prompt_ids, noise: NoiseSpec, sampling: dict[str, Any]) -> RoundResult:
-        snap = self._adapter_for(round_index)
+        snap = self._adapter_for(round_index, noise.round[0])
         self.pool.sync(snap)
         return self.pool.generate(round_index, snap.version, noise, sampling, prompt_ids)
 
-    def _adapter_for(self, round_index: int) -> AdapterSnapshot:
-        """The newest adapter, once it is fresh enough for the round."""
+    def _adapter_for(self, round_index: int, step: int) -> AdapterSnapshot:
+        """The newest adapter, once it is fresh enough for the round's step."""
 
         def fresh() -> bool:
-            return self._newest is not None and self._fresh(round_index, self._newest.version)
+            return self._newest is not None and self._fresh(step, self._newest.version)
 
         with self._state:
             self._state.wait_for(lambda: self._closed or fresh(), self.wait_timeout)
@@ -344,7 +347,7 @@ class RolloutPipeline:
             if not fresh():
                 newest = "none" if self._newest is None else f"v{self._newest.version}"
                 raise StaleAdapter(
-                    f"round {round_index} needs adapter v{round_index - self.max_staleness} or newer (max staleness "
-                    f"{self.max_staleness}); the newest published after {self.wait_timeout:g} s: {newest}"
+                    f"round {round_index} (step {step}) needs adapter v{step - self.max_staleness} or newer (max "
+                    f"staleness {self.max_staleness}); the newest published after {self.wait_timeout:g} s: {newest}"
                 )
             return self._newest

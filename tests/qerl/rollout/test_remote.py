@@ -8,6 +8,7 @@ each around a fake engine whose completions are a function of the LoRA and norms
 stale, wrong or noisy adapter shows in the tokens. What they are held to: the policy's own tensors, and RoundNoise
 replayed on the policy (the trainer's own replay of a round)."""
 
+import dataclasses
 import json
 import socket
 import threading
@@ -309,16 +310,21 @@ def test_a_server_that_dies_or_stalls_during_a_round_is_named(bases):
         assert f"rollout server {alive_url} died during round 8 (no reply within 0.5 s)" in one_line_error(caught)
 
 
+def of_step(step: int) -> NoiseSpec:
+    """A round without noise that trains optimizer step `step`: what its staleness is counted against."""
+    return dataclasses.replace(NO_NOISE, round=(step, 0))
+
+
 def test_the_pipeline_samples_the_next_round_while_a_step_trains(bases):
     policy = trained_policy()
     with serving(bases[0]) as servers:
         pipeline = RolloutPipeline(pool_of(servers, bases[0]), max_staleness=1, wait_timeout=10)
         published = [snapshot(policy, 0)]
         pipeline.publish(published[0])
-        pipeline.submit(0, PROMPTS, NO_NOISE, SAMPLING)
+        pipeline.submit(0, PROMPTS, of_step(0), SAMPLING)
         assert pipeline.result(0, timeout=10).completion_ids == expected(published[0].digest)
         for step in range(3):
-            pipeline.submit(step + 1, PROMPTS, NO_NOISE, SAMPLING)  # returns at once: the round samples ...
+            pipeline.submit(step + 1, PROMPTS, of_step(step + 1), SAMPLING)  # returns at once: the round samples ...
             train_step(policy, step + 1)  # ... while step `step` trains
             sampled = pipeline.result(step + 1, timeout=10)  # before the step's adapter is published
             assert sampled.adapter_version == step
@@ -334,16 +340,18 @@ def test_the_pipeline_refuses_a_round_too_stale_and_reraises_the_workers_error(b
     with serving(bases[0]) as servers:
         pipeline = RolloutPipeline(pool_of(servers, bases[0], timeout=2), max_staleness=1, wait_timeout=0.3)
         pipeline.publish(snapshot(trained_policy(), 0))
-        pipeline.submit(2, PROMPTS, NO_NOISE, SAMPLING)  # needs v1 or newer; only v0 comes
+        pipeline.submit(7, PROMPTS, of_step(2), SAMPLING)  # the round of step 2 needs v1 or newer; only v0 comes
         with pytest.raises(StaleAdapter) as caught:
-            pipeline.result(2, timeout=10)
+            pipeline.result(7, timeout=10)
         message = one_line_error(caught)
-        assert "round 2 needs adapter v1 or newer (max staleness 1); the newest published after 0.3 s: v0" in message
+        assert "round 7 (step 2) needs adapter v1 or newer (max staleness 1); the newest published after 0.3 s: v0" in (
+            message
+        )
 
         url, http, _ = servers[0]
         http.shutdown()
         http.server_close()
-        pipeline.submit(1, PROMPTS, NO_NOISE, SAMPLING)
+        pipeline.submit(1, PROMPTS, of_step(1), SAMPLING)
         with pytest.raises(ServerDied) as caught:
             pipeline.result(1, timeout=10)  # raised on this thread, from the worker's
         assert f"rollout server {url} died during the sync of adapter v0 (ConnectionRefusedError)" in str(caught.value)
