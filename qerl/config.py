@@ -183,6 +183,14 @@ class QeRLConfig(GRPOConfig):
             "answer at the start; past it the run stops in one line naming the server."
         },
     )
+    rollout_max_staleness: int = field(
+        default=0,
+        metadata={
+            "help": "rollout_backend server: 0 samples each round when its step needs it; 1 samples the next "
+            "round on the servers while a step trains, with the adapter of the step before (TRL's importance "
+            "sampling then corrects for it; one training process, one round per optimizer step)."
+        },
+    )
     vllm_enable_sleep_mode: bool = field(
         default=True,
         metadata={
@@ -191,12 +199,13 @@ class QeRLConfig(GRPOConfig):
             "memory. TRL's default is off; QeRL colocates, so on."
         },
     )
-    vllm_importance_sampling_correction: bool = field(
-        default=False,
+    vllm_importance_sampling_correction: bool | None = field(
+        default=None,
         metadata={
             "help": "Correct the rollout/training mismatch (AQN makes one) with TRL's truncated importance "
-            "sampling against the rollout log-probs, whatever the rollout backend. Off by default: the "
-            "QeRL reference has no correction."
+            "sampling against the rollout log-probs, whatever the rollout backend. Default: off (the QeRL "
+            "reference has no correction), on with rollout_max_staleness >= 1, whose rounds sample with an older "
+            "adapter."
         },
     )
     fail_truncated_completions: bool = field(
@@ -269,6 +278,13 @@ class QeRLConfig(GRPOConfig):
                 "use_vllm is TRL's own vLLM path, which would sample without AQN; QeRL picks its engine with "
                 f"rollout_backend (available: {', '.join(ROLLOUT_BACKENDS)})"
             )
+        if self.rollout_max_staleness and self.rollout_backend != "server":
+            raise ValueError(
+                f"rollout_max_staleness {self.rollout_max_staleness} samples ahead on rollout servers: it needs "
+                f"rollout_backend server, not {self.rollout_backend}"
+            )
+        if self.vllm_importance_sampling_correction is None:
+            self.vllm_importance_sampling_correction = self.rollout_max_staleness > 0
         if self.vllm_max_model_length is None and self.max_prompt_length and self.max_completion_length:
             self.vllm_max_model_length = self.max_prompt_length + self.max_completion_length
         try:

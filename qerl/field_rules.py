@@ -61,6 +61,7 @@ RANGES: dict[str, cli.Range | None] = {
     **dict.fromkeys(("num_generations", "num_generations_eval"),
                     cli.Range(int, 2, why="GRPO compares the completions of one prompt")),
     "num_stages": cli.Range(int, 3, why="AQN: one noise-free stage and two noise levels"),
+    "rollout_max_staleness": cli.Range(int, 0, 1, why="the trainer samples one round ahead at most"),
     "max_steps": cli.Range(int, 1, special=(-1,), why="-1: --num-train-epochs decides"),
     "local_rank": cli.Range(int, -1),  # set by launchers; -1: not distributed
     "max_seq_length": None,  # ignored (train.IGNORED_FLAGS)

@@ -41,7 +41,7 @@ QUICK_HELP = {
 QUICK_HELP_TEXT = {
     "gradient_accumulation_steps": "Micro-batches per optimizer step",
     "vllm_importance_sampling_correction": "Correct the rollout/training mismatch with TRL's truncated importance "
-    "sampling",
+    "sampling (default: off; on with --rollout-max-staleness 1)",
     "mask_truncated_completions": "Completions cut at the cap left out of the loss",
     "fail_truncated_completions": "Completions cut at the cap earn 0",
     "soft_overlong_cache": "DAPO overlong punishment, last N tokens (0: off)",

@@ -22,10 +22,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
-from qerl import aqn, base_model, cli, lora, micro_batches, rewards, rollout, sharding, unpadded_forward
+from qerl import aqn, base_model, cli, lora, micro_batches, rewards, rollout, rounds_ahead, sharding, unpadded_forward
 from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
 from qerl.dense_weights import DenseWeights
+from qerl.errors import UsageError
 from qerl.kept_activations import KeptActivations
 from qerl.nonfinite_dump import dump_if_nonfinite, loss_settings
 from qerl.nvfp4.linear import NVFP4Linear
@@ -76,6 +77,8 @@ class QeRLTrainer(GRPOTrainer):
                 args.lora_dropout,
                 args.trainable_norms,
             )
+        if args.rollout_max_staleness:  # each round's rows numbered, to find the next round's in the sampler's order
+            kwargs["train_dataset"] = rounds_ahead.number_rows(kwargs.get("train_dataset"))
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, peft_config=peft_config, **kwargs)
         # ZeRO keeps FP32 masters of its own (and gathers parameters of one dtype); accelerate's FSDP2 upcasts the
         # trainable parameters to FP32 masters itself and all-gathers them in its mixed precision's dtype.
@@ -91,6 +94,7 @@ class QeRLTrainer(GRPOTrainer):
         self._warn_eos_mismatch()
         self.add_callback(KeepModelEos(self.model))
         self.rollout = rollout.create_backend(args.rollout_backend, self._rollout_setup())
+        self.rounds_ahead = self._rounds_ahead() if args.rollout_max_staleness else None
         # The training passes' BF16 copy of the frozen NVFP4 weights: made after each rollout, dropped before the next.
         self.dense_weights = DenseWeights(self.model, args.dense_training_weights)
         # Activations kept instead of recomputed, round by round, where they fit beside the dense copy.
@@ -120,12 +124,13 @@ class QeRLTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------
     # AQN
 
-    def current_sigma(self) -> float:
-        """AQN sigma for the current optimizer step (0 when AQN is off or outside training)."""
+    def current_sigma(self, step: int | None = None) -> float:
+        """AQN sigma for the current optimizer step, or `step` (0 when AQN is off or outside training)."""
         if not self.aqn_enabled or not self.model.training or not self.state.max_steps:
             return 0.0
         a = self.args
-        return aqn.sigma_at(self.state.global_step, self.state.max_steps, a.sigma_start, a.sigma_end, a.num_stages)
+        step = self.state.global_step if step is None else step
+        return aqn.sigma_at(step, self.state.max_steps, a.sigma_start, a.sigma_end, a.num_stages)
 
     def _next_round(self, sigma: float) -> aqn.NoisyRound:
         """The noise of the round about to be sampled. Rounds are counted by (optimizer step, round within the step):
@@ -168,6 +173,10 @@ class QeRLTrainer(GRPOTrainer):
     #   _prepare_inputs(generation_batch): wrapped. On the micro-step that generates, TRL shuffles the batch,
     #       splits it into a new _buffered_inputs list (split_tensor_dict) and returns the step's element of it;
     #       qerl.micro_batches regroups that list by length and the step takes the same position in the new one.
+    #   _get_train_sampler(dataset) -> TRL's RepeatSampler: wrapped (rollout_max_staleness 1) to record an epoch's
+    #       order, which yields each round's rows steps_per_generation x num_iterations times in a row.
+    #   _tokenize_prompts(prompts) -> (prompt_ids, images, multimodal_fields): called on the next round's prompts
+    #       (rollout_max_staleness 1), as _generate will call it on them when that round comes.
     # Private state:
     #   use_vllm: re-used to mean "apply the importance-sampling correction". After __init__ TRL reads it to gate
     #       that correction (the old_per_token_logps forward, the ratio, its loss factor, the sampling/* metrics),
@@ -247,7 +256,9 @@ class QeRLTrainer(GRPOTrainer):
                 self.is_nvfp4 if args.rollout_compact_rows is None else args.rollout_compact_rows,
                 args.rollout_keep_between_rounds,
             ),
-            server=rollout.ServerSettings(tuple(args.rollout_servers), args.rollout_server_timeout),
+            server=rollout.ServerSettings(
+                tuple(args.rollout_servers), args.rollout_server_timeout, args.rollout_max_staleness
+            ),
             vllm=rollout.VLLMSettings(
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 max_model_len=args.vllm_max_model_length,
@@ -285,6 +296,35 @@ class QeRLTrainer(GRPOTrainer):
             finally:
                 sharding.reshard(model)
 
+    def _rounds_ahead(self) -> rounds_ahead.RoundsAhead:
+        """rollout_max_staleness 1: the set-ups where the next round is known while this one trains."""
+        args = self.args
+        generate_every = args.steps_per_generation * args.num_iterations
+        if self.accelerator.num_processes > 1:
+            raise UsageError("rollout_max_staleness 1 runs in one training process (the servers take its rounds)")
+        if generate_every != args.gradient_accumulation_steps:
+            raise UsageError(
+                f"rollout_max_staleness 1 samples one round per optimizer step: steps_per_generation x num_iterations "
+                f"({generate_every}) must equal gradient_accumulation_steps ({args.gradient_accumulation_steps})"
+            )
+        return rounds_ahead.RoundsAhead(generate_every)
+
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        return sampler if self.rounds_ahead is None else self.rounds_ahead.sampler(sampler)
+
+    def _sample_next_round(self) -> None:
+        """Hand the rollout servers the next round while this one trains: its rows in the epoch's order, its prompts
+        tokenized as TRL will, its noise of the next step. At an epoch's end (the next order not drawn yet) and after
+        the last step, nothing: that round is sampled when its step needs it."""
+        rows = self.rounds_ahead.next_rows()
+        step = self.state.global_step + 1
+        if rows is None or step >= self.state.max_steps:
+            return
+        prompt_ids, _, _ = self._tokenize_prompts([self.train_dataset[i]["prompt"] for i in rows])
+        noise = aqn.NoisyRound(self.round_noise, self.current_sigma(step), (step, 0), policy=self.model)
+        self.rollout.sample_ahead(prompt_ids, noise)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if images is not None or multimodal_fields:
             raise NotImplementedError("QeRLTrainer trains text-only policies")
@@ -304,6 +344,8 @@ class QeRLTrainer(GRPOTrainer):
         with profiling_context(self, "dense_weights.materialize"):
             self.dense_weights.materialize()
         self.last_noise = output.noise  # the round's noise, for the metrics and the shift forward
+        if mode == "train" and self.rounds_ahead is not None:
+            self._sample_next_round()
         if mode == "train":
             # the largest micro-batch: its rows padded to the round's longest
             longest = max(len(p) + len(c) for p, c in zip(prompt_ids, output.completion_ids, strict=True))
@@ -332,6 +374,8 @@ class QeRLTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
+        if self.rounds_ahead is not None and self.model.training:
+            self.rounds_ahead.taken(inputs)
         output = super()._generate_and_score_completions(inputs)
         # With the correction on, TRL logs sampling/* itself. When it computed the clean log-probs anyway
         # (generation and optimizer steps misaligned), measure against those; otherwise see _compute_loss.

@@ -42,7 +42,7 @@ LAYERS = [
         "qerl.kept_activations",
     ],
     ["qerl.aqn", "qerl.base_model", "qerl.lora", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
-    ["qerl.callbacks", "qerl.truncation", "qerl.recipes"],
+    ["qerl.callbacks", "qerl.truncation", "qerl.recipes", "qerl.rounds_ahead"],
     ["qerl.trainer", "qerl.run_dir"],
     ["qerl.train", "qerl.demo", "qerl.rollout_server"],
 ]

@@ -56,6 +56,7 @@ class ServerSettings:
 
     urls: tuple[str, ...] = ()  # http://HOST:PORT of each server (python -m qerl.rollout_server), one per GPU
     timeout: float = 600.0  # seconds a call, or the wait for the servers at the start, may take
+    max_staleness: int = 0  # 1: a round may be sampled ahead, with the adapter of the step before its own
 
 
 @dataclass

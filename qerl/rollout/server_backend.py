@@ -1,18 +1,18 @@
 """The `server` rollout backend: each round sampled by rollout servers on GPUs of their own (python -m
-qerl.rollout_server, one per GPU), with the policy's adapter as it is now.
+qerl.rollout_server, one per GPU), with the policy's adapter.
 
-Every round: a snapshot of the policy's LoRA and trained norms, sent to the servers that do not hold it yet (a new
-version whenever its digest changed: once per optimizer step, not once per round); the round's AQN as its seed,
-round and sigma, which each server turns into the trainer's noise on its own norms; the prompts cut into one shard
-per server; the digest of the norms each server sampled under, checked against the same noise on the policy.
-Synchronous: the trainer waits for its round (staleness 0), so its samples are those of the colocated
-vllm backend on the same adapter and noise. Sampling ahead while a step trains (qerl/rollout/remote.py's
-RolloutPipeline) is not wired into the trainer yet.
+Every round: a snapshot of the policy's LoRA and trained norms (version: the optimizer steps it has taken), sent to
+the servers that do not hold it yet; the round's AQN as its seed, round and sigma, which each server turns into the
+trainer's noise on its own norms; the prompts cut into one shard per server; the digest of the norms each server
+sampled under, checked against the same noise on the policy.
+
+With max_staleness 0 the trainer waits for each round as its step needs it. With 1, the trainer hands over the next
+round's prompts and noise as soon as it has taken this one (`sample_ahead`), and the servers sample it while this
+step trains, with this step's adapter (qerl/rollout/remote.py's RolloutPipeline): the round the next step trains on
+was sampled one version behind, which TRL's importance-sampling correction accounts for.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -20,9 +20,9 @@ from qerl import aqn
 from qerl.aqn import RoundNoise
 from qerl.errors import UsageError
 from qerl.rollout.base import Perturb, RolloutBackend, RolloutOutput, RolloutSetup
-from qerl.rollout.remote import AdapterMismatch, ServerPool
+from qerl.rollout.remote import AdapterMismatch, RolloutPipeline, ServerPool
 from qerl.rollout.vllm import lora_settings, sampling_kwargs
-from qerl.rollout.wire import AdapterSnapshot, NoiseSpec, norms_digest, snapshot
+from qerl.rollout.wire import NoiseSpec, RoundResult, norms_digest, snapshot
 
 # A round without AQN (evaluation, or AQN off): sigma 0 draws nothing, whatever the other settings.
 NO_NOISE = NoiseSpec(0.0, (0, 0), 0, False, False, "fp32")
@@ -52,7 +52,8 @@ class ServerRollout(RolloutBackend):
 
     def __init__(self, setup: RolloutSetup):
         super().__init__(setup)
-        if not setup.server.urls:
+        settings = setup.server
+        if not settings.urls:
             raise UsageError(
                 "rollout_backend server: give rollout_servers, the address of each rollout server "
                 "(http://HOST:PORT; start one per GPU with python -m qerl.rollout_server)"
@@ -62,31 +63,51 @@ class ServerRollout(RolloutBackend):
                 raise UsageError("rollout_backend server samples a LoRA policy: the servers hold the base alone")
             rank = lora_settings(policy)["r"]
         self.sampling = sampling_kwargs(setup.generation_config, setup.eos_token_ids)
-        self.pool = ServerPool(setup.server.urls, setup.model_path, lora_rank=rank, timeout=setup.server.timeout)
-        self.pool.handshake(setup.server.timeout)
-        self.adapter: AdapterSnapshot | None = None  # the newest adapter sent
-        self.rounds = 0
+        self.pool = ServerPool(settings.urls, setup.model_path, lora_rank=rank, timeout=settings.timeout)
+        self.pool.handshake(settings.timeout)
+        self.timeout = settings.timeout
+        self.pipeline = RolloutPipeline(self.pool, settings.max_staleness, settings.timeout)
+        self.ahead: dict[NoiseSpec, tuple[int, list[list[int]]]] = {}  # a round sampled ahead: its index and prompts
+        self.rounds = 0  # rounds handed to the pipeline (their indices)
+        self.rounds_ahead = 0  # of them, the rounds sampled ahead that a step then took
 
     def generate(self, prompt_ids: list[list[int]], perturb: Perturb) -> RolloutOutput:
+        """The round of `perturb`: the one sampled ahead for it when its prompts and noise are these, else sampled
+        now. Either way with the policy's adapter as it is now published first."""
         spec = noise_spec(perturb)
         with self.setup.open_policy() as policy:
-            self.adapter = self._current_adapter(policy)
+            adapter = snapshot(policy, spec.round[0])
             expected = noisy_norms_digest(policy, spec)
-        self.pool.sync(self.adapter)
-        result = self.pool.generate(self.rounds, self.adapter.version, spec, self.sampling, prompt_ids)
-        if result.noise_digest != expected:
-            raise AdapterMismatch(
-                f"rollout servers {result.server} sampled round {self.rounds} under other norms than the trainer's "
-                f"({result.noise_digest[:12]} vs {expected[:12]}): another checkpoint's norms, or another torch "
-                f"(the trainer's is {torch.__version__}; see each server's /qerl/info)"
-            )
-        self.rounds += 1
+        self.pipeline.publish(adapter)
+        index, prompts = self.ahead.pop(spec, (None, None))
+        if prompts == prompt_ids:
+            self.rounds_ahead += 1
+        else:
+            if index is not None:  # sampled for other prompts (a resumed run's first round): not this round's
+                self.pipeline.result(index, self.timeout)
+            index = self._submit(prompt_ids, spec)
+        result = self.pipeline.result(index, self.timeout)
+        # A round sampled one version behind had the norms of that version: checked where the norms are not trained.
+        if result.adapter_version == adapter.version or not adapter.norms:
+            self._check_norms(result, spec, expected)
         return RolloutOutput(result.completion_ids, result.logprobs, result.noise)
 
-    def _current_adapter(self, policy) -> AdapterSnapshot:
-        """The policy's adapter: the one sent last while its tensors are unchanged, else a new version."""
-        current = snapshot(policy, 0)
-        if self.adapter is None:
-            return current
-        changed = current.digest != self.adapter.digest
-        return dataclasses.replace(current, version=self.adapter.version + changed)
+    def sample_ahead(self, prompt_ids: list[list[int]], perturb: aqn.NoisyRound) -> None:
+        """Start sampling a later round (`perturb`: its noise, of the step it will train) with the newest adapter;
+        `generate` of that round takes it."""
+        spec = noise_spec(perturb)
+        self.ahead[spec] = (self._submit(prompt_ids, spec), prompt_ids)
+
+    def _submit(self, prompt_ids: list[list[int]], spec: NoiseSpec) -> int:
+        self.rounds += 1
+        self.pipeline.submit(self.rounds, prompt_ids, spec, self.sampling)
+        return self.rounds
+
+    def _check_norms(self, result: RoundResult, spec: NoiseSpec, expected: str) -> None:
+        if result.noise_digest != expected:
+            step, k = spec.round
+            raise AdapterMismatch(
+                f"rollout servers {result.server} sampled round {k} of step {step} under other norms than the trainer's"
+                f" ({result.noise_digest[:12]} vs {expected[:12]}): another checkpoint's "
+                f"norms, or another torch (the trainer's is {torch.__version__}; see each server's /qerl/info)"
+            )
