@@ -24,39 +24,12 @@ SIGMA = 1e-2
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from peft import get_peft_model
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from vllm_policy import random_nvfp4_policy
 
-    from qerl import base_model, lora
-    from qerl.nvfp4.checkpoint import save_nvfp4_checkpoint
-    from qerl.nvfp4.quantize import quantize_model
     from qerl.rollout import RolloutSetup, VLLMSettings
     from qerl.rollout.vllm import VLLMRollout
 
-    root = tmp_path_factory.mktemp("vllm")
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=2048,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-    )
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    save_nvfp4_checkpoint(quantize_model(model), root / "nvfp4")
-    base = base_model.load_base_model(str(root / "nvfp4"), device="cuda")
-    peft_model = get_peft_model(base, lora.lora_config(base, rank=16, alpha=16, trainable_norms=True))
-    with torch.no_grad():  # a trained-looking adapter: B and the norm scales moved away from their init
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02)
-            elif "modules_to_save" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    peft_model.eval()
+    folder, peft_model = random_nvfp4_policy(tmp_path_factory.mktemp("vllm"))
     generation_config = peft_model.generation_config
     # No top-p/top-k: their renormalisation would shift vLLM's processed log-probs away from logits / T.
     generation_config.update(max_new_tokens=24, do_sample=True, temperature=0.8, top_p=1.0, top_k=0)
@@ -66,7 +39,7 @@ def setup(tmp_path_factory):
         pad_token_id=0,
         open_policy=lambda: contextlib.nullcontext(peft_model),
         device=torch.device("cuda"),
-        model_path=str(root / "nvfp4"),
+        model_path=folder,
         vllm=VLLMSettings(gpu_memory_utilization=0.25, max_model_len=512, sleep=True),
     )
     backend = VLLMRollout(rollout_setup)

@@ -1,0 +1,89 @@
+"""A real rollout server (python -m qerl.rollout_server, vLLM in its own process) against the colocated vllm backend
+on the same GPU (GPU only; vLLM from ../shared/gpu-site on the GPU machine; engine starts take about a minute each).
+
+On the random NVFP4 checkpoint of test_vllm_gpu.py with a trained-looking LoRA r16 and trained norms: the server
+takes the adapter (its digest, the norms read back), samples greedily the tokens the colocated engine samples with
+the same adapter, and under AQN reads back the noisy norms the trainer draws on the policy.
+"""
+
+import contextlib
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks.launch import REPO, child_env, free_port
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from vllm_policy import random_nvfp4_policy
+
+    from qerl.rollout import RolloutSetup, VLLMSettings
+    from qerl.rollout.remote import ServerPool
+    from qerl.rollout.vllm import VLLMRollout
+
+    root = tmp_path_factory.mktemp("server")
+    folder, policy = random_nvfp4_policy(root)
+    port = free_port()
+    command = [sys.executable, "-m", "qerl.rollout_server", "--model", folder, "--port", str(port), "--seed", "1",
+               "--gpu-memory-utilization", "0.25", "--max-model-len", "512"]  # fmt: skip
+    with open(root / "server.log", "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=child_env())
+    try:
+        pool = ServerPool([f"http://127.0.0.1:{port}"], folder, lora_rank=16, timeout=300)
+        pool.handshake(timeout=300)
+        generation_config = policy.generation_config
+        generation_config.update(max_new_tokens=24, do_sample=False, top_p=1.0, top_k=0)
+        colocated = VLLMRollout(
+            RolloutSetup(
+                generation_config=generation_config,
+                eos_token_ids=[2],
+                pad_token_id=0,
+                open_policy=lambda: contextlib.nullcontext(policy),
+                device=torch.device("cuda"),
+                model_path=folder,
+                vllm=VLLMSettings(gpu_memory_utilization=0.25, max_model_len=512, sleep=True),
+            )
+        )
+        prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (17, 40, 64, 9)]
+        yield pool, colocated, policy, prompts
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def test_the_server_holds_the_adapter_and_samples_the_colocated_engines_greedy_tokens(setup):
+    from qerl.rollout import no_noise
+    from qerl.rollout.server_backend import NO_NOISE
+    from qerl.rollout.wire import snapshot
+
+    pool, colocated, policy, prompts = setup
+    snap = snapshot(policy, 0)
+    assert pool.sync(snap) == 1 and pool.held[pool.clients[0].url] == (0, snap.digest)  # norms read back as sent
+    served = pool.generate(0, 0, NO_NOISE, colocated.sampling, prompts)
+    local = colocated.generate(prompts, no_noise)
+    assert served.completion_ids == local.completion_ids
+    for a, b in zip(served.logprobs, local.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+
+
+def test_under_aqn_the_server_reads_back_the_noisy_norms_the_trainer_draws(setup):
+    from qerl import aqn
+    from qerl.rollout.server_backend import noise_spec, noisy_norms_digest
+    from qerl.rollout.wire import snapshot
+
+    pool, colocated, policy, prompts = setup
+    pool.sync(snapshot(policy, 0))
+    noisy = aqn.NoisyRound(aqn.RoundNoise(3, True, "fp32", False), 1e-2, (5, 0), policy=policy)
+    spec = noise_spec(noisy)
+    served = pool.generate(1, 0, spec, colocated.sampling, prompts)
+    assert served.noise.sigma == 1e-2 and served.noise.changed_fraction > 0.9
+    assert served.noise_digest == noisy_norms_digest(policy, spec)
