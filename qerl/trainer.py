@@ -352,6 +352,8 @@ class QeRLTrainer(GRPOTrainer):
             self.kept_activations.decide(self.args.per_device_train_batch_size * longest, self.accelerator.device)
             self._metrics[mode]["aqn/sigma"].append(sigma)
             self._metrics[mode]["aqn/changed_fraction"].append(self.last_noise.changed_fraction)
+            if output.adapter_version is not None:  # optimizer steps between the adapter that sampled and this one
+                self._metrics[mode]["rollout/staleness"].append(self.state.global_step - output.adapter_version)
         return output.completion_ids, output.logprobs
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

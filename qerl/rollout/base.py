@@ -136,6 +136,7 @@ class RolloutOutput:
     completion_ids: list[list[int]]  # up to and including the first EOS
     logprobs: list[list[float]]  # one per completion token, under the (noisy) rollout policy
     noise: Any = None  # what `perturb` yielded (qerl.aqn.NoiseStats)
+    adapter_version: int | None = None  # the optimizer steps of the adapter that sampled (rollout servers), else None
 
 
 def truncate_at_eos(completion_ids: list[list[int]], logprobs: list[list[float]], eos_token_ids) -> RolloutOutput:

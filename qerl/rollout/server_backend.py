@@ -90,7 +90,7 @@ class ServerRollout(RolloutBackend):
         # A round sampled one version behind had the norms of that version: checked where the norms are not trained.
         if result.adapter_version == adapter.version or not adapter.norms:
             self._check_norms(result, spec, expected)
-        return RolloutOutput(result.completion_ids, result.logprobs, result.noise)
+        return RolloutOutput(result.completion_ids, result.logprobs, result.noise, result.adapter_version)
 
     def sample_ahead(self, prompt_ids: list[list[int]], perturb: aqn.NoisyRound) -> None:
         """Start sampling a later round (`perturb`: its noise, of the step it will train) with the newest adapter;

@@ -112,6 +112,7 @@ def test_with_staleness_one_the_next_round_samples_while_a_step_trains(checkpoin
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert len(logs) == 3 and all(torch.isfinite(torch.tensor(log["loss"])) for log in logs)
     assert all("sampling/importance_sampling_ratio/mean" in log for log in logs)
+    assert [log["rollout/staleness"] for log in logs] == [0, 1, 1]  # each step's round, versions behind
 
 
 def test_the_rows_after_a_round_follow_trls_sampler():
