@@ -60,16 +60,19 @@ def test_it_makes_the_output_error_smaller_where_inputs_are_correlated(seed):
         assert _output_error(x, weight, ours) < 0.9 * _output_error(x, weight, nearest)
 
 
-def test_an_input_that_never_fired_is_rounded_alone():
-    """H's row and column of a dead input are 0 (singular): it gets weight 1 on the diagonal, no NaN anywhere."""
-    x = torch.randn(512, 64)
+def test_an_input_that_never_fired_is_rounded_alone(seed):
+    """H's row and column of a dead input are 0 (singular): it gets weight 1 on the diagonal, no NaN anywhere, and the
+    other inputs' errors still go where GPTQ sends them. Correlated inputs, as activations are: on independent ones
+    GPTQ's edge is too small for one draw (it lost to round-to-nearest in 1 of 40 seeds); here it was 0.41-0.67 of
+    round-to-nearest's error over 100 seeds."""
+    x = torch.randn(512, 64) @ (torch.eye(64) + 0.3 * torch.randn(64, 64))
     x[:, 5] = 0
     weight = torch.randn(16, 64, dtype=torch.bfloat16)
     moments = gptq.InputMoments()
     moments.add(None, (x,))
     q = gptq.gptq_weight(weight, moments.hessian(), codec.compute_global_scale(weight))
     assert torch.isfinite(q.dequantize(torch.float32)).all()
-    assert _output_error(x, weight, q) < _output_error(x, weight, codec.quantize(weight))
+    assert _output_error(x, weight, q) < 0.9 * _output_error(x, weight, codec.quantize(weight))
 
 
 def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
