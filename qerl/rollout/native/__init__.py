@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from qerl.errors import UsageError
 from qerl.rollout.base import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
 
 
@@ -48,11 +47,6 @@ class NativeRollout(RolloutBackend):
         if self.engine is None or self._policy_id != id(policy):  # built once: the module tree never changes
             settings = self.setup.native
             gib = settings.kv_cache_gib
-            if settings.keep_between_rounds is True and self.setup.sharding is not None:
-                raise UsageError(
-                    f"rollout_keep_between_rounds: the policy is sharded ({self.setup.sharding}) and gathered anew "
-                    "every round, which a kept decode graph would not read; turn it off"
-                )
             decoder = Decoder(policy, gather_each_round=self.setup.sharding is not None)
             self.engine = NativeEngine(
                 decoder,

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.device_facts import MemoryRule, available_bytes
+from qerl.errors import UsageError
 from qerl.rollout.native import kv_cache
 from qerl.rollout.native.attention import decode_attention
 from qerl.rollout.native.decode_state import DecodeState, KeptStep, KeptWave
@@ -84,9 +85,9 @@ class NativeEngine:
         self.compact_rows = compact_rows
         self.row_multiple = row_multiple  # compacted batches: multiples of it (few captured shapes, whole GEMM tiles)
         if keep_between_rounds and decoder.gather_each_round:
-            raise ValueError(
-                "native rollout: keep_between_rounds needs an unsharded policy (a sharded one's embedding and "
-                "biases are gathered into new tensors every round, which a kept graph would not read)"
+            raise UsageError(
+                "rollout_keep_between_rounds: the policy is sharded (FSDP2 or ZeRO-3) and gathered into new tensors "
+                "every round, which a kept decode graph would not read; turn it off"
             )
         # None (by memory, KEPT_AUTO_SHARE): never for a sharded policy
         self.keep_between_rounds = (

@@ -75,7 +75,7 @@ def test_auto_picks_native_on_a_gpu_and_falls_back_where_native_cannot_run(monke
 
 def test_keeping_rounds_refuses_a_sharded_policy_in_one_line():
     """rollout_keep_between_rounds under FSDP2 / ZeRO-3: the gathered weights are new tensors every round, which a
-    kept decode graph would not read; the backend says so before any round."""
+    kept decode graph would not read; the engine says so as the backend builds it, before any round."""
     from qerl.errors import UsageError
     from qerl.nvfp4.quantize import quantize_model
 
@@ -84,5 +84,5 @@ def test_keeping_rounds_refuses_a_sharded_policy_in_one_line():
     setup = _setup(
         model, tokenizer, torch.device("cpu"), sharding="fsdp2", native=rollout.NativeSettings(keep_between_rounds=True)
     )
-    with pytest.raises(UsageError, match=r"^rollout_keep_between_rounds: the policy is sharded \(fsdp2\)"):
+    with pytest.raises(UsageError, match=r"^rollout_keep_between_rounds: the policy is sharded \(FSDP2 or ZeRO-3\)"):
         rollout.create_backend("native", setup)

@@ -9,6 +9,7 @@ from native_policies import ARCHITECTURES, _engine, _hf_greedy, _logprob_differe
 from transformers import GenerationConfig
 
 from qerl import aqn
+from qerl.errors import UsageError
 from qerl.rollout import truncate_at_eos
 from qerl.rollout.native import engine as engine_module
 from qerl.rollout.native.decoder import Decoder
@@ -254,7 +255,7 @@ def test_keeping_waves_refuses_a_sharded_policy():
     model, tokenizer = _policy()
     decoder = Decoder(model)
     decoder.gather_each_round = True
-    with pytest.raises(ValueError, match="keep_between_rounds needs an unsharded policy"):
+    with pytest.raises(UsageError, match="^rollout_keep_between_rounds: the policy is sharded"):
         NativeEngine(decoder, Sampler(GenerationConfig()), [-1], tokenizer.pad_token_id, keep_between_rounds=True)
     # by memory (a training run's default) it is simply off
     assert (
