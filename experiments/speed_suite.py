@@ -19,6 +19,8 @@ redoes only what was lost); a job whose inputs are still arriving waits for them
                live-row compaction (--rollout-compact-rows), both with activations kept in micro-batches of 32
                (-kept-mb32), both with TRL's random micro-batches, both compiled (--compile-layers)
   trl-baseline benchmarks.trl_baseline on the BF16 checkpoint, the same recipe and steps
+  server-*     benchmarks.step on one GPU with --rollout-backend server, rollout servers (python -m
+               qerl.rollout_server) on 1 or 3 more, the batch grown with the GPUs; -ahead: --rollout-max-staleness 1
   gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
   vllm-rollout benchmarks.rollout --rollout-backend vllm at 1.5B (vLLM's share from the free memory)  (needs --site)
 Results: OUT/results/<job>.json (each benchmark's own JSON); logs: OUT/logs/. `summarize` writes OUT/summary.md
@@ -28,13 +30,15 @@ Results: OUT/results/<job>.json (each benchmark's own JSON); logs: OUT/logs/. `s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.launch import RECIPES, child_env, gpu_count, last_error, run_logged
+from benchmarks.launch import RECIPES, child_env, free_port, gpu_count, kill_session, last_error, run_logged
 from experiments.multi_gpu_runner import Job, run_phase, say
 from experiments.multi_gpu_summary import bundle, load_results
 
@@ -74,6 +78,16 @@ REAL_RUNS = {
 }
 
 
+# Rollouts on their own GPUs (issue 51; docs/multi_gpu.md, "The first GPU lease of rollout servers"): the real
+# NVFP4 1.5B trained on one GPU, sampled by rollout servers on the others, the recipe's batch grown with the GPUs
+# (weak scaling: each GPU the colocated run's 8 prompts x 8 samples). name: (servers, qerl.train flags)
+SERVER_RUNS = {
+    "server-1p1": (1, ["--gradient-accumulation-steps", "8"]),
+    "server-1p1-ahead": (1, ["--gradient-accumulation-steps", "8", "--rollout-max-staleness", "1"]),
+    "server-1p3-ahead": (3, ["--gradient-accumulation-steps", "16", "--rollout-max-staleness", "1"]),
+}
+
+
 def wait_for(path: Path, what: str, timeout: float) -> None:
     deadline = time.time() + timeout
     while not path.exists():
@@ -85,11 +99,8 @@ def wait_for(path: Path, what: str, timeout: float) -> None:
 def run_commands(args, name: str, commands: list[list[str]], gpu_ids: list[int], site: bool) -> list[str]:
     """Each command (python -m ... arguments) on the job's GPUs, one log each, all of them whatever fails; returns
     what failed, one line each."""
-    env = child_env(CUDA_VISIBLE_DEVICES=",".join(str(args.gpu_ids[i]) if args.gpu_ids else str(i) for i in gpu_ids))
-    if site:
-        wait_for(Path(args.site) / ".complete", "the gpu-site packages", args.timeout)
-        env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{args.site}"
-        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    visible = ",".join(str(args.gpu_ids[i]) if args.gpu_ids else str(i) for i in gpu_ids)
+    env = site_env(args, CUDA_VISIBLE_DEVICES=visible) if site else child_env(CUDA_VISIBLE_DEVICES=visible)
     failed = []
     for i, command in enumerate(commands):
         log = Path(args.out) / "logs" / (f"{name}.log" if len(commands) == 1 else f"{name}-{i}.log")
@@ -97,6 +108,58 @@ def run_commands(args, name: str, commands: list[list[str]], gpu_ids: list[int],
         if code != 0:
             failed.append(f"exit code {code} ({log}): {last_error(log)}")
     return failed
+
+
+def site_env(args, **extra: str) -> dict[str, str]:
+    """A child's environment with the gpu-site packages (vLLM, trl) after the checkout, once they have arrived."""
+    wait_for(Path(args.site) / ".complete", "the gpu-site packages", args.timeout)
+    env = child_env(**extra)
+    env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{args.site}"
+    env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return env
+
+
+@contextlib.contextmanager
+def rollout_servers(args, name: str, gpu_ids: list[int], model: str):
+    """python -m qerl.rollout_server on each of `gpu_ids` (a port and a seed of its own, logs beside the job's);
+    yields their addresses, and stops them after. The trainer's handshake waits for them to load."""
+    servers, urls = [], []
+    try:
+        for i, gpu in enumerate(gpu_ids):
+            port = free_port()
+            command = [sys.executable, "-m", "qerl.rollout_server", "--model", model, "--port", str(port),
+                       "--seed", str(i + 1), "--gpu-memory-utilization", "0.85"]  # fmt: skip
+            env = site_env(args, CUDA_VISIBLE_DEVICES=str(args.gpu_ids[gpu] if args.gpu_ids else gpu))
+            log = Path(args.out) / "logs" / f"{name}-server{i}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "w") as out:
+                servers.append(
+                    subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                )
+            urls.append(f"http://127.0.0.1:{port}")
+        yield urls
+    finally:
+        for server in servers:
+            kill_session(server)
+
+
+def server_job(args, name: str, servers: int, flags: list[str], steps: list[str]) -> Job:
+    """benchmarks.step on the first of the job's GPUs, its rounds sampled by rollout servers on the others."""
+    out = Path(args.out) / "json" / f"{name}.json"
+    model = checkpoints(args)["nvfp4"]
+
+    def work(gpu_ids):
+        real_prepared(args)
+        with rollout_servers(args, name, gpu_ids[1:], model) as urls:
+            command = ["-m", "benchmarks.step", "--out", str(out), "--model", model, "--config", str(REAL_RECIPE),
+                       "--rollout-backend", "server", "--profile", *steps, "--",
+                       "--rollout-servers", *urls, *flags]  # fmt: skip
+            failed = run_commands(args, name, [command], gpu_ids[:1], site=True)
+        if failed and not out.is_file():
+            raise RuntimeError("; ".join(failed))
+        return {name: json.loads(out.read_text()), **({"failed": failed} if failed else {})}
+
+    return Job(name, 1 + servers, work, guess=0)
 
 
 def bench_job(args, name: str, commands: list[tuple[str | None, list[str]]], site: bool = False, after=None) -> Job:
@@ -203,6 +266,10 @@ def jobs(args) -> list[Job]:
                         args, "trl-baseline", [("trl-baseline", anchor)], site=True, after=lambda: real_prepared(args)
                     )  # fmt: skip
                 )
+        # those the machine has the GPUs for (a job waits for as many free GPUs as it holds)
+        found += [
+            server_job(args, name, n, flags, steps) for name, (n, flags) in SERVER_RUNS.items() if 1 + n <= args.gpus
+        ]
     return found
 
 

@@ -24,8 +24,12 @@ def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
         "real-nvfp4-dense", "real-bf16", "trl-baseline", "real-nvfp4-dense-before", "real-bf16-before",
         "real-nvfp4-dense-combined", "real-bf16-combined", "real-nvfp4-dense-compact", "real-bf16-compact",
         "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32", "real-nvfp4-dense-random-split",
-        "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled",
+        "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled", "server-1p1", "server-1p1-ahead",
+        "server-1p3-ahead",
     ]  # fmt: skip
+    two_gpus = _args(tmp_path, gguf="x")
+    two_gpus.gpus = 2
+    assert [job.name for job in speed_suite.jobs(two_gpus)][-2:] == ["server-1p1", "server-1p1-ahead"]  # 1 + 3: no
     prep = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == "real-prep")
     assert prep.gpus == 0 and prep.share == 3  # beside the others, on the last GPU
 
@@ -97,3 +101,45 @@ def test_a_real_run_waits_for_the_checkpoints_not_only_a_kept_result(tmp_path, m
         (tmp_path / folder / "config.json").unlink()
     with pytest.raises(RuntimeError, match="real-prep failed"):
         speed_suite.real_prepared(args)
+
+
+def test_a_server_job_trains_on_its_first_gpu_and_serves_from_the_others(tmp_path, monkeypatch):
+    """server-1p3-ahead holds four GPUs: python -m qerl.rollout_server on the last three (ports and seeds of their own,
+    the NVFP4 checkpoint), benchmarks.step on the first with every server's address, and the servers stopped after."""
+    args = _args(tmp_path, gguf="x")
+    args.gpu_ids = [4, 5, 6, 7]  # the machine's GPUs the suite may use
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / ".complete").touch()
+    monkeypatch.setattr(speed_suite, "real_prepared", lambda args: None)
+    started, killed, ran = [], [], []
+
+    class Server:
+        def __init__(self, command, env, **kwargs):
+            started.append((command, env["CUDA_VISIBLE_DEVICES"]))
+
+    monkeypatch.setattr(speed_suite.subprocess, "Popen", Server)
+    monkeypatch.setattr(speed_suite, "kill_session", killed.append)
+
+    def run_commands(args, name, commands, gpu_ids, site):
+        ran.append((commands, gpu_ids))
+        (tmp_path / "json" / f"{name}.json").write_text(json.dumps({"profile": {"step_seconds": [1.0]}}))
+        return []
+
+    monkeypatch.setattr(speed_suite, "run_commands", run_commands)
+    (tmp_path / "json").mkdir()
+    job = next(job for job in speed_suite.jobs(args) if job.name == "server-1p3-ahead")
+    assert job.gpus == 4
+    result = job.work([0, 1, 2, 3])
+    assert result == {"server-1p3-ahead": {"profile": {"step_seconds": [1.0]}}}
+    nvfp4 = speed_suite.checkpoints(args)["nvfp4"]
+    ports = []
+    for i, (command, gpu) in enumerate(started):
+        assert command[1:5] == ["-m", "qerl.rollout_server", "--model", nvfp4] and gpu == str(5 + i)
+        assert command[command.index("--seed") + 1] == str(i + 1)
+        ports.append(command[command.index("--port") + 1])
+    assert len(started) == 3 and len(set(ports)) == 3 and len(killed) == 3
+    (command,), gpu_ids = ran[0]
+    assert gpu_ids == [0] and command[command.index("--rollout-backend") + 1] == "server"
+    flags = command[command.index("--") + 1 :]
+    assert flags[: 1 + 3] == ["--rollout-servers", *(f"http://127.0.0.1:{port}" for port in ports)]
+    assert flags[4:] == ["--gradient-accumulation-steps", "16", "--rollout-max-staleness", "1"]
