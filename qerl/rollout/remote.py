@@ -277,6 +277,7 @@ class RolloutPipeline:
         self._state = threading.Condition()  # guards what follows; notified on every change
         self._newest: AdapterSnapshot | None = None
         self._results: dict[int, RoundResult | Exception] = {}
+        self._unwanted: set[int] = set()  # rounds whose result nobody will ask for (discard)
         self._closed = False
         self._jobs: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="qerl-rollout-pipeline", daemon=True)
@@ -308,6 +309,12 @@ class RolloutPipeline:
             )
         return outcome
 
+    def discard(self, round_index: int) -> None:
+        """Nobody will ask for this round's result: dropped when it comes (or now, if it has)."""
+        with self._state:
+            if self._results.pop(round_index, None) is None:
+                self._unwanted.add(round_index)
+
     def close(self, timeout: float = 60.0) -> None:
         with self._state:
             self._closed = True
@@ -326,7 +333,10 @@ class RolloutPipeline:
             except Exception as err:  # raised again on the trainer's thread, by result()
                 outcome = err
             with self._state:
-                self._results[round_index] = (outcome, noise.round[0])
+                if round_index in self._unwanted:
+                    self._unwanted.discard(round_index)
+                else:
+                    self._results[round_index] = (outcome, noise.round[0])
                 self._state.notify_all()
 
     def _round(self, round_index: int, prompt_ids, noise: NoiseSpec, sampling: dict[str, Any]) -> RoundResult:

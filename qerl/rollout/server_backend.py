@@ -80,11 +80,15 @@ class ServerRollout(RolloutBackend):
             expected = noisy_norms_digest(policy, spec)
         self.pipeline.publish(adapter)
         index, prompts = self.ahead.pop(spec, (None, None))
+        # Rounds sampled ahead for this step or an earlier one that are not this round (another round of the step
+        # came first, an evaluation's; or other prompts, a resumed run's) will never be asked for.
+        for stale in [s for s in self.ahead if s.round[0] <= spec.round[0]]:
+            self.pipeline.discard(self.ahead.pop(stale)[0])
         if prompts == prompt_ids:
             self.rounds_ahead += 1
         else:
-            if index is not None:  # sampled for other prompts (a resumed run's first round): not this round's
-                self.pipeline.result(index, self.timeout)
+            if index is not None:
+                self.pipeline.discard(index)
             index = self._submit(prompt_ids, spec)
         result = self.pipeline.result(index, self.timeout)
         # A round sampled one version behind had the norms of that version: checked where the norms are not trained.

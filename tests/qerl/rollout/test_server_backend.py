@@ -135,3 +135,22 @@ def test_the_rows_after_a_round_follow_trls_sampler():
 def test_a_dataset_without_rows_to_read_ahead_is_one_line():
     with pytest.raises(UsageError, match=r"^rollout_max_staleness 1 reads the next round's rows ahead, which a list"):
         rounds_ahead.number_rows([{"prompt": "1 + 1"}])
+
+
+def test_a_round_sampled_ahead_that_no_step_takes_is_dropped(checkpoints, tmp_path):
+    """An evaluation round at step 1 takes the noise round (1, 0) that step 1's round was sampled ahead for, so the
+    training round comes as (1, 1): sampled anew, and the one sampled ahead is dropped, not kept for ever."""
+    _, nvfp4_dir = checkpoints
+    with serving(nvfp4_dir) as servers:
+        args = recipe_config(
+            tmp_path, rollout_backend="server", rollout_servers=[url for url, _, _ in servers], rollout_max_staleness=1
+        )
+        backend = make_trainer(nvfp4_dir, args).rollout
+        noise = aqn.RoundNoise(seed=3, include_final=False, dtype_rule="fp32", include_head_norms=False)
+        prompts = [[5, 6, 7]] * 4
+        backend.sample_ahead(prompts, aqn.NoisyRound(noise, 1e-2, (1, 0)))
+        taken = backend.generate(prompts, aqn.NoisyRound(noise, 1e-2, (1, 1)))
+        assert taken.noise.sigma == 1e-2 and backend.rounds_ahead == 0 and backend.ahead == {}
+        backend.pipeline.close()
+        assert backend.pipeline._results == {} and backend.pipeline._unwanted == set()
+    assert sum(fake.prompts_seen for _, _, fake in servers) == 8  # both rounds were sampled, one of them dropped
