@@ -98,6 +98,8 @@ class RolloutServer:
             self.engine.load_lora(snap.lora, snap.settings)
             self.engine.load_norms(snap.norms)
             self.held = (snap.version, adapter_digest(snap.lora, self._norms_held(snap.norms)))
+        # What a sync costs: the adapter's bytes, never the base's (issue 51's measure of it)
+        logger.info("adapter v%d: %.1f MB received, digest %s", snap.version, len(blob) / 1e6, self.held[1][:12])
         return {"version": self.held[0], "digest": self.held[1]}
 
     def generate(self, request: RoundRequest) -> RoundResult:

@@ -167,8 +167,9 @@ def one_line_error(caught) -> str:
     return message
 
 
-def test_a_sync_puts_the_policys_adapter_on_every_server_bit_for_bit_and_only_once(bases):
+def test_a_sync_puts_the_policys_adapter_on_every_server_bit_for_bit_and_only_once(bases, caplog):
     policy = trained_policy()
+    caplog.set_level("INFO", logger="qerl.rollout.server")
     with serving(bases[0]) as servers:
         pool = pool_of(servers, bases[0])
         snap = snapshot(policy, 0)
@@ -179,6 +180,9 @@ def test_a_sync_puts_the_policys_adapter_on_every_server_bit_for_bit_and_only_on
             assert all(torch.equal(fake.lora[n], t) and fake.lora[n].dtype == t.dtype for n, t in lora_ref.items())
             held = dict(fake.model.named_parameters())  # read back from the engine's model
             assert all(held[n].dtype == torch.float32 and torch.equal(held[n], t) for n, t in norms_ref.items())
+        megabytes = len(encode_adapter(snap)) / 1e6  # the adapter's bytes: what each server logs it received
+        assert [r.getMessage() for r in caplog.records].count(f"adapter v0: {megabytes:.1f} MB received, "
+                                                              f"digest {snap.digest[:12]}") == 2  # fmt: skip
         assert pool.sync(snap) == 0  # the same version and digest: nothing sent
         assert [fake.loads for _, _, fake in servers] == [1, 1]
         train_step(policy, 1)
