@@ -17,6 +17,7 @@ inside a context manager that restores the exact clean values on exit.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -169,19 +170,19 @@ class RoundNoise:
     ):
         self.seed, self.include_final, self.dtype_rule = seed, include_final, dtype_rule
         self.include_head_norms, self.required = include_head_norms, required
-        self._sites: dict[int, NormSites] = {}
+        # by model, weakly: a model gone takes its entry along (an id would be reused by the next model)
+        self._sites: weakref.WeakKeyDictionary[nn.Module, NormSites] = weakref.WeakKeyDictionary()
 
     def sites(self, model: nn.Module) -> NormSites:
         """The norms of `model`, found once (a module tree does not change during training); with `required`, a
         model without them is an error."""
-        key = id(model)
-        if key not in self._sites:
-            sites = self._sites[key] = find_norms(model)
+        if model not in self._sites:
+            sites = self._sites[model] = find_norms(model)
             if self.required and not sites.layer_norms:
                 raise RuntimeError(f"AQN found no RMSNorm in {type(model).__name__}")
             if self.required and self.include_head_norms and not sites.head_norms:
                 raise RuntimeError(f"aqn_head_norms: {type(model).__name__} has no per-head q/k norms")
-        return self._sites[key]
+        return self._sites[model]
 
     def of_round(self, model: nn.Module, sigma: float, noise_round: tuple[int, int], fp32_compute: bool = True):
         """noisy_norms on `model` at `sigma` for round (optimizer step, round within it)."""

@@ -288,3 +288,16 @@ def test_a_rounds_noise_is_its_own_and_replays_exactly():
     with pytest.raises(RuntimeError, match="AQN found no RMSNorm in Linear"):
         with noise.of_round(torch.nn.Linear(4, 4), 0.1, (0, 0)):
             pass
+
+
+def test_a_round_noise_forgets_a_model_that_is_gone():
+    """RoundNoise finds a model's norms once and holds them by the model, weakly: a later model that happens to get
+    the same id (a freed one's address) is not given the first one's norms."""
+    import gc
+
+    noise = aqn.RoundNoise(seed=0, include_final=True, dtype_rule="fp32", include_head_norms=False)
+    model, _ = build_tiny(num_layers=1)
+    assert noise.sites(model) is noise.sites(model)
+    del model
+    gc.collect()
+    assert len(noise._sites) == 0
