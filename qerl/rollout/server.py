@@ -24,13 +24,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from qerl.aqn import RoundNoise
 from qerl.errors import UsageError, one_line
 from qerl.norms import find_norms
 from qerl.rollout.base import truncate_at_eos
 from qerl.rollout.wire import (
     PROTOCOL,
-    NoiseSpec,
     RoundRequest,
     RoundResult,
     adapter_digest,
@@ -76,7 +74,6 @@ class RolloutServer:
         self.norm_keys = sorted(find_norms(engine.model).keyed(include_final=True, include_heads=True))
         self.held: tuple[int, str] | None = None  # (version, digest) of the adapter the engine holds
         self.lock = threading.Lock()
-        self._noises: dict[tuple, RoundNoise] = {}  # by NoiseSpec.settings: each finds the engine's norms once
 
     def info(self) -> dict[str, Any]:
         version, digest = self.held or (None, None)
@@ -114,7 +111,7 @@ class RolloutServer:
                     held=held,
                     asked=request.adapter_version,
                 )
-            noise = self._round_noise(spec)
+            noise = spec.round_noise()
             with noise.of_round(model, spec.sigma, spec.round, fp32_compute=False) as stats:
                 digest = norms_digest(model, noise)
                 samples = self.engine.generate(request.prompt_ids, request.sampling)
@@ -130,9 +127,6 @@ class RolloutServer:
         digest mismatch."""
         params = dict(self.engine.model.named_parameters())
         return {name: params[name].detach().to("cpu", tensor.dtype) for name, tensor in sent.items()}
-
-    def _round_noise(self, spec: NoiseSpec) -> RoundNoise:
-        return self._noises.setdefault(spec.settings, RoundNoise(*spec.settings))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from qerl import aqn
-from qerl.aqn import RoundNoise
 from qerl.errors import UsageError
 from qerl.rollout.base import Perturb, RolloutBackend, RolloutOutput, RolloutSetup
 from qerl.rollout.remote import AdapterMismatch, RolloutPipeline, ServerPool
@@ -39,7 +38,7 @@ def noisy_norms_digest(policy, spec: NoiseSpec) -> str:
     """The digest a server reports of its norms under the round's noise, taken on the policy: what the servers must
     have sampled with (their norms are the checkpoint's, or the trained ones sent, and the noise is a function of
     the spec alone)."""
-    noise = RoundNoise(*spec.settings)
+    noise = spec.round_noise()
     with noise.of_round(policy, spec.sigma, spec.round, fp32_compute=False):
         return norms_digest(policy, noise)
 

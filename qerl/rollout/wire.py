@@ -144,12 +144,22 @@ class NoiseSpec:
         """RoundNoise's arguments, in its order: what stays the same over a run's rounds."""
         return self.seed, self.include_final, self.dtype_rule, self.include_head_norms
 
+    def round_noise(self) -> RoundNoise:
+        """The RoundNoise of these settings, one per process and settings: it finds a model's norms once, where a new
+        one each round would walk the model's modules again (the server's engine, the trainer's policy)."""
+        return _round_noise(*self.settings)
+
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NoiseSpec:
         return cls(**{**data, "round": tuple(data["round"])})
+
+
+@functools.lru_cache(maxsize=8)
+def _round_noise(seed: int, include_final: bool, dtype_rule: str, include_head_norms: bool) -> RoundNoise:
+    return RoundNoise(seed, include_final, dtype_rule, include_head_norms)
 
 
 @dataclass(frozen=True)
