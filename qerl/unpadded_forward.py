@@ -65,7 +65,8 @@ def unpad(
         width = -(-width // COMPILED_WIDTH_MULTIPLE) * COMPILED_WIDTH_MULTIPLE
     # Past a row's length sit its own padding tokens; columns past the batch's (a rounded width) repeat the last one.
     ids = input_ids[rows].gather(1, order)[:, :width]
-    ids = torch.cat([ids, ids[:, -1:].expand(-1, width - ids.size(1))], 1)
+    if width > ids.size(1):
+        ids = torch.cat([ids, ids[:, -1:].expand(-1, width - ids.size(1))], 1)
     columns = torch.arange(width, device=ids.device)
     scored = (columns >= prompt_lengths[rows, None]) & (columns < lengths[:, None])
     return UnpaddedBatch(
