@@ -1,5 +1,8 @@
-"""A small random Qwen2 NVFP4 checkpoint whose shapes vLLM's Marlin FP4 kernel accepts, and a trained-looking LoRA
-policy on it (r16, trainable norms): what the vLLM GPU tests sample with (test_vllm_gpu.py, test_server_gpu.py)."""
+"""A small random Qwen2 NVFP4 checkpoint whose shapes vLLM's Marlin FP4 kernel accepts, a trained-looking LoRA
+policy on it (r16, trainable norms), and the colocated vllm backend on both: what the vLLM GPU tests sample with
+(test_vllm_gpu.py, test_server_gpu.py)."""
+
+import contextlib
 
 import torch
 
@@ -37,3 +40,20 @@ def random_nvfp4_policy(root):
             elif "modules_to_save" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     return folder, policy.eval()
+
+
+def colocated_vllm(folder, policy, generation_config):
+    """The vllm rollout backend on `folder` with `policy`'s adapter, a quarter of the GPU, asleep between rounds."""
+    from qerl.rollout import RolloutSetup, VLLMSettings
+    from qerl.rollout.vllm import VLLMRollout
+
+    setup = RolloutSetup(
+        generation_config=generation_config,
+        eos_token_ids=[2],
+        pad_token_id=0,
+        open_policy=lambda: contextlib.nullcontext(policy),
+        device=torch.device("cuda"),
+        model_path=folder,
+        vllm=VLLMSettings(gpu_memory_utilization=0.25, max_model_len=512, sleep=True),
+    )
+    return VLLMRollout(setup)

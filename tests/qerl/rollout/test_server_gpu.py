@@ -6,7 +6,6 @@ takes the adapter (its digest, the norms read back), samples greedily the tokens
 the same adapter, and under AQN reads back the noisy norms the trainer draws on the policy.
 """
 
-import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -24,11 +23,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vllm_policy import random_nvfp4_policy
+    from vllm_policy import colocated_vllm, random_nvfp4_policy
 
-    from qerl.rollout import RolloutSetup, VLLMSettings
     from qerl.rollout.remote import ServerPool
-    from qerl.rollout.vllm import VLLMRollout
 
     root = tmp_path_factory.mktemp("server")
     folder, policy = random_nvfp4_policy(root)
@@ -42,17 +39,7 @@ def setup(tmp_path_factory):
         pool.handshake(timeout=300)
         generation_config = policy.generation_config
         generation_config.update(max_new_tokens=24, do_sample=False, top_p=1.0, top_k=0)
-        colocated = VLLMRollout(
-            RolloutSetup(
-                generation_config=generation_config,
-                eos_token_ids=[2],
-                pad_token_id=0,
-                open_policy=lambda: contextlib.nullcontext(policy),
-                device=torch.device("cuda"),
-                model_path=folder,
-                vllm=VLLMSettings(gpu_memory_utilization=0.25, max_model_len=512, sleep=True),
-            )
-        )
+        colocated = colocated_vllm(folder, policy, generation_config)
         prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (17, 40, 64, 9)]
         yield pool, colocated, policy, prompts
     finally:

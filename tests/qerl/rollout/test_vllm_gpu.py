@@ -24,25 +24,13 @@ SIGMA = 1e-2
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vllm_policy import random_nvfp4_policy
-
-    from qerl.rollout import RolloutSetup, VLLMSettings
-    from qerl.rollout.vllm import VLLMRollout
+    from vllm_policy import colocated_vllm, random_nvfp4_policy
 
     folder, peft_model = random_nvfp4_policy(tmp_path_factory.mktemp("vllm"))
     generation_config = peft_model.generation_config
     # No top-p/top-k: their renormalisation would shift vLLM's processed log-probs away from logits / T.
     generation_config.update(max_new_tokens=24, do_sample=True, temperature=0.8, top_p=1.0, top_k=0)
-    rollout_setup = RolloutSetup(
-        generation_config=generation_config,
-        eos_token_ids=[2],
-        pad_token_id=0,
-        open_policy=lambda: contextlib.nullcontext(peft_model),
-        device=torch.device("cuda"),
-        model_path=folder,
-        vllm=VLLMSettings(gpu_memory_utilization=0.25, max_model_len=512, sleep=True),
-    )
-    backend = VLLMRollout(rollout_setup)
+    backend = colocated_vllm(folder, peft_model, generation_config)
     prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (17, 40, 64, 9)]
     return backend, peft_model, prompts
 
