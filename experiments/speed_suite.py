@@ -82,6 +82,10 @@ REAL_RUNS = {
 # NVFP4 1.5B trained on one GPU, sampled by rollout servers on the others, the recipe's batch grown with the GPUs
 # (weak scaling: each GPU the colocated run's 8 prompts x 8 samples). name: (servers, qerl.train flags)
 SERVER_RUNS = {
+    # one server beside the trainer on its own GPU (0 more GPUs), the colocated run's batch: the whole path on one
+    # card, and what sampling ahead gains when rollout and training share it
+    "server-shared": (0, []),
+    "server-shared-ahead": (0, ["--rollout-max-staleness", "1"]),
     "server-1p1": (1, ["--gradient-accumulation-steps", "8"]),
     "server-1p1-ahead": (1, ["--gradient-accumulation-steps", "8", "--rollout-max-staleness", "1"]),
     "server-1p3-ahead": (3, ["--gradient-accumulation-steps", "16", "--rollout-max-staleness", "1"]),
@@ -120,15 +124,16 @@ def site_env(args, **extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def rollout_servers(args, name: str, gpu_ids: list[int], model: str):
+def rollout_servers(args, name: str, gpu_ids: list[int], model: str, memory: float = 0.85, ready: bool = False):
     """python -m qerl.rollout_server on each of `gpu_ids` (a port and a seed of its own, logs beside the job's);
-    yields their addresses, and stops them after. The trainer's handshake waits for them to load."""
+    yields their addresses, and stops them after. The trainer's handshake waits for them to load; `ready` waits here
+    instead (a server beside the trainer: vLLM's memory profile must not see the trainer's allocations)."""
     servers, urls = [], []
     try:
         for i, gpu in enumerate(gpu_ids):
             port = free_port()
             command = [sys.executable, "-m", "qerl.rollout_server", "--model", model, "--port", str(port),
-                       "--seed", str(i + 1), "--gpu-memory-utilization", "0.85"]  # fmt: skip
+                       "--seed", str(i + 1), "--gpu-memory-utilization", str(memory)]  # fmt: skip
             env = site_env(args, CUDA_VISIBLE_DEVICES=str(args.gpu_ids[gpu] if args.gpu_ids else gpu))
             log = Path(args.out) / "logs" / f"{name}-server{i}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +142,10 @@ def rollout_servers(args, name: str, gpu_ids: list[int], model: str):
                     subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
                 )
             urls.append(f"http://127.0.0.1:{port}")
+        if ready:
+            from qerl.rollout.remote import ServerPool  # torch: only where a job runs
+
+            ServerPool(urls, model, lora_rank=0).handshake(timeout=args.timeout)  # waits for /health, checks the base
         yield urls
     finally:
         for server in servers:
@@ -144,13 +153,15 @@ def rollout_servers(args, name: str, gpu_ids: list[int], model: str):
 
 
 def server_job(args, name: str, servers: int, flags: list[str], steps: list[str]) -> Job:
-    """benchmarks.step on the first of the job's GPUs, its rounds sampled by rollout servers on the others."""
+    """benchmarks.step on the first of the job's GPUs, its rounds sampled by rollout servers on the others (no others:
+    one server beside it, in a third of the card)."""
     out = Path(args.out) / "json" / f"{name}.json"
     model = checkpoints(args)["nvfp4"]
 
     def work(gpu_ids):
         real_prepared(args)
-        with rollout_servers(args, name, gpu_ids[1:], model) as urls:
+        shared = dict(memory=0.3, ready=True) if servers == 0 else {}
+        with rollout_servers(args, name, gpu_ids[1:] or gpu_ids[:1], model, **shared) as urls:
             command = ["-m", "benchmarks.step", "--out", str(out), "--model", model, "--config", str(REAL_RECIPE),
                        "--rollout-backend", "server", "--profile", *steps, "--",
                        "--rollout-servers", *urls, *flags]  # fmt: skip

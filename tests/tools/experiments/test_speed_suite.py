@@ -2,6 +2,7 @@
 it (before a `--` that hands the rest to qerl.train), and the summary of finished results."""
 
 import argparse
+import contextlib
 import json
 
 import pytest
@@ -24,12 +25,14 @@ def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
         "real-nvfp4-dense", "real-bf16", "trl-baseline", "real-nvfp4-dense-before", "real-bf16-before",
         "real-nvfp4-dense-combined", "real-bf16-combined", "real-nvfp4-dense-compact", "real-bf16-compact",
         "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32", "real-nvfp4-dense-random-split",
-        "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled", "server-1p1", "server-1p1-ahead",
-        "server-1p3-ahead",
+        "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled", "server-shared", "server-shared-ahead",
+        "server-1p1", "server-1p1-ahead", "server-1p3-ahead",
     ]  # fmt: skip
     two_gpus = _args(tmp_path, gguf="x")
     two_gpus.gpus = 2
     assert [job.name for job in speed_suite.jobs(two_gpus)][-2:] == ["server-1p1", "server-1p1-ahead"]  # 1 + 3: no
+    two_gpus.gpus = 1
+    assert [job.name for job in speed_suite.jobs(two_gpus)][-2:] == ["server-shared", "server-shared-ahead"]
     prep = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == "real-prep")
     assert prep.gpus == 0 and prep.share == 3  # beside the others, on the last GPU
 
@@ -49,6 +52,33 @@ def test_out_goes_before_the_flags_for_qerl_train(tmp_path, monkeypatch):
         assert command[:3] == ["-m", "benchmarks.step", "--out"] and command[3].startswith(str(tmp_path / "json"))
         assert command.index("--out") < command.index("--")
     assert ran[0][1][ran[0][1].index("--") + 1 :] == ["--dense-training-weights", "true"]
+
+
+@pytest.mark.parametrize(("name", "servers_on", "shared"), [("server-shared", [5], True), ("server-1p1", [6], False)])
+def test_a_server_job_trains_on_its_first_gpu_and_samples_on_the_others_or_beside_it(
+    tmp_path, monkeypatch, name, servers_on, shared
+):
+    started, ran = [], []
+
+    @contextlib.contextmanager
+    def servers(args, job, gpu_ids, model, **kwargs):
+        started.append((gpu_ids, kwargs))
+        yield ["http://127.0.0.1:1"]
+
+    monkeypatch.setattr(speed_suite, "rollout_servers", servers)
+    monkeypatch.setattr(speed_suite, "real_prepared", lambda args: None)
+    monkeypatch.setattr(
+        speed_suite, "run_commands", lambda args, job, commands, gpu_ids, site: ran.append((commands, gpu_ids)) or []
+    )
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / f"{name}.json").write_text("{}")
+    job = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == name)
+    assert job.work([5, 6][: job.gpus]) == {name: {}}
+    # beside the trainer: a third of the card, and the server loaded before the trainer allocates anything
+    assert started == [(servers_on, dict(memory=0.3, ready=True) if shared else {})]
+    (command, gpu_ids), = ran
+    assert gpu_ids == [5]
+    assert command[0][command[0].index("--rollout-servers") + 1] == "http://127.0.0.1:1"
 
 
 def test_summary_gives_medians_lengths_phases_and_failures(tmp_path):
