@@ -42,8 +42,10 @@ def random_nvfp4_policy(root):
     return folder, policy.eval()
 
 
-def colocated_vllm(folder, policy, generation_config):
-    """The vllm rollout backend on `folder` with `policy`'s adapter, a quarter of the GPU, asleep between rounds."""
+def colocated_vllm(folder, policy, generation_config, sleep: bool = True):
+    """The vllm rollout backend on `folder` with `policy`'s adapter, a quarter of the GPU, asleep between rounds unless
+    `sleep` is False (sleep mode's CuMem allocator serves one engine per process: a second test module's engine in
+    the same pytest process must go without)."""
     from qerl.rollout import RolloutSetup, VLLMSettings
     from qerl.rollout.vllm import VLLMRollout
 
@@ -54,6 +56,6 @@ def colocated_vllm(folder, policy, generation_config):
         open_policy=lambda: contextlib.nullcontext(policy),
         device=torch.device("cuda"),
         model_path=folder,
-        vllm=VLLMSettings(gpu_memory_utilization=0.25, max_model_len=512, sleep=True),
+        vllm=VLLMSettings(gpu_memory_utilization=0.25, max_model_len=512, sleep=sleep),
     )
     return VLLMRollout(setup)

@@ -39,7 +39,7 @@ def setup(tmp_path_factory):
         pool.handshake(timeout=300)
         generation_config = policy.generation_config
         generation_config.update(max_new_tokens=24, do_sample=False, top_p=1.0, top_k=0)
-        colocated = colocated_vllm(folder, policy, generation_config)
+        colocated = colocated_vllm(folder, policy, generation_config, sleep=False)  # beside test_vllm_gpu's
         prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (17, 40, 64, 9)]
         yield pool, colocated, policy, prompts
     finally:
@@ -58,8 +58,11 @@ def test_the_server_holds_the_adapter_and_samples_the_colocated_engines_greedy_t
     served = pool.generate(0, 0, NO_NOISE, colocated.sampling, prompts)
     local = colocated.generate(prompts, no_noise)
     assert served.completion_ids == local.completion_ids
-    for a, b in zip(served.logprobs, local.logprobs, strict=True):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+    # vLLM is not batch-invariant: two engines split prefill and batch their own way, so the log-probs agree to the
+    # BF16 rounding of the logits (seen on an H200: 0.008 at most, most tokens bit-equal), not bit for bit
+    pairs = zip(served.logprobs, local.logprobs, strict=True)
+    gaps = torch.cat([(torch.tensor(a) - torch.tensor(b)).abs() for a, b in pairs])
+    assert gaps.max() < 0.05 and gaps.mean() < 5e-3
 
 
 def test_under_aqn_the_server_reads_back_the_noisy_norms_the_trainer_draws(setup):
