@@ -27,6 +27,7 @@ from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
 from qerl.dense_weights import DenseWeights
 from qerl.errors import UsageError
+from qerl.importance_correction import correction_ratio, from_loss_forward, mismatch_stats
 from qerl.kept_activations import KeptActivations
 from qerl.nonfinite_dump import dump_if_nonfinite, loss_settings
 from qerl.nvfp4.linear import NVFP4Linear
@@ -107,6 +108,8 @@ class QeRLTrainer(GRPOTrainer):
         self.last_noise = aqn.NoiseStats()
         self._noise_round = (-1, 0)  # (optimizer step, generation round within it) of the last round sampled
         self._loss_logps: list[torch.Tensor] | None = None  # open only inside _tapping_loss_logps
+        self._ratio_into: dict | None = None  # the loss's inputs, while the loss forward gives the correction's ratio
+        self.ratio_from_loss_forward = from_loss_forward(args)
         self._micro_batch: dict | None = None  # the loss's inputs, kept for dump_nonfinite_grads
         self.nonfinite_dump: str | None = None
         self.truncation_watch = TruncationWatch(
@@ -169,7 +172,9 @@ class QeRLTrainer(GRPOTrainer):
     #       advantages.
     #   _compute_loss(model, inputs): wrapped. TRL computes old_per_token_logps only when generation and
     #       optimizer steps are misaligned (or for the correction); otherwise its loss forward runs the very
-    #       parameters that sampled, so its log-probs are the clean side of sampling/* and aqn/logprob_shift.
+    #       parameters that sampled, so its log-probs are the clean side of sampling/* and aqn/logprob_shift, and
+    #       the correction's ratio: put in inputs["importance_sampling_ratio"] before TRL's loss reads it
+    #       (qerl/importance_correction.py), where TRL's generation ran without the correction.
     #   _prepare_inputs(generation_batch): wrapped. On the micro-step that generates, TRL shuffles the batch,
     #       splits it into a new _buffered_inputs list (split_tensor_dict) and returns the step's element of it;
     #       qerl.micro_batches regroups that list by length and the step takes the same position in the new one.
@@ -180,7 +185,8 @@ class QeRLTrainer(GRPOTrainer):
     # Private state:
     #   use_vllm: re-used to mean "apply the importance-sampling correction". After __init__ TRL reads it to gate
     #       that correction (the old_per_token_logps forward, the ratio, its loss factor, the sampling/* metrics),
-    #       in _generate_single_turn (overridden) and on the tools / rollout_func paths (refused in __init__).
+    #       in _generate_single_turn (overridden) and on the tools / rollout_func paths (refused in __init__). Off
+    #       during _generate_and_score_completions where the ratio comes from the loss forward.
     #   _metrics[mode][name]: the lists TRL averages and logs; aqn/*, sampling/* and completions/*_reward_mean go there.
     #   reward_weights: TRL's weight of each reward function (a tensor), for the earned reward of a completion.
     #   _tokenizer, eos_token_ids, pad_to_multiple_of, generation_config: the rollout's settings, as TRL made them
@@ -378,9 +384,14 @@ class QeRLTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if self.rounds_ahead is not None and self.model.training:
             self.rounds_ahead.taken(inputs)
-        output = super()._generate_and_score_completions(inputs)
-        # With the correction on, TRL logs sampling/* itself. When it computed the clean log-probs anyway
-        # (generation and optimizer steps misaligned), measure against those; otherwise see _compute_loss.
+        correction, self.use_vllm = self.use_vllm, self.use_vllm and not self.ratio_from_loss_forward
+        try:  # no old log-probs forward and no ratio here when the loss forward gives them
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self.use_vllm = correction
+        # With the correction on, TRL logs sampling/* itself (unless the loss forward gives the ratio). When it
+        # computed the clean log-probs anyway (generation and optimizer steps misaligned), measure against those;
+        # otherwise see _compute_loss.
         if not self.use_vllm and output.get("old_per_token_logps") is not None:
             self._log_rollout_mismatch(output["old_per_token_logps"], output)
         if self.model.training and self.args.aqn_log_shift and self.last_noise.sigma > 0:
@@ -424,6 +435,16 @@ class QeRLTrainer(GRPOTrainer):
             result = super()._get_per_token_logps_and_entropies(*batch, compute_aux_loss, **multimodal)
         if self._loss_logps is not None:
             self._loss_logps.append(result[0].detach())
+            if self._ratio_into is not None and len(self._loss_logps) == 1:
+                batch, a = self._ratio_into, self.args
+                batch["importance_sampling_ratio"] = correction_ratio(
+                    result[0].detach(),
+                    batch["sampling_per_token_logps"],
+                    _scored(batch),
+                    a.vllm_importance_sampling_mode,
+                    a.vllm_importance_sampling_clip_min,
+                    a.vllm_importance_sampling_clip_max,
+                )
         return result
 
     def _compute_loss(self, model, inputs):
@@ -431,15 +452,17 @@ class QeRLTrainer(GRPOTrainer):
         # batch (TRL skips old log-probs exactly then): its log-probs measure the rollout/training mismatch and
         # AQN's shift at no extra forward.
         old = inputs.get("old_per_token_logps")
-        mismatch = not self.use_vllm and old is None and "sampling_per_token_logps" in inputs
+        sampled = "sampling_per_token_logps" in inputs
+        ratio_here = self.use_vllm and self.ratio_from_loss_forward and sampled and old is None
+        mismatch = (not self.use_vllm or ratio_here) and old is None and sampled
         shift = "aqn_noisy_logps" in inputs
         if self.args.dump_nonfinite_grads:
             self._micro_batch = inputs
-        with self._tapping_loss_logps(mismatch or (shift and old is None)) as tapped:
+        with self._tapping_loss_logps(mismatch or (shift and old is None), inputs if ratio_here else None) as tapped:
             loss = super()._compute_loss(model, inputs)
         clean = old if old is not None else (tapped or [None])[0]
         if mismatch and clean is not None:
-            self._log_rollout_mismatch(clean, inputs)
+            self._log_rollout_mismatch(clean, inputs, inputs.get("importance_sampling_ratio") if ratio_here else None)
         if shift and clean is not None:
             mask = inputs["completion_mask"].bool()
             delta = (clean - inputs["aqn_noisy_logps"]).abs()[mask]
@@ -448,14 +471,16 @@ class QeRLTrainer(GRPOTrainer):
         return loss
 
     @contextlib.contextmanager
-    def _tapping_loss_logps(self, wanted: bool):
+    def _tapping_loss_logps(self, wanted: bool, ratio_into: dict | None = None):
         """The log-probs of TRL's loss forward, which _compute_loss does not return: while this is open (and
-        `wanted`), _get_per_token_logps_and_entropies appends each forward's to the list it yields (else None)."""
+        `wanted`), _get_per_token_logps_and_entropies appends each forward's to the list it yields (else None), and
+        puts the correction's ratio from the first into `ratio_into` (the loss's inputs), before TRL reads it."""
         self._loss_logps = [] if wanted else None
+        self._ratio_into = ratio_into
         try:
             yield self._loss_logps
         finally:
-            self._loss_logps = None
+            self._loss_logps = self._ratio_into = None
 
     def _prepare_inputs(self, generation_batch):
         buffered = self._buffered_inputs
@@ -481,28 +506,15 @@ class QeRLTrainer(GRPOTrainer):
         return loss
 
     @torch.no_grad()
-    def _log_rollout_mismatch(self, clean_logps: torch.Tensor, batch):
-        """TRL's sampling/* metrics: how far the rollout log-probs are from the clean training policy's. Without
-        another source of mismatch, sampling_logp_difference/mean is the mean |logprob(noisy) - logprob(clean)|
-        of the sampled tokens: how far AQN moved the policy that sampled."""
+    def _log_rollout_mismatch(self, clean_logps: torch.Tensor, batch, factor: torch.Tensor | None = None):
+        """TRL's sampling/* metrics: how far the rollout log-probs are from the clean training policy's (and the
+        correction's `factor`, where the loss forward gave it). Without another source of mismatch,
+        sampling_logp_difference/mean is the mean |logprob(noisy) - logprob(clean)| of the sampled tokens: how far
+        AQN moved the policy that sampled."""
         mode = "train" if self.model.training else "eval"
-        mask = batch["completion_mask"].bool()
-        if "tool_mask" in batch:
-            mask &= batch["tool_mask"].bool()
-        diff = (clean_logps - batch["sampling_per_token_logps"])[mask]
-        device = self.accelerator.device
-        zero = torch.tensor(0.0, device=device)
-        delta, ratio = diff.abs(), torch.exp(diff)
-        gather = self.accelerator.gather
-        stats = {
-            "sampling/sampling_logp_difference/mean": gather(delta.mean() if delta.numel() else zero).mean(),
-            "sampling/sampling_logp_difference/max": gather(delta.max() if delta.numel() else zero).max(),
-            "sampling/importance_sampling_ratio/min": gather(ratio.min() if ratio.numel() else zero).min(),
-            "sampling/importance_sampling_ratio/mean": gather(ratio.mean() if ratio.numel() else zero).mean(),
-            "sampling/importance_sampling_ratio/max": gather(ratio.max() if ratio.numel() else zero).max(),
-        }
-        for name, value in stats.items():
-            self._metrics[mode][name].append(value.item())
+        stats = mismatch_stats(clean_logps, batch["sampling_per_token_logps"], _scored(batch), factor)
+        for name, (value, how) in stats.items():
+            self._metrics[mode][name].append(getattr(self.accelerator.gather(value), how)().item())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Steps that reuse an earlier generation (num_iterations > 1) still report the schedule's sigma.
@@ -511,3 +523,9 @@ class QeRLTrainer(GRPOTrainer):
         if "train_runtime" in logs:  # the run's closing line: how many rounds were (nearly) all truncated
             logs = {**logs, **self.truncation_watch.summary()}
         super().log(logs, start_time)
+
+
+def _scored(batch) -> torch.Tensor:
+    """The tokens a batch's loss scores: its completions' minus any tool output."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask

@@ -36,6 +36,7 @@ LAYERS = [
         "qerl.norms",
         "qerl.unpadded_forward",
         "qerl.micro_batches",
+        "qerl.importance_correction",
         "qerl.rewards",
         "qerl.nonfinite_dump",
         "qerl.dense_weights",

@@ -146,6 +146,8 @@ def test_rollout_logprobs_match_trl_at_the_sampling_temperature(checkpoints, tmp
 
 
 def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_path):
+    """TRL's own path (its old-log-probs forward over the round), which tests/qerl/test_importance_correction.py
+    holds the default (the ratio from the loss forward) to."""
     _, nvfp4_dir = checkpoints
     args = recipe_config(
         tmp_path,
@@ -158,6 +160,7 @@ def test_importance_sampling_correction_uses_rollout_logprobs(checkpoints, tmp_p
         num_stages=3,
     )
     trainer = make_trainer(nvfp4_dir, args)
+    trainer.ratio_from_loss_forward = False
     batches, score = [], trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: batches.append(score(inputs)) or batches[-1]
     trainer.train()
