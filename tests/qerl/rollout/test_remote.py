@@ -34,6 +34,7 @@ from qerl.rollout.remote import (
 )
 from qerl.rollout.vllm import adapter_tensors, lora_settings
 from qerl.rollout.wire import (
+    SERVER_LORA_DTYPE,
     NoiseSpec,
     RoundRequest,
     RoundResult,
@@ -76,10 +77,15 @@ def test_the_adapter_blob_keeps_every_tensor_and_setting():
     back = decode_adapter(encode_adapter(snap))
     lora_ref, norms_ref = adapter_tensors(policy)  # the policy's own tensors
     assert back.version == 7 and back.settings == lora_settings(policy)
-    for got, ref in ((back.lora, lora_ref), (back.norms, norms_ref)):
+    # the LoRA as the server's engine holds it (its FP32 masters rounded once to BF16), the norms whole in FP32
+    as_held = {name: tensor.to(SERVER_LORA_DTYPE) for name, tensor in lora_ref.items()}
+    for got, ref in ((back.lora, as_held), (back.norms, norms_ref)):
         assert got.keys() == ref.keys()
         for name, tensor in ref.items():
             assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert {t.dtype for t in lora_ref.values()} == {torch.float32} and {t.dtype for t in back.lora.values()} == {
+        torch.bfloat16
+    }
     assert any(name.startswith("model.layers.0.") for name in back.norms)  # vLLM's names, apart from peft's
     assert back.digest == snap.digest
 
@@ -175,6 +181,7 @@ def test_a_sync_puts_the_policys_adapter_on_every_server_bit_for_bit_and_only_on
         snap = snapshot(policy, 0)
         assert pool.sync(snap) == 2
         lora_ref, norms_ref = adapter_tensors(policy)  # the policy's own tensors, not the snapshot's
+        lora_ref = {name: tensor.to(SERVER_LORA_DTYPE) for name, tensor in lora_ref.items()}  # as the engine holds it
         for _, _, fake in servers:
             assert fake.lora.keys() == lora_ref.keys()
             assert all(torch.equal(fake.lora[n], t) and fake.lora[n].dtype == t.dtype for n, t in lora_ref.items())

@@ -29,8 +29,9 @@ def test_dapo_steps_sample_on_the_servers_with_the_policys_adapter_and_noise(che
 
         def recorded(prompt_ids, perturb):
             lora, norms = adapter_tensors(trainer.model)
+            held = {name: tensor.to(torch.bfloat16) for name, tensor in lora.items()}  # as the servers' engines hold it
             output = generate(prompt_ids, perturb)
-            rounds.append((prompt_ids, output, adapter_digest(lora, norms), perturb))
+            rounds.append((prompt_ids, output, adapter_digest(held, norms), perturb, adapter_digest(lora, norms)))
             return output
 
         generate, backend.generate = backend.generate, recorded
@@ -40,10 +41,10 @@ def test_dapo_steps_sample_on_the_servers_with_the_policys_adapter_and_noise(che
     engines = [fake for _, _, fake in servers]
     assert [fake.loads for fake in engines] == [2, 2]  # one sync per optimizer step (v0, v1), not per round
     assert [fake.prompts_seen for fake in engines] == [8, 8]  # two rounds of 8, half to each server
-    assert rounds[0][2] != rounds[1][2]  # the step moved the adapter
+    assert rounds[0][4] != rounds[1][4]  # the step moved the FP32 adapter (in BF16 the first step may not show)
     for fake in engines:  # what the servers hold now is the policy's adapter of the last round, bit for bit
         assert adapter_digest(fake.lora, {}) == rounds[1][2]
-    for step, (prompt_ids, output, _, perturb) in enumerate(rounds):
+    for step, (prompt_ids, output, _, perturb, _) in enumerate(rounds):
         assert isinstance(perturb, aqn.NoisyRound) and perturb.round == (step, 0) and perturb.sigma > 0
         assert output.noise.sigma == perturb.sigma and output.noise.changed_fraction > 0  # the servers' own draw
         for prompt, ids in zip(prompt_ids, output.completion_ids, strict=True):
