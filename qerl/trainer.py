@@ -436,11 +436,11 @@ class QeRLTrainer(GRPOTrainer):
         if self._loss_logps is not None:
             self._loss_logps.append(result[0].detach())
             if self._ratio_into is not None and len(self._loss_logps) == 1:
-                batch, a = self._ratio_into, self.args
-                batch["importance_sampling_ratio"] = correction_ratio(
+                inputs, a = self._ratio_into, self.args
+                inputs["importance_sampling_ratio"] = correction_ratio(
                     result[0].detach(),
-                    batch["sampling_per_token_logps"],
-                    _scored(batch),
+                    inputs["sampling_per_token_logps"],
+                    _scored(inputs),
                     a.vllm_importance_sampling_mode,
                     a.vllm_importance_sampling_clip_min,
                     a.vllm_importance_sampling_clip_max,
