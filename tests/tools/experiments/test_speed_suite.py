@@ -76,7 +76,7 @@ def test_a_server_job_trains_on_its_first_gpu_and_samples_on_the_others_or_besid
     assert job.work([5, 6][: job.gpus]) == {name: {}}
     # beside the trainer: a third of the card, and the server loaded before the trainer allocates anything
     assert started == [(servers_on, dict(memory=0.3, ready=True) if shared else {})]
-    (command, gpu_ids), = ran
+    ((command, gpu_ids),) = ran
     assert gpu_ids == [5]
     assert command[0][command[0].index("--rollout-servers") + 1] == "http://127.0.0.1:1"
 
