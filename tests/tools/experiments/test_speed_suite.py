@@ -25,8 +25,8 @@ def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
         "real-nvfp4-dense", "real-bf16", "trl-baseline", "real-nvfp4-dense-before", "real-bf16-before",
         "real-nvfp4-dense-combined", "real-bf16-combined", "real-nvfp4-dense-compact", "real-bf16-compact",
         "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32", "real-nvfp4-dense-random-split",
-        "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled", "server-shared", "server-shared-ahead",
-        "server-1p1", "server-1p1-ahead", "server-1p3-ahead",
+        "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled", "server-shared",
+        "server-shared-ahead", "server-1p1", "server-1p1-ahead", "server-1p3-ahead",
     ]  # fmt: skip
     two_gpus = _args(tmp_path, gguf="x")
     two_gpus.gpus = 2
