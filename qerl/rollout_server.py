@@ -1,5 +1,6 @@
-"""Serve rollouts from one GPU to a trainer elsewhere: a vLLM engine on the trainer's base checkpoint, sampling each
-round with the adapter and the AQN noise the trainer sends (qerl/rollout/server.py; the design: docs/multi_gpu.md).
+"""Serve rollouts from one GPU to a trainer elsewhere: an engine (vLLM's, or --engine native) on the trainer's base
+checkpoint, sampling each round with the adapter and the AQN noise the trainer sends (qerl/rollout/server.py; the
+design: docs/multi_gpu.md).
 
     CUDA_VISIBLE_DEVICES=1 python -m qerl.rollout_server --model ckpt/qwen-1.5b-nvfp4 --port 8001 --seed 1
 
@@ -21,11 +22,24 @@ def build_parser() -> cli.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=cli.Range(int, 1, 65535), required=True, help="port to listen on (required)")
     parser.add_argument("--lora-rank", type=cli.COUNT, default=16, help="the largest LoRA rank the server takes")
-    parser.add_argument("--seed", type=cli.SEED, default=0, help="vLLM's sampling seed: give each server its own")
-    parser.add_argument("--gpu-memory-utilization", type=cli.FRACTION, default=0.85, help="vLLM's share of the GPU")
-    parser.add_argument("--max-model-len", type=cli.COUNT, help="the engine's context (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=cli.COUNT, help="sequences per batch (default: vLLM's)")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--seed", type=cli.SEED, default=0, help="the engine's sampling seed: give each server its own")
+    parser.add_argument(
+        "--engine",
+        choices=("vllm", "native"),
+        default="vllm",
+        help="the engine that samples: vLLM's, or the native one (faster decode with LoRA; no repetition penalty)",
+    )
+    vllm = parser.add_argument_group("--engine vllm")
+    vllm.add_argument("--gpu-memory-utilization", type=cli.FRACTION, default=0.85, help="vLLM's share of the GPU")
+    vllm.add_argument("--max-model-len", type=cli.COUNT, help="the engine's context (default: the model's)")
+    vllm.add_argument("--max-num-seqs", type=cli.COUNT, help="sequences per batch (default: vLLM's)")
+    vllm.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    native = parser.add_argument_group("--engine native")
+    native.add_argument(
+        "--kv-cache-gib",
+        type=cli.Range(float, 0.0, low_open=True),
+        help="KV-cache memory a round may take (default: 80%% of free)",
+    )
     return parser
 
 
@@ -34,18 +48,17 @@ def main(argv: list[str] | None = None) -> None:
     from qerl.rollout.server import serve
     from qerl.rollout.wire import base_fingerprint
 
-    base_fingerprint(args.model)  # a wrong folder in one line, before vLLM takes a minute to load
-    serve(
-        args.model,
-        args.host,
-        args.port,
-        args.lora_rank,
-        args.seed,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        enforce_eager=args.enforce_eager,
-    )
+    base_fingerprint(args.model)  # a wrong folder in one line, before the engine takes a minute to load
+    if args.engine == "native":
+        settings = {} if args.kv_cache_gib is None else {"kv_cache_gib": args.kv_cache_gib}
+    else:
+        settings = dict(
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            enforce_eager=args.enforce_eager,
+        )
+    serve(args.model, args.host, args.port, args.lora_rank, args.seed, args.engine, **settings)
 
 
 if __name__ == "__main__":

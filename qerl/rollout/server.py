@@ -1,5 +1,6 @@
-"""A rollout server: one vLLM engine on one GPU of its own, sampling rounds for a trainer elsewhere (issue 51). Its
-program is `python -m qerl.rollout_server` (qerl/rollout_server.py, which reads its flags before importing torch).
+"""A rollout server: one engine on one GPU of its own (vLLM's, or the native one: --engine native), sampling rounds for
+a trainer elsewhere (issue 51). Its program is `python -m qerl.rollout_server` (qerl/rollout_server.py, which reads its
+flags before importing torch).
 
 Our own small server around the colocated backend's `VLLMEngine` rather than stock `vllm serve`: the adapter comes
 as tensors in memory (vLLM's server only loads LoRA from a folder, and refuses trainable norms), the norm scales
@@ -8,8 +9,9 @@ as a seed that this process turns into the trainer's noise on the engine's own n
 single-GPU servers rather than vLLM's data parallel: an adapter loaded through one request reaches one replica there.
 
 `RolloutServer` is the server with the engine injected (anything with VLLMEngine's `model`, `load_lora`, `load_norms`
-and `generate`), so the tests run it on the CPU; `make_http_server` puts it on HTTP (stdlib only: four calls, JSON
-and one safetensors blob); `serve` builds the vLLM engine, the only part that needs a GPU, and serves it.
+and `generate`: qerl/rollout/native/server_engine.py's NativeServerEngine too), so the tests run it on the CPU;
+`make_http_server` puts it on HTTP (stdlib only: four calls, JSON and one safetensors blob); `serve` builds the engine
+and serves it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 class ServerEngine(Protocol):
-    """What the server needs of an engine; qerl.rollout.vllm.VLLMEngine has it."""
+    """What the server needs of an engine; qerl.rollout.vllm.VLLMEngine and NativeServerEngine have it."""
 
     model: nn.Module  # holds the RMSNorms that load_norms fills and AQN perturbs
 
@@ -183,14 +185,22 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("%s %s", self.address_string(), format % args)
 
 
-def serve(model: str, host: str, port: int, lora_rank: int, seed: int, **engine_settings) -> None:
-    """Load `model` into a VLLMEngine on this process's GPU (`engine_settings`: VLLMEngine's keywords) and serve it
-    on (host, port) until the process is stopped."""
-    from qerl.rollout.vllm import VLLMEngine
+def serve(model: str, host: str, port: int, lora_rank: int, seed: int, engine: str = "vllm", **settings) -> None:
+    """Load `model` into `engine` on this process's GPU and serve it on (host, port) until the process is stopped:
+    "vllm", a VLLMEngine (`settings`: its keywords), or "native", the native engine (`settings`: NativeSettings')."""
+    if engine == "native":
+        from qerl.rollout.base import NativeSettings
+        from qerl.rollout.native.server_engine import NativeServerEngine
 
-    # The GPU is the server's alone: no sleep mode, nothing to give back between rounds.
-    engine = VLLMEngine(model, lora_rank=lora_rank, sleep=False, seed=seed, **engine_settings)
-    core = RolloutServer(engine, model, lora_rank=lora_rank, seed=seed, name=f"{socket.gethostname()}:{port}")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        native = NativeSettings(**settings) if settings else None
+        built: ServerEngine = NativeServerEngine(model, device, seed, native)
+    else:
+        from qerl.rollout.vllm import VLLMEngine
+
+        # The GPU is the server's alone: no sleep mode, nothing to give back between rounds.
+        built = VLLMEngine(model, lora_rank=lora_rank, sleep=False, seed=seed, **settings)
+    core = RolloutServer(built, model, lora_rank=lora_rank, seed=seed, name=f"{socket.gethostname()}:{port}")
     server = make_http_server(core, host, port)
     logger.info("rollout server: serving %s on http://%s:%d", model, host, port)
     server.serve_forever()

@@ -6,7 +6,9 @@ import contextlib
 import threading
 
 import torch
+from peft import get_peft_model
 
+from qerl import lora
 from qerl.norms import find_norms
 from qerl.rollout.server import RolloutServer, make_http_server
 from qerl.rollout.wire import adapter_digest
@@ -71,3 +73,22 @@ def serving(base: str, seeds=(1, 2), **engine):
         for _, http, _ in running:
             http.shutdown()
             http.server_close()
+
+
+def trained_policy(seed: int = 0, model=None):
+    """`model` (default: a BF16 tiny Qwen2) with LoRA r4 and trainable norms as QeRLTrainer holds it (FP32 masters),
+    moved off its initial values (peft starts B at zero)."""
+    model = build_tiny(dtype=torch.bfloat16)[0] if model is None else model
+    policy = get_peft_model(model, lora.lora_config(model, rank=4, alpha=8, trainable_norms=True))
+    lora.keep_fp32_masters(policy)
+    train_step(policy, seed)
+    return policy
+
+
+@torch.no_grad()
+def train_step(policy, seed: int) -> None:
+    """What an optimizer step does to the adapter, for these tests: every trainable tensor moves."""
+    draw = torch.Generator().manual_seed(seed)
+    for param in policy.parameters():
+        if param.requires_grad:
+            param.add_(torch.randn(param.shape, generator=draw, dtype=param.dtype) * 0.05)

@@ -16,10 +16,8 @@ import time
 
 import pytest
 import torch
-from peft import get_peft_model
-from rollout_servers import EOS, fake_sample, serving
+from rollout_servers import EOS, fake_sample, serving, train_step, trained_policy
 
-from qerl import lora
 from qerl.aqn import NoiseStats, RoundNoise
 from qerl.errors import UsageError
 from qerl.rollout.remote import (
@@ -50,25 +48,6 @@ from qerl.tiny import build_tiny
 SAMPLING = {"temperature": 1.0, "max_tokens": 8, "stop_token_ids": [EOS], "logprobs": 0}
 PROMPTS = [[10 + i, 20, 30 + i] for i in range(5)]  # 5 prompts over 2 servers: shards of 3 and 2
 NO_NOISE = NoiseSpec.of(RoundNoise(0, False, "fp32", False), 0.0, (0, 0))
-
-
-def trained_policy(seed: int = 0):
-    """A BF16 tiny Qwen2 with LoRA and trainable norms as QeRLTrainer holds it (FP32 masters), moved off its
-    initial values (peft starts B at zero)."""
-    model, _ = build_tiny(dtype=torch.bfloat16)
-    policy = get_peft_model(model, lora.lora_config(model, rank=4, alpha=8, trainable_norms=True))
-    lora.keep_fp32_masters(policy)
-    train_step(policy, seed)
-    return policy
-
-
-@torch.no_grad()
-def train_step(policy, seed: int) -> None:
-    """What an optimizer step does to the adapter, for these tests: every trainable tensor moves."""
-    draw = torch.Generator().manual_seed(seed)
-    for param in policy.parameters():
-        if param.requires_grad:
-            param.add_(torch.randn(param.shape, generator=draw, dtype=param.dtype) * 0.05)
 
 
 def test_the_adapter_blob_keeps_every_tensor_and_setting():

@@ -1,0 +1,109 @@
+"""The native engine behind a rollout server (qerl/rollout/native/server_engine.py), on the CPU (the engine's eager
+path): a real HTTP server around it on the tiny NVFP4 checkpoint, fed by the trainer's ServerPool, holds the policy's
+adapter (digest of what it holds), samples the colocated native backend's tokens and log-probs bit for bit, clean and
+under the round's AQN (whose noisy norms it digests as the trainer does), and serves QeRLTrainer's DAPO steps."""
+
+import contextlib
+import threading
+
+import pytest
+import torch
+from fakes import make_trainer, recipe_config
+from rollout_servers import trained_policy
+from transformers import GenerationConfig
+
+from qerl import aqn, base_model
+from qerl.errors import UsageError
+from qerl.rollout import RolloutSetup, no_noise
+from qerl.rollout.native import NativeRollout
+from qerl.rollout.native.server_engine import NativeServerEngine
+from qerl.rollout.remote import ServerPool
+from qerl.rollout.server import RolloutServer, make_http_server
+from qerl.rollout.server_backend import NO_NOISE, noise_spec, noisy_norms_digest
+from qerl.rollout.vllm import sampling_kwargs
+from qerl.rollout.wire import snapshot
+
+GREEDY = GenerationConfig(do_sample=False, max_new_tokens=12)
+
+
+@contextlib.contextmanager
+def _serving(nvfp4_dir):
+    """(url, engine): one native rollout server on `nvfp4_dir`, in a thread."""
+    engine = NativeServerEngine(nvfp4_dir, torch.device("cpu"), seed=1)
+    http = make_http_server(RolloutServer(engine, nvfp4_dir, lora_rank=16, seed=1, name="native"))
+    threading.Thread(target=http.serve_forever, args=(0.02,), daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{http.server_address[1]}", engine
+    finally:
+        http.shutdown()
+        http.server_close()
+
+
+@pytest.fixture(scope="module")
+def served(checkpoints):
+    """(url, engine, nvfp4 folder) of a server the greedy tests share."""
+    _, nvfp4_dir = checkpoints
+    with _serving(nvfp4_dir) as (url, engine):
+        yield url, engine, nvfp4_dir
+
+
+def _policy(nvfp4_dir, seed: int = 0):
+    return trained_policy(seed, base_model.load_base_model(nvfp4_dir, dtype=torch.bfloat16, device="cpu"))
+
+
+def _colocated(policy, eos: list[int]) -> NativeRollout:
+    return NativeRollout(RolloutSetup.for_model(policy, GREEDY, eos, pad_token_id=0))
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 100, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+
+
+def test_the_server_holds_the_adapter_and_samples_the_colocated_engines_tokens_clean_and_under_aqn(served):
+    url, _, nvfp4_dir = served
+    policy = _policy(nvfp4_dir)
+    eos = [int(policy.generation_config.eos_token_id or 2)]
+    pool = ServerPool([url], nvfp4_dir, lora_rank=4, timeout=60)
+    pool.handshake(60)
+    snap = snapshot(policy, 0)
+    assert pool.sync(snap) == 1 and pool.held[url] == (0, snap.digest)  # the LoRA held, the FP32 norms read back
+    colocated, sampling, prompts = _colocated(policy, eos), sampling_kwargs(GREEDY, eos), _prompts()
+
+    served_clean = pool.generate(0, 0, NO_NOISE, sampling, prompts)
+    local = colocated.generate(prompts, no_noise)
+    assert served_clean.completion_ids == local.completion_ids and served_clean.logprobs == local.logprobs
+
+    noisy = aqn.NoisyRound(aqn.RoundNoise(3, True, "fp32", False), 5e-2, (5, 0), policy=policy)
+    spec = noise_spec(noisy)
+    served_noisy = pool.generate(1, 0, spec, sampling, prompts)
+    assert served_noisy.noise_digest == noisy_norms_digest(policy, spec)  # the trainer's noise, on the server's norms
+    assert served_noisy.noise.sigma == 5e-2 and served_noisy.noise.changed_fraction > 0.9
+    local_noisy = colocated.generate(prompts, noisy)
+    assert served_noisy.completion_ids == local_noisy.completion_ids
+    assert served_noisy.logprobs == local_noisy.logprobs and served_noisy.logprobs != served_clean.logprobs
+
+
+def test_another_lora_or_other_sampling_settings_are_refused_in_one_line(served):
+    url, engine, nvfp4_dir = served
+    snap = snapshot(_policy(nvfp4_dir, seed=1), 0)
+    engine.load_lora(snap.lora, snap.settings)  # the same settings: taken
+    with pytest.raises(UsageError, match="serves a LoRA of rank 4 .* the trainer sent rank 8 .* restart the server"):
+        engine.load_lora(snap.lora, {**snap.settings, "r": 8})
+    greedy = sampling_kwargs(GREEDY, [2])
+    engine.generate([[5, 6, 7]], greedy)
+    with pytest.raises(UsageError, match="samples with .*temperature.*: 0.0.* a round asked for .*: 0.7"):
+        engine.generate([[5, 6, 7]], {**greedy, "temperature": 0.7})
+
+
+def test_dapo_steps_sample_on_a_native_server_with_the_policys_adapter_and_noise(checkpoints, tmp_path):
+    """Two DAPO steps of QeRLTrainer (the recipe's settings, AQN on) sampled by a native server of their own: the
+    trainer checks each round's noisy-norms digest against its policy's (a mismatch stops the run)."""
+    _, nvfp4_dir = checkpoints
+    with _serving(nvfp4_dir) as (url, _):
+        args = recipe_config(tmp_path, rollout_backend="server", rollout_servers=[url], max_steps=2, sigma_start=5e-2)
+        trainer = make_trainer(nvfp4_dir, args)
+        trainer.train()
+    logged = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(logged) == 2 and all(row["aqn/sigma"] > 0 for row in logged)
+    assert all(row["completions/mean_length"] > 0 for row in logged)
