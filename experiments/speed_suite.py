@@ -20,7 +20,8 @@ redoes only what was lost); a job whose inputs are still arriving waits for them
                (-kept-mb32), both with TRL's random micro-batches, both compiled (--compile-layers)
   trl-baseline benchmarks.trl_baseline on the BF16 checkpoint, the same recipe and steps
   server-*     benchmarks.step on one GPU with --rollout-backend server, rollout servers (python -m
-               qerl.rollout_server) on 1 or 3 more, the batch grown with the GPUs; -ahead: --rollout-max-staleness 1
+               qerl.rollout_server) beside it (-shared) or on 1 or 3 more GPUs, the batch grown with the GPUs;
+               -ahead: --rollout-max-staleness 1; -native: the servers on the native engine, else vLLM
   gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
   vllm-rollout benchmarks.rollout --rollout-backend vllm at 1.5B (vLLM's share from the free memory)  (needs --site)
 Results: OUT/results/<job>.json (each benchmark's own JSON); logs: OUT/logs/. `summarize` writes OUT/summary.md
@@ -80,15 +81,19 @@ REAL_RUNS = {
 
 # Rollouts on their own GPUs (issue 51; docs/multi_gpu.md, "The first GPU lease of rollout servers"): the real
 # NVFP4 1.5B trained on one GPU, sampled by rollout servers on the others, the recipe's batch grown with the GPUs
-# (weak scaling: each GPU the colocated run's 8 prompts x 8 samples). name: (servers, qerl.train flags)
+# (weak scaling: each GPU the colocated run's 8 prompts x 8 samples). name: (servers, engine, qerl.train flags)
+AHEAD = ["--rollout-max-staleness", "1"]
 SERVER_RUNS = {
     # one server beside the trainer on its own GPU (0 more GPUs), the colocated run's batch: the whole path on one
     # card, and what sampling ahead gains when rollout and training share it
-    "server-shared": (0, []),
-    "server-shared-ahead": (0, ["--rollout-max-staleness", "1"]),
-    "server-1p1": (1, ["--gradient-accumulation-steps", "8"]),
-    "server-1p1-ahead": (1, ["--gradient-accumulation-steps", "8", "--rollout-max-staleness", "1"]),
-    "server-1p3-ahead": (3, ["--gradient-accumulation-steps", "16", "--rollout-max-staleness", "1"]),
+    "server-shared": (0, "vllm", []),
+    "server-shared-ahead": (0, "vllm", AHEAD),
+    "server-shared-native-ahead": (0, "native", AHEAD),
+    "server-1p1": (1, "vllm", ["--gradient-accumulation-steps", "8"]),
+    "server-1p1-ahead": (1, "vllm", ["--gradient-accumulation-steps", "8", *AHEAD]),
+    "server-1p1-native-ahead": (1, "native", ["--gradient-accumulation-steps", "8", *AHEAD]),
+    "server-1p3-ahead": (3, "vllm", ["--gradient-accumulation-steps", "16", *AHEAD]),
+    "server-1p3-native-ahead": (3, "native", ["--gradient-accumulation-steps", "16", *AHEAD]),
 }
 
 
@@ -124,16 +129,21 @@ def site_env(args, **extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def rollout_servers(args, name: str, gpu_ids: list[int], model: str, memory: float = 0.85, ready: bool = False):
-    """python -m qerl.rollout_server on each of `gpu_ids` (a port and a seed of its own, logs beside the job's);
-    yields their addresses, and stops them after. The trainer's handshake waits for them to load; `ready` waits here
-    instead (a server beside the trainer: vLLM's memory profile must not see the trainer's allocations)."""
+def rollout_servers(args, name: str, gpu_ids: list[int], model: str, engine: str, shared: bool = False):
+    """python -m qerl.rollout_server with `engine` on each of `gpu_ids` (a port and a seed of its own, logs beside the
+    job's); yields their addresses, and stops them after. The trainer's handshake waits for them to load; a server
+    `shared` with the trainer's GPU takes a third of it (vLLM) or 20 GiB of KV cache (native) and is waited for here
+    (vLLM's memory profile must not see the trainer's allocations)."""
+    if engine == "native":
+        memory = ["--engine", "native", *(["--kv-cache-gib", "20"] if shared else [])]
+    else:
+        memory = ["--gpu-memory-utilization", "0.3" if shared else "0.85"]
     servers, urls = [], []
     try:
         for i, gpu in enumerate(gpu_ids):
             port = free_port()
             command = [sys.executable, "-m", "qerl.rollout_server", "--model", model, "--port", str(port),
-                       "--seed", str(i + 1), "--gpu-memory-utilization", str(memory)]  # fmt: skip
+                       "--seed", str(i + 1), *memory]  # fmt: skip
             env = site_env(args, CUDA_VISIBLE_DEVICES=str(args.gpu_ids[gpu] if args.gpu_ids else gpu))
             log = Path(args.out) / "logs" / f"{name}-server{i}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +152,7 @@ def rollout_servers(args, name: str, gpu_ids: list[int], model: str, memory: flo
                     subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
                 )
             urls.append(f"http://127.0.0.1:{port}")
-        if ready:
+        if shared:
             from qerl.rollout.remote import ServerPool  # torch: only where a job runs
 
             ServerPool(urls, model, lora_rank=0).handshake(timeout=args.timeout)  # waits for /health, checks the base
@@ -152,16 +162,15 @@ def rollout_servers(args, name: str, gpu_ids: list[int], model: str, memory: flo
             kill_session(server)
 
 
-def server_job(args, name: str, servers: int, flags: list[str], steps: list[str]) -> Job:
+def server_job(args, name: str, servers: int, engine: str, flags: list[str], steps: list[str]) -> Job:
     """benchmarks.step on the first of the job's GPUs, its rounds sampled by rollout servers on the others (no others:
-    one server beside it, in a third of the card)."""
+    one server beside it)."""
     out = Path(args.out) / "json" / f"{name}.json"
     model = checkpoints(args)["nvfp4"]
 
     def work(gpu_ids):
         real_prepared(args)
-        shared = dict(memory=0.3, ready=True) if servers == 0 else {}
-        with rollout_servers(args, name, gpu_ids[1:] or gpu_ids[:1], model, **shared) as urls:
+        with rollout_servers(args, name, gpu_ids[1:] or gpu_ids[:1], model, engine, shared=servers == 0) as urls:
             command = ["-m", "benchmarks.step", "--out", str(out), "--model", model, "--config", str(REAL_RECIPE),
                        "--rollout-backend", "server", "--profile", *steps, "--",
                        "--rollout-servers", *urls, *flags]  # fmt: skip
@@ -279,7 +288,9 @@ def jobs(args) -> list[Job]:
                 )
         # those the machine has the GPUs for (a job waits for as many free GPUs as it holds)
         found += [
-            server_job(args, name, n, flags, steps) for name, (n, flags) in SERVER_RUNS.items() if 1 + n <= args.gpus
+            server_job(args, name, n, engine, flags, steps)
+            for name, (n, engine, flags) in SERVER_RUNS.items()
+            if 1 + n <= args.gpus
         ]
     return found
 

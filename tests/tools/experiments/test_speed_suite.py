@@ -26,13 +26,19 @@ def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
         "real-nvfp4-dense-combined", "real-bf16-combined", "real-nvfp4-dense-compact", "real-bf16-compact",
         "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32", "real-nvfp4-dense-random-split",
         "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled", "server-shared",
-        "server-shared-ahead", "server-1p1", "server-1p1-ahead", "server-1p3-ahead",
+        "server-shared-ahead", "server-shared-native-ahead", "server-1p1", "server-1p1-ahead",
+        "server-1p1-native-ahead", "server-1p3-ahead", "server-1p3-native-ahead",
     ]  # fmt: skip
     two_gpus = _args(tmp_path, gguf="x")
     two_gpus.gpus = 2
-    assert [job.name for job in speed_suite.jobs(two_gpus)][-2:] == ["server-1p1", "server-1p1-ahead"]  # 1 + 3: no
+    assert [job.name for job in speed_suite.jobs(two_gpus)][-3:] == [
+        "server-1p1",
+        "server-1p1-ahead",
+        "server-1p1-native-ahead",
+    ]  # 1 + 3: no
     two_gpus.gpus = 1
-    assert [job.name for job in speed_suite.jobs(two_gpus)][-2:] == ["server-shared", "server-shared-ahead"]
+    assert [job.name for job in speed_suite.jobs(two_gpus)][-3:] == ["server-shared", "server-shared-ahead",
+                                                                      "server-shared-native-ahead"]  # fmt: skip
     prep = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == "real-prep")
     assert prep.gpus == 0 and prep.share == 3  # beside the others, on the last GPU
 
@@ -54,15 +60,19 @@ def test_out_goes_before_the_flags_for_qerl_train(tmp_path, monkeypatch):
     assert ran[0][1][ran[0][1].index("--") + 1 :] == ["--dense-training-weights", "true"]
 
 
-@pytest.mark.parametrize(("name", "servers_on", "shared"), [("server-shared", [5], True), ("server-1p1", [6], False)])
+@pytest.mark.parametrize(
+    ("name", "servers_on", "engine", "shared"),
+    [("server-shared", [5], "vllm", True), ("server-1p1", [6], "vllm", False), ("server-1p1-native-ahead", [6],
+     "native", False)],
+)  # fmt: skip
 def test_a_server_job_trains_on_its_first_gpu_and_samples_on_the_others_or_beside_it(
-    tmp_path, monkeypatch, name, servers_on, shared
+    tmp_path, monkeypatch, name, servers_on, engine, shared
 ):
     started, ran = [], []
 
     @contextlib.contextmanager
-    def servers(args, job, gpu_ids, model, **kwargs):
-        started.append((gpu_ids, kwargs))
+    def servers(args, job, gpu_ids, model, engine, shared):
+        started.append((gpu_ids, engine, shared))
         yield ["http://127.0.0.1:1"]
 
     monkeypatch.setattr(speed_suite, "rollout_servers", servers)
@@ -74,8 +84,7 @@ def test_a_server_job_trains_on_its_first_gpu_and_samples_on_the_others_or_besid
     (tmp_path / "json" / f"{name}.json").write_text("{}")
     job = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == name)
     assert job.work([5, 6][: job.gpus]) == {name: {}}
-    # beside the trainer: a third of the card, and the server loaded before the trainer allocates anything
-    assert started == [(servers_on, dict(memory=0.3, ready=True) if shared else {})]
+    assert started == [(servers_on, engine, shared)]
     ((command, gpu_ids),) = ran
     assert gpu_ids == [5]
     assert command[0][command[0].index("--rollout-servers") + 1] == "http://127.0.0.1:1"
@@ -173,3 +182,35 @@ def test_a_server_job_trains_on_its_first_gpu_and_serves_from_the_others(tmp_pat
     flags = command[command.index("--") + 1 :]
     assert flags[: 1 + 3] == ["--rollout-servers", *(f"http://127.0.0.1:{port}" for port in ports)]
     assert flags[4:] == ["--gradient-accumulation-steps", "16", "--rollout-max-staleness", "1"]
+
+
+@pytest.mark.parametrize(
+    ("engine", "shared", "flags"),
+    [
+        ("vllm", False, ["--gpu-memory-utilization", "0.85"]),
+        ("vllm", True, ["--gpu-memory-utilization", "0.3"]),  # a third of the card beside the trainer
+        ("native", False, ["--engine", "native"]),
+        ("native", True, ["--engine", "native", "--kv-cache-gib", "20"]),
+    ],
+)
+def test_each_server_gets_its_engine_port_seed_and_share_and_one_beside_the_trainer_is_waited_for(
+    tmp_path, monkeypatch, engine, shared, flags
+):
+    import qerl.rollout.remote
+
+    started, waited = [], []
+    monkeypatch.setattr(speed_suite, "site_env", lambda args, **extra: extra)
+    monkeypatch.setattr(speed_suite, "kill_session", lambda proc: None)
+    monkeypatch.setattr(speed_suite.subprocess, "Popen", lambda command, env, **kw: started.append((command, env)))
+    monkeypatch.setattr(
+        qerl.rollout.remote.ServerPool, "handshake", lambda pool, timeout: waited.append(len(pool.clients))
+    )
+    monkeypatch.setattr(qerl.rollout.remote, "base_fingerprint", lambda path: "fp")
+    args = _args(tmp_path)
+    with speed_suite.rollout_servers(args, "job", [2, 3], "/m", engine, shared) as urls:
+        assert len(urls) == 2
+    for i, (command, env) in enumerate(started):
+        assert command[1:] == ["-m", "qerl.rollout_server", "--model", "/m", "--port", urls[i].rsplit(":", 1)[1],
+                               "--seed", str(i + 1), *flags]  # fmt: skip
+        assert env == {"CUDA_VISIBLE_DEVICES": str(2 + i)}
+    assert waited == ([2] if shared else [])
