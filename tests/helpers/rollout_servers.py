@@ -59,6 +59,22 @@ class FakeEngine:
 
 
 @contextlib.contextmanager
+def native_serving(base: str, seed: int = 1):
+    """A real HTTP rollout server around the native engine on the checkpoint `base` (CPU), in a thread; yields (url,
+    engine)."""
+    from qerl.rollout.native.server_engine import NativeServerEngine
+
+    engine = NativeServerEngine(base, torch.device("cpu"), seed=seed)
+    http = make_http_server(RolloutServer(engine, base, lora_rank=16, seed=seed, name=f"native{seed}"))
+    threading.Thread(target=http.serve_forever, args=(0.02,), daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{http.server_address[1]}", engine
+    finally:
+        http.shutdown()
+        http.server_close()
+
+
+@contextlib.contextmanager
 def serving(base: str, seeds=(1, 2), **engine):
     """Real HTTP rollout servers on free ports, one thread each; yields [(url, http server, engine)]."""
     running = []

@@ -6,6 +6,7 @@ and the processes pass `--ddp-backend gloo` (DeepSpeed's CPU accelerator then ta
 without one, so the FSDP2 test shards the policy with accelerate's own `fsdp2_prepare_model` under torch's gloo.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import textwrap
 import pytest
 import torch
 import yaml
+from rollout_servers import native_serving
 from safetensors.torch import load_file
 
 from benchmarks.launch import REPO, child_env, free_port
@@ -76,6 +78,14 @@ SETUPS = {
         "native",
         "zero3",
     ),
+    # Both ranks' rounds sampled by one rollout server (the native engine, in this test's process): each rank sends
+    # the same adapter and its own prompts (training/dapo_rollout_servers.sh with N trainers).
+    "ddp-server": (
+        lambda tmp: os.path.join(ACCELERATE_CONFIGS, "ddp.yaml"),
+        ["--use-cpu", "True", "--rollout-backend", "server"],
+        "server",
+        None,
+    ),
 }
 
 
@@ -89,17 +99,20 @@ def test_two_processes_end_with_identical_lora(setup, checkpoints, tmp_path):
     harness = tmp_path / "harness.py"
     harness.write_text(HARNESS)
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", config(tmp_path), "--num_processes", "2",
-        "--mixed_precision", "no", "--main_process_port", str(free_port()), str(harness),
-        "--model-name", nvfp4_dir, "--dataset", "arithmetic", "--num-examples", "64", "--dtype", "float32",
-        "--output-dir", str(out), "--per-device-train-batch-size", "4", "--num-generations", "4",
-        "--max-completion-length", "6", "--max-steps", "3", "--save-strategy", "no", "--report-to", "none",
-        "--bf16", "False", "--gradient-checkpointing", "False", "--lora-rank", "4",
-        "--ln", "True", "--learning-rate", "5e-3", "--sigma-start", "0.1", "--sigma-end", "0.01",
-        "--num-stages", "3", "--aqn-log-shift", "True", "--logging-steps", "1", *flags,
-    ]  # fmt: skip
-    result = subprocess.run(cmd, env=child_env(threads=1), capture_output=True, text=True, timeout=300, cwd=REPO)
+    server = native_serving(nvfp4_dir) if setup == "ddp-server" else contextlib.nullcontext()
+    with server as served:
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", config(tmp_path), "--num_processes",
+            "2", "--mixed_precision", "no", "--main_process_port", str(free_port()), str(harness),
+            "--model-name", nvfp4_dir, "--dataset", "arithmetic", "--num-examples", "64", "--dtype", "float32",
+            "--output-dir", str(out), "--per-device-train-batch-size", "4", "--num-generations", "4",
+            "--max-completion-length", "6", "--max-steps", "3", "--save-strategy", "no", "--report-to", "none",
+            "--bf16", "False", "--gradient-checkpointing", "False", "--lora-rank", "4",
+            "--ln", "True", "--learning-rate", "5e-3", "--sigma-start", "0.1", "--sigma-end", "0.01",
+            "--num-stages", "3", "--aqn-log-shift", "True", "--logging-steps", "1", *flags,
+            *(["--rollout-servers", served[0]] if served else []),
+        ]  # fmt: skip
+        result = subprocess.run(cmd, env=child_env(threads=1), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     assert all(r["world"] == 2 and r["backend"] == backend and r["sharding"] == sharding for r in ranks)

@@ -3,22 +3,17 @@ path): a real HTTP server around it on the tiny NVFP4 checkpoint, fed by the tra
 adapter (digest of what it holds), samples the colocated native backend's tokens and log-probs bit for bit, clean and
 under the round's AQN (whose noisy norms it digests as the trainer does), and serves QeRLTrainer's DAPO steps."""
 
-import contextlib
-import threading
-
 import pytest
 import torch
 from fakes import make_trainer, recipe_config
-from rollout_servers import trained_policy
+from rollout_servers import native_serving, trained_policy
 from transformers import GenerationConfig
 
 from qerl import aqn, base_model
 from qerl.errors import UsageError
 from qerl.rollout import RolloutSetup, no_noise
 from qerl.rollout.native import NativeRollout
-from qerl.rollout.native.server_engine import NativeServerEngine
 from qerl.rollout.remote import ServerPool
-from qerl.rollout.server import RolloutServer, make_http_server
 from qerl.rollout.server_backend import NO_NOISE, noise_spec, noisy_norms_digest
 from qerl.rollout.vllm import sampling_kwargs
 from qerl.rollout.wire import snapshot
@@ -26,24 +21,11 @@ from qerl.rollout.wire import snapshot
 GREEDY = GenerationConfig(do_sample=False, max_new_tokens=12)
 
 
-@contextlib.contextmanager
-def _serving(nvfp4_dir):
-    """(url, engine): one native rollout server on `nvfp4_dir`, in a thread."""
-    engine = NativeServerEngine(nvfp4_dir, torch.device("cpu"), seed=1)
-    http = make_http_server(RolloutServer(engine, nvfp4_dir, lora_rank=16, seed=1, name="native"))
-    threading.Thread(target=http.serve_forever, args=(0.02,), daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{http.server_address[1]}", engine
-    finally:
-        http.shutdown()
-        http.server_close()
-
-
 @pytest.fixture(scope="module")
 def served(checkpoints):
     """(url, engine, nvfp4 folder) of a server the greedy tests share."""
     _, nvfp4_dir = checkpoints
-    with _serving(nvfp4_dir) as (url, engine):
+    with native_serving(nvfp4_dir) as (url, engine):
         yield url, engine, nvfp4_dir
 
 
@@ -100,7 +82,7 @@ def test_dapo_steps_sample_on_a_native_server_with_the_policys_adapter_and_noise
     """Two DAPO steps of QeRLTrainer (the recipe's settings, AQN on) sampled by a native server of their own: the
     trainer checks each round's noisy-norms digest against its policy's (a mismatch stops the run)."""
     _, nvfp4_dir = checkpoints
-    with _serving(nvfp4_dir) as (url, _):
+    with native_serving(nvfp4_dir) as (url, _):
         args = recipe_config(tmp_path, rollout_backend="server", rollout_servers=[url], max_steps=2, sigma_start=5e-2)
         trainer = make_trainer(nvfp4_dir, args)
         trainer.train()
