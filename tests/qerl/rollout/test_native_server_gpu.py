@@ -3,14 +3,9 @@ backend on the same GPU (GPU only; no vLLM needed), on the random NVFP4 checkpoi
 trained-looking LoRA r16 and trained norms: the server holds the adapter, samples the colocated engine's greedy tokens
 (its Triton kernels and CUDA graph), and under AQN digests the noisy norms the trainer draws on its policy."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from transformers import GenerationConfig
-
-from benchmarks.launch import REPO, child_env, free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -19,28 +14,18 @@ GREEDY = GenerationConfig(do_sample=False, max_new_tokens=48)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    from rollout_servers import server_process
     from vllm_policy import random_nvfp4_policy
 
     from qerl.rollout import RolloutSetup
     from qerl.rollout.native import NativeRollout
-    from qerl.rollout.remote import ServerPool
 
     root = tmp_path_factory.mktemp("native-server")
     folder, policy = random_nvfp4_policy(root)
-    port = free_port()
-    command = [sys.executable, "-m", "qerl.rollout_server", "--model", folder, "--port", str(port), "--seed", "1",
-               "--engine", "native", "--kv-cache-gib", "4"]  # fmt: skip
-    with open(root / "server.log", "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=child_env())
-    try:
-        pool = ServerPool([f"http://127.0.0.1:{port}"], folder, lora_rank=16, timeout=300)
-        pool.handshake(timeout=300)
+    with server_process(folder, root / "server.log", "--engine", "native", "--kv-cache-gib", "4") as pool:
         colocated = NativeRollout(RolloutSetup.for_model(policy, GREEDY, [2], pad_token_id=0))
         prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (17, 40, 64, 9)]
         yield pool, colocated, policy, prompts
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 def test_the_native_server_samples_the_colocated_native_engines_tokens_clean_and_under_aqn(setup):

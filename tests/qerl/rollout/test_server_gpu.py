@@ -7,13 +7,9 @@ the same adapter, and under AQN reads back the noisy norms the trainer draws on 
 """
 
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 import torch
-
-from benchmarks.launch import REPO, child_env, free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,28 +19,18 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    from rollout_servers import server_process
     from vllm_policy import colocated_vllm, random_nvfp4_policy
-
-    from qerl.rollout.remote import ServerPool
 
     root = tmp_path_factory.mktemp("server")
     folder, policy = random_nvfp4_policy(root)
-    port = free_port()
-    command = [sys.executable, "-m", "qerl.rollout_server", "--model", folder, "--port", str(port), "--seed", "1",
-               "--gpu-memory-utilization", "0.25", "--max-model-len", "512"]  # fmt: skip
-    with open(root / "server.log", "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=child_env())
-    try:
-        pool = ServerPool([f"http://127.0.0.1:{port}"], folder, lora_rank=16, timeout=300)
-        pool.handshake(timeout=300)
+    vllm_flags = ["--gpu-memory-utilization", "0.25", "--max-model-len", "512"]
+    with server_process(folder, root / "server.log", *vllm_flags) as pool:
         generation_config = policy.generation_config
         generation_config.update(max_new_tokens=24, do_sample=False, top_p=1.0, top_k=0)
         colocated = colocated_vllm(folder, policy, generation_config, sleep=False)  # beside test_vllm_gpu's
         prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (17, 40, 64, 9)]
         yield pool, colocated, policy, prompts
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 def test_the_server_holds_the_adapter_and_samples_the_colocated_engines_greedy_tokens(setup):
