@@ -44,7 +44,7 @@ LAYERS = [
     ],
     ["qerl.aqn", "qerl.base_model", "qerl.lora", "qerl.data", "qerl.rollout", "qerl.rollout.*", "qerl.quantize"],
     ["qerl.callbacks", "qerl.truncation", "qerl.recipes", "qerl.rounds_ahead"],
-    ["qerl.trainer", "qerl.run_dir"],
+    ["qerl.trainer", "qerl.trainer_rollouts", "qerl.run_dir"],
     ["qerl.train", "qerl.demo", "qerl.rollout_server"],
 ]
 
@@ -183,7 +183,8 @@ def test_tools_build_engines_only_through_qerl_rollout():
 
 def test_only_trls_trainer_wraps_a_model_with_peft_inside_qerl():
     """QeRLTrainer is the package's one road from a base to a trainable policy: it hands lora.lora_config to TRL, whose
-    trainer wraps the model; no module of qerl calls peft's get_peft_model itself."""
+    trainer wraps the model; no module of qerl calls peft's get_peft_model itself but a rollout server's native
+    engine, whose frozen copy of the trainer's adapter takes the settings the trainer sends."""
     wrapping = [
         name
         for name, path in modules().items()
@@ -191,4 +192,4 @@ def test_only_trls_trainer_wraps_a_model_with_peft_inside_qerl():
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "get_peft_model"
     ]
-    assert not wrapping, wrapping
+    assert wrapping == ["qerl.rollout.native.server_engine"], wrapping

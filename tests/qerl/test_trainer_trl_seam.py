@@ -1,6 +1,6 @@
-"""The TRL internals QeRL relies on ("THE TRL SEAM" in qerl/trainer.py), pinned one by one against the installed
-TRL: an upgrade that renames, re-signs or rewires one of them fails here, naming it, rather than somewhere in a
-training run."""
+"""The TRL internals QeRL relies on ("THE TRL SEAM" in qerl/trainer.py and qerl/trainer_rollouts.py), pinned one by
+one against the installed TRL: an upgrade that renames, re-signs or rewires one of them fails here, naming it, rather
+than somewhere in a training run."""
 
 import inspect
 import re
@@ -14,6 +14,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from qerl.config import QeRLConfig, batch_error_fix
 from qerl.trainer import QeRLTrainer
+from qerl.trainer_rollouts import RolloutRounds
 
 
 def _params(function) -> list[str]:
@@ -221,16 +222,21 @@ def test_transformers_trainer_internals():
     assert "self.callback_handler.on_train_begin(" in _source(Trainer._inner_training_loop)
 
 
-# The TRL internals the seam lists: no line of qerl/trainer.py above the seam touches one.
+# The TRL internals the seams list: no line of either trainer module above its seam touches one.
 TRL_INTERNALS = ("_generate_single_turn", "_generate_and_score_completions", "_get_per_token_logps_and_entropies",
                  "_calculate_rewards", "_compute_loss", "use_vllm", "_metrics", "_tokenizer", "eos_token_ids",
-                 "pad_to_multiple_of", "generation_config", "reward_weights", "_tag_names", "_name")  # fmt: skip
+                 "pad_to_multiple_of", "generation_config", "reward_weights", "_tag_names", "_name",
+                 "_get_train_sampler", "_tokenize_prompts")  # fmt: skip
 
 
-def test_every_trl_internal_is_used_in_the_seam_and_nowhere_above():
-    source = inspect.getsource(inspect.getmodule(QeRLTrainer))
-    above, seam = source.split("# THE TRL SEAM", 1)
-    used_above = sorted({name for name in TRL_INTERNALS if re.search(rf"\bself\.{name}\b", above)})
-    helpers_above = [h for h in ("profiling_context(", "unwrap_model_for_generation(") if h in above]
-    assert not used_above and not helpers_above, f"above THE TRL SEAM: {used_above + helpers_above}"
+def test_every_trl_internal_is_used_in_a_seam_and_nowhere_above():
+    """qerl/trainer.py (the loss side) and qerl/trainer_rollouts.py (the rollout side) each have a seam."""
+    seams = []
+    for module in (inspect.getmodule(QeRLTrainer), inspect.getmodule(RolloutRounds)):
+        above, seam = inspect.getsource(module).split("# THE TRL SEAM", 1)
+        used_above = sorted({name for name in TRL_INTERNALS if re.search(rf"\bself\.{name}\b", above)})
+        helpers_above = [h for h in ("profiling_context(", "unwrap_model_for_generation(") if h in above]
+        assert not used_above and not helpers_above, f"{module.__name__}, above its seam: {used_above + helpers_above}"
+        seams.append(seam)
+    seam = "\n".join(seams)
     assert all(re.search(rf"\bself\.{name}\b|def {name}\b|^\s+{name} = ", seam, re.M) for name in TRL_INTERNALS)
