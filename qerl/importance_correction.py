@@ -1,4 +1,5 @@
-"""TRL's importance-sampling correction (`vllm_importance_sampling_correction`), its ratio taken from the loss forward.
+"""TRL's importance-sampling correction (`vllm_importance_sampling_correction`), its ratio taken from the loss forward,
+and the tap on that forward that the trainer's mismatch metrics read too.
 
 TRL computes the ratio pi_train / pi_rollout of each sampled token from a separate forward over the whole round
 (`old_per_token_logps`) before any micro-batch trains. When no optimizer step falls between sampling and training
@@ -12,6 +13,7 @@ recipe sampled one round ahead, docs/multi_gpu.md). The formulas and the samplin
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,3 +78,31 @@ def mismatch_stats(
         "sampling/importance_sampling_ratio/mean": (pick(flat, "mean"), "mean"),
         "sampling/importance_sampling_ratio/max": (pick(flat, "max"), "max"),
     }
+
+
+def scored(batch) -> torch.Tensor:
+    """The tokens a batch's loss scores: its completions' minus any tool output."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
+@dataclass
+class LossForwardTap:
+    """What the trainer needs of TRL's loss forward that TRL's _compute_loss does not return: the log-probs of each
+    forward it runs (`logps`, detached) and, where the correction's ratio comes from that forward, the ratio written
+    into the loss's inputs (`ratio_into`), which TRL reads after the forward. Open only while the trainer's
+    _compute_loss runs TRL's; its _get_per_token_logps_and_entropies hands each forward's log-probs to `take`."""
+
+    ratio_into: dict | None
+    mode: str  # the ratio's vllm_importance_sampling_mode, clip_min and clip_max
+    clip_min: float | None
+    clip_max: float | None
+    logps: list[torch.Tensor] = field(default_factory=list)
+
+    def take(self, logps: torch.Tensor) -> None:
+        self.logps.append(logps.detach())
+        if self.ratio_into is not None and len(self.logps) == 1:  # the loss forward: the first TRL's loss runs
+            batch = self.ratio_into
+            batch["importance_sampling_ratio"] = correction_ratio(
+                self.logps[0], batch["sampling_per_token_logps"], scored(batch), self.mode, self.clip_min, self.clip_max
+            )

@@ -26,7 +26,7 @@ from qerl import base_model, cli, lora, micro_batches, rewards, rounds_ahead, sh
 from qerl.callbacks import JsonlMetrics, KeepModelEos
 from qerl.config import QeRLConfig
 from qerl.dense_weights import DenseWeights
-from qerl.importance_correction import correction_ratio, from_loss_forward, mismatch_stats
+from qerl.importance_correction import LossForwardTap, from_loss_forward, mismatch_stats, scored
 from qerl.kept_activations import KeptActivations
 from qerl.nonfinite_dump import dump_if_nonfinite, loss_settings
 from qerl.nvfp4.linear import NVFP4Linear
@@ -101,8 +101,7 @@ class QeRLTrainer(RolloutRounds, GRPOTrainer):
         self.kept_activations = KeptActivations(
             self.model, args.keep_activations, args.gradient_checkpointing, self.accelerator.num_processes
         )
-        self._loss_logps: list[torch.Tensor] | None = None  # open only inside _tapping_loss_logps
-        self._ratio_into: dict | None = None  # the loss's inputs, while the loss forward gives the correction's ratio
+        self._loss_tap: LossForwardTap | None = None  # open only inside _tapping_loss_forward
         self.ratio_from_loss_forward = from_loss_forward(args)
         self._micro_batch: dict | None = None  # the loss's inputs, kept for dump_nonfinite_grads
         self.nonfinite_dump: str | None = None
@@ -284,18 +283,8 @@ class QeRLTrainer(RolloutRounds, GRPOTrainer):
             result = logps, entropies, None
         else:
             result = super()._get_per_token_logps_and_entropies(*batch, compute_aux_loss, **multimodal)
-        if self._loss_logps is not None:
-            self._loss_logps.append(result[0].detach())
-            if self._ratio_into is not None and len(self._loss_logps) == 1:
-                inputs, a = self._ratio_into, self.args
-                inputs["importance_sampling_ratio"] = correction_ratio(
-                    result[0].detach(),
-                    inputs["sampling_per_token_logps"],
-                    _scored(inputs),
-                    a.vllm_importance_sampling_mode,
-                    a.vllm_importance_sampling_clip_min,
-                    a.vllm_importance_sampling_clip_max,
-                )
+        if self._loss_tap is not None:
+            self._loss_tap.take(result[0])
         return result
 
     def _compute_loss(self, model, inputs):
@@ -309,9 +298,9 @@ class QeRLTrainer(RolloutRounds, GRPOTrainer):
         shift = "aqn_noisy_logps" in inputs
         if self.args.dump_nonfinite_grads:
             self._micro_batch = inputs
-        with self._tapping_loss_logps(mismatch or (shift and old is None), inputs if ratio_here else None) as tapped:
+        with self._tapping_loss_forward(mismatch or (shift and old is None), inputs if ratio_here else None) as tap:
             loss = super()._compute_loss(model, inputs)
-        clean = old if old is not None else (tapped or [None])[0]
+        clean = old if old is not None or tap is None or not tap.logps else tap.logps[0]
         if mismatch and clean is not None:
             self._log_rollout_mismatch(clean, inputs, inputs.get("importance_sampling_ratio") if ratio_here else None)
         if shift and clean is not None:
@@ -322,16 +311,20 @@ class QeRLTrainer(RolloutRounds, GRPOTrainer):
         return loss
 
     @contextlib.contextmanager
-    def _tapping_loss_logps(self, wanted: bool, ratio_into: dict | None = None):
-        """The log-probs of TRL's loss forward, which _compute_loss does not return: while this is open (and
-        `wanted`), _get_per_token_logps_and_entropies appends each forward's to the list it yields (else None), and
-        puts the correction's ratio from the first into `ratio_into` (the loss's inputs), before TRL reads it."""
-        self._loss_logps = [] if wanted else None
-        self._ratio_into = ratio_into
+    def _tapping_loss_forward(self, wanted: bool, ratio_into: dict | None = None):
+        """A LossForwardTap on TRL's loss forward while this is open, if `wanted` (else None), putting the
+        correction's ratio into `ratio_into` (the loss's inputs) when given."""
+        a = self.args
+        ratio = (
+            a.vllm_importance_sampling_mode,
+            a.vllm_importance_sampling_clip_min,
+            a.vllm_importance_sampling_clip_max,
+        )
+        self._loss_tap = LossForwardTap(ratio_into, *ratio) if wanted else None
         try:
-            yield self._loss_logps
+            yield self._loss_tap
         finally:
-            self._loss_logps = self._ratio_into = None
+            self._loss_tap = None
 
     def _prepare_inputs(self, generation_batch):
         buffered = self._buffered_inputs
@@ -363,7 +356,7 @@ class QeRLTrainer(RolloutRounds, GRPOTrainer):
         sampling_logp_difference/mean is the mean |logprob(noisy) - logprob(clean)| of the sampled tokens: how far
         AQN moved the policy that sampled."""
         mode = "train" if self.model.training else "eval"
-        stats = mismatch_stats(clean_logps, batch["sampling_per_token_logps"], _scored(batch), factor)
+        stats = mismatch_stats(clean_logps, batch["sampling_per_token_logps"], scored(batch), factor)
         for name, (value, how) in stats.items():
             self._metrics[mode][name].append(getattr(self.accelerator.gather(value), how)().item())
 
@@ -374,9 +367,3 @@ class QeRLTrainer(RolloutRounds, GRPOTrainer):
         if "train_runtime" in logs:  # the run's closing line: how many rounds were (nearly) all truncated
             logs = {**logs, **self.truncation_watch.summary()}
         super().log(logs, start_time)
-
-
-def _scored(batch) -> torch.Tensor:
-    """The tokens a batch's loss scores: its completions' minus any tool output."""
-    mask = batch["completion_mask"]
-    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
