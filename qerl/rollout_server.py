@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base_fingerprint(args.model)  # a wrong folder in one line, before the engine takes a minute to load
     if args.engine == "native":
-        settings = {} if args.kv_cache_gib is None else {"kv_cache_gib": args.kv_cache_gib}
+        settings = {"kv_cache_gib": args.kv_cache_gib}
     else:
         settings = dict(
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -187,14 +187,12 @@ class _Handler(BaseHTTPRequestHandler):
 
 def serve(model: str, host: str, port: int, lora_rank: int, seed: int, engine: str = "vllm", **settings) -> None:
     """Load `model` into `engine` on this process's GPU and serve it on (host, port) until the process is stopped:
-    "vllm", a VLLMEngine (`settings`: its keywords), or "native", the native engine (`settings`: NativeSettings')."""
+    "vllm", a VLLMEngine (`settings`: its keywords), or "native", the native engine (`settings`: kv_cache_gib)."""
     if engine == "native":
-        from qerl.rollout.base import NativeSettings
         from qerl.rollout.native.server_engine import NativeServerEngine
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        native = NativeSettings(**settings) if settings else None
-        built: ServerEngine = NativeServerEngine(model, device, seed, native)
+        built: ServerEngine = NativeServerEngine(model, device, seed, **settings)
     else:
         from qerl.rollout.vllm import VLLMEngine
 

@@ -33,7 +33,7 @@ ENGINE_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 
 
 class NativeServerEngine:
-    def __init__(self, model_path: str, device: torch.device, seed: int, native: NativeSettings | None = None):
+    def __init__(self, model_path: str, device: torch.device, seed: int, kv_cache_gib: float | None = None):
         torch.manual_seed(seed)  # the sampler draws from the default generators (CPU and every GPU)
         self.model = base_model.load_base_model(model_path, dtype=torch.bfloat16, device=device)
         self.model.eval().requires_grad_(False)
@@ -42,9 +42,10 @@ class NativeServerEngine:
                 norm.weight.data = norm.weight.data.float()
         self.params = dict(self.model.named_parameters())  # the norms under transformers' names, which are vLLM's
         self.model_path, self.device = model_path, torch.device(device)
-        # as the trainer's default: live rows compacted on an NVFP4 base (where the GEMMs' rows are what costs)
+        # the trainer's defaults: live rows compacted on an NVFP4 base (where the GEMMs' rows are what costs), the KV
+        # cache sized each round from free memory (or `kv_cache_gib`) and kept between rounds where it fits
         nvfp4 = any(isinstance(module, NVFP4Linear) for module in self.model.modules())
-        self.native = native or NativeSettings(compact_rows=nvfp4)
+        self.native = NativeSettings(kv_cache_gib=kv_cache_gib, compact_rows=nvfp4)
         generation = self.model.generation_config
         self.pad_token_id = generation.pad_token_id if generation.pad_token_id is not None else 0
         self.policy = None  # the peft model around self.model, made by the first adapter

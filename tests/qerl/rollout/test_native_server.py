@@ -6,7 +6,7 @@ under the round's AQN (whose noisy norms it digests as the trainer does), and se
 import pytest
 import torch
 from fakes import make_trainer, recipe_config
-from rollout_servers import native_serving, trained_policy
+from rollout_servers import native_serving, server_process, trained_policy
 from transformers import GenerationConfig
 
 from qerl import aqn, base_model
@@ -89,3 +89,16 @@ def test_dapo_steps_sample_on_a_native_server_with_the_policys_adapter_and_noise
     logged = [row for row in trainer.state.log_history if "loss" in row]
     assert len(logged) == 2 and all(row["aqn/sigma"] > 0 for row in logged)
     assert all(row["completions/mean_length"] > 0 for row in logged)
+
+
+def test_the_program_serves_the_native_engine(checkpoints, tmp_path):
+    """`python -m qerl.rollout_server --engine native` in a process of its own (the CPU here): the handshake, the
+    adapter held, a greedy round as the colocated native backend samples it."""
+    _, nvfp4_dir = checkpoints
+    policy = _policy(nvfp4_dir)
+    with server_process(nvfp4_dir, tmp_path / "server.log", "--engine", "native", "--kv-cache-gib", "1") as pool:
+        snap = snapshot(policy, 0)
+        assert pool.sync(snap) == 1 and pool.held[pool.clients[0].url] == (0, snap.digest)
+        served = pool.generate(0, 0, NO_NOISE, sampling_kwargs(GREEDY, [2]), _prompts())
+    assert served.completion_ids == _colocated(policy, [2]).generate(_prompts(), no_noise).completion_ids
+    assert "adapter v0:" in (tmp_path / "server.log").read_text()
