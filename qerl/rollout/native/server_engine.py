@@ -33,6 +33,9 @@ ENGINE_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 
 
 class NativeServerEngine:
+    """A rollout server's ServerEngine on the native engine: `model` (the base, LoRA injected by the first adapter)
+    holds the norms the server perturbs; `load_lora`, `load_norms` and `generate` as VLLMEngine's."""
+
     def __init__(self, model_path: str, device: torch.device, seed: int, kv_cache_gib: float | None = None):
         torch.manual_seed(seed)  # the sampler draws from the default generators (CPU and every GPU)
         self.model = base_model.load_base_model(model_path, dtype=torch.bfloat16, device=device)
