@@ -102,3 +102,20 @@ def test_the_program_serves_the_native_engine(checkpoints, tmp_path):
         served = pool.generate(0, 0, NO_NOISE, sampling_kwargs(GREEDY, [2]), _prompts())
     assert served.completion_ids == _colocated(policy, [2]).generate(_prompts(), no_noise).completion_ids
     assert "adapter v0:" in (tmp_path / "server.log").read_text()
+
+
+def test_one_round_ahead_on_a_native_server_trains_on_rounds_one_version_behind(checkpoints, tmp_path):
+    """rollout_max_staleness 1 on a real engine: the rounds of steps 1 and 2 sampled while the step before trained,
+    with its adapter; the correction on, its ratio from the loss forward (no old-log-probs forward), the mismatch of
+    the stale rounds logged."""
+    _, nvfp4_dir = checkpoints
+    with native_serving(nvfp4_dir) as (url, _):
+        args = recipe_config(
+            tmp_path, rollout_backend="server", rollout_servers=[url], rollout_max_staleness=1, max_steps=3
+        )
+        trainer = make_trainer(nvfp4_dir, args)
+        trainer.train()
+    assert trainer.ratio_from_loss_forward and trainer.rollout.rounds_ahead == 2
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["rollout/staleness"] for log in logs] == [0, 1, 1]
+    assert all(log["sampling/sampling_logp_difference/mean"] > 0 for log in logs)
