@@ -85,15 +85,16 @@ REAL_RUNS = {
 AHEAD = ["--rollout-max-staleness", "1"]
 SERVER_RUNS = {
     # one server beside the trainer on its own GPU (0 more GPUs), the colocated run's batch: the whole path on one
-    # card, and what sampling ahead gains when rollout and training share it
-    "server-shared": (0, "vllm", []),
-    "server-shared-ahead": (0, "vllm", AHEAD),
+    # card, and what sampling ahead gains when rollout and training share it. In each split the newest question
+    # first (a lease that ends early loses the oldest).
     "server-shared-native-ahead": (0, "native", AHEAD),
-    "server-1p1": (1, "vllm", ["--gradient-accumulation-steps", "8"]),
-    "server-1p1-ahead": (1, "vllm", ["--gradient-accumulation-steps", "8", *AHEAD]),
+    "server-shared-ahead": (0, "vllm", AHEAD),
+    "server-shared": (0, "vllm", []),
     "server-1p1-native-ahead": (1, "native", ["--gradient-accumulation-steps", "8", *AHEAD]),
-    "server-1p3-ahead": (3, "vllm", ["--gradient-accumulation-steps", "16", *AHEAD]),
+    "server-1p1-ahead": (1, "vllm", ["--gradient-accumulation-steps", "8", *AHEAD]),
+    "server-1p1": (1, "vllm", ["--gradient-accumulation-steps", "8"]),
     "server-1p3-native-ahead": (3, "native", ["--gradient-accumulation-steps", "16", *AHEAD]),
+    "server-1p3-ahead": (3, "vllm", ["--gradient-accumulation-steps", "16", *AHEAD]),
 }
 
 

@@ -25,20 +25,19 @@ def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
         "real-nvfp4-dense", "real-bf16", "trl-baseline", "real-nvfp4-dense-before", "real-bf16-before",
         "real-nvfp4-dense-combined", "real-bf16-combined", "real-nvfp4-dense-compact", "real-bf16-compact",
         "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32", "real-nvfp4-dense-random-split",
-        "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled", "server-shared",
-        "server-shared-ahead", "server-shared-native-ahead", "server-1p1", "server-1p1-ahead",
-        "server-1p1-native-ahead", "server-1p3-ahead", "server-1p3-native-ahead",
+        "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled", "server-shared-native-ahead",
+        "server-shared-ahead", "server-shared", "server-1p1-native-ahead", "server-1p1-ahead", "server-1p1",
+        "server-1p3-native-ahead", "server-1p3-ahead",
     ]  # fmt: skip
     two_gpus = _args(tmp_path, gguf="x")
-    two_gpus.gpus = 2
+    two_gpus.gpus = 2  # 1 + 3 does not fit
     assert [job.name for job in speed_suite.jobs(two_gpus)][-3:] == [
-        "server-1p1",
-        "server-1p1-ahead",
-        "server-1p1-native-ahead",
-    ]  # 1 + 3: no
+        "server-1p1-native-ahead", "server-1p1-ahead", "server-1p1"
+    ]  # fmt: skip
     two_gpus.gpus = 1
-    assert [job.name for job in speed_suite.jobs(two_gpus)][-3:] == ["server-shared", "server-shared-ahead",
-                                                                      "server-shared-native-ahead"]  # fmt: skip
+    assert [job.name for job in speed_suite.jobs(two_gpus)][-3:] == [
+        "server-shared-native-ahead", "server-shared-ahead", "server-shared"
+    ]  # fmt: skip
     prep = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == "real-prep")
     assert prep.gpus == 0 and prep.share == 3  # beside the others, on the last GPU
 
