@@ -86,6 +86,10 @@ class ServerClient:
     def put_adapter(self, snap: AdapterSnapshot, blob: bytes) -> dict[str, Any]:
         return self.call("PUT", "/qerl/adapter", blob, during=f"the sync of adapter v{snap.version}")
 
+    def relabel(self, version: int, digest: str) -> dict[str, Any]:
+        body = json.dumps({"version": version, "digest": digest}).encode()
+        return self.call("POST", "/qerl/adapter/version", body, during=f"the sync of adapter v{version}")
+
     def generate(self, request: RoundRequest) -> RoundResult:
         body = json.dumps(request.as_json()).encode()
         return RoundResult.from_json(self.call("POST", "/qerl/generate", body, during=f"round {request.round}"))
@@ -153,13 +157,17 @@ class ServerPool:
             self.held[client.url] = (held["version"], held["digest"]) if held else None
 
     def sync(self, snap: AdapterSnapshot) -> int:
-        """Send `snap` to every server that does not hold it already (its version and digest); returns how many were
-        sent it."""
+        """Send `snap` to every server that does not hold it already (its version and digest): whole, or only its
+        new version to a server that holds the same tensors under an older one. Returns how many were sent it whole."""
         behind = [c for c in self.clients if self.held.get(c.url) != (snap.version, snap.digest)]
-        if behind:
+        same = [c for c in behind if (self.held.get(c.url) or (None, None))[1] == snap.digest]
+        whole = [c for c in behind if c not in same]
+        if whole:
             blob = encode_adapter(snap)
-            _each(behind, lambda client: self._put(client, snap, blob))
-        return len(behind)
+            _each(whole, lambda client: self._put(client, snap, blob))
+        if same:
+            _each(same, lambda client: self._relabel(client, snap))
+        return len(whole)
 
     def generate(
         self,
@@ -207,6 +215,11 @@ class ServerPool:
                 f"rollout server {client.url} takes LoRA rank up to {info['lora_rank']}, the policy's is "
                 f"{self.lora_rank}: restart it with --lora-rank {self.lora_rank}"
             )
+
+    def _relabel(self, client: ServerClient, snap: AdapterSnapshot) -> None:
+        self.held[client.url] = None  # until the server says what it holds now
+        reply = client.relabel(snap.version, snap.digest)
+        self.held[client.url] = (reply["version"], reply["digest"])
 
     def _put(self, client: ServerClient, snap: AdapterSnapshot, blob: bytes) -> None:
         self.held[client.url] = None  # until the server says what it holds now

@@ -10,7 +10,7 @@ single-GPU servers rather than vLLM's data parallel: an adapter loaded through o
 
 `RolloutServer` is the server with the engine injected (anything with VLLMEngine's `model`, `load_lora`, `load_norms`
 and `generate`: qerl/rollout/native/server_engine.py's NativeServerEngine too), so the tests run it on the CPU;
-`make_http_server` puts it on HTTP (stdlib only: four calls, JSON and one safetensors blob); `serve` builds the engine
+`make_http_server` puts it on HTTP (stdlib only: five calls, JSON and one safetensors blob); `serve` builds the engine
 and serves it.
 """
 
@@ -101,6 +101,17 @@ class RolloutServer:
         logger.info("adapter v%d: %.1f MB received, digest %s", snap.version, len(blob) / 1e6, self.held[1][:12])
         return {"version": self.held[0], "digest": self.held[1]}
 
+    def relabel(self, version: int, digest: str) -> dict[str, Any]:
+        """Name the adapter held `version` when it is the one of `digest`: an optimizer step that left the adapter as
+        it was (a learning rate of 0) costs no second upload."""
+        with self.lock:
+            held = self.held[1] if self.held else None
+            if held != digest:
+                raise Refused(409, f"holds adapter digest {str(held)[:12]}, not {digest[:12]}: send it whole")
+            self.held = (version, digest)
+        logger.info("adapter v%d: the one held, relabelled (digest %s)", version, digest[:12])
+        return {"version": version, "digest": digest}
+
     def generate(self, request: RoundRequest) -> RoundResult:
         """Sample a round under its AQN, as `aqn.NoisyRound` does for the colocated vllm backend."""
         spec, model = request.noise, self.engine.model
@@ -148,6 +159,7 @@ _ROUTES = {
     ("GET", "/health"): lambda core, body: {"ok": True},
     ("GET", "/qerl/info"): lambda core, body: core.info(),
     ("PUT", "/qerl/adapter"): lambda core, body: core.put_adapter(body),
+    ("POST", "/qerl/adapter/version"): lambda core, body: core.relabel(**json.loads(body)),
     ("POST", "/qerl/generate"): lambda core, body: core.generate(RoundRequest.from_json(json.loads(body))).as_json(),
 }
 

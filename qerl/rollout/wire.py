@@ -28,7 +28,7 @@ from qerl.aqn import NoiseStats, RoundNoise
 from qerl.errors import UsageError
 from qerl.rollout.vllm import adapter_tensors, lora_settings
 
-PROTOCOL = 2  # bumped by any change either side must agree on; the handshake compares it (2: LoRA sent in BF16)
+PROTOCOL = 3  # bumped by any change either side must agree on; the handshake compares it (2: LoRA in BF16; 3: relabel)
 _LORA, _NORMS = "lora/", "norms/"  # the blob's two parts: LoRA under peft's names, norms under vLLM's
 # The dtype a server's engine holds LoRA in (vLLM's lora_dtype "auto" on a BF16 model). The trainer casts to it before
 # sending: the server holds exactly what it would have made of FP32 masters, in half the bytes (1.5B, r16: 37 MB),

@@ -177,6 +177,24 @@ def test_a_sync_puts_the_policys_adapter_on_every_server_bit_for_bit_and_only_on
         assert again.sync(snapshot(policy, 1)) == 0
 
 
+def test_an_adapter_that_a_step_left_as_it_was_takes_only_its_new_version(bases, caplog):
+    """A step that moved nothing (a learning rate of 0): the servers holding the same tensors get the new version's
+    number, not the blob, and sample rounds of that version; a relabel to tensors a server does not hold is refused."""
+    policy = trained_policy()
+    caplog.set_level("INFO", logger="qerl.rollout.server")
+    with serving(bases[0]) as servers:
+        pool = pool_of(servers, bases[0])
+        assert pool.sync(snapshot(policy, 0)) == 2
+        same = snapshot(policy, 1)
+        assert pool.sync(same) == 0 and [fake.loads for _, _, fake in servers] == [1, 1]  # no blob sent
+        assert all(pool.held[url] == (1, same.digest) for url, _, _ in servers)
+        assert [r.getMessage() for r in caplog.records].count(f"adapter v1: the one held, relabelled (digest "
+                                                              f"{same.digest[:12]})") == 2  # fmt: skip
+        assert pool.generate(1, 1, NO_NOISE, SAMPLING, PROMPTS).completion_ids == expected(same.digest)
+        with pytest.raises(StaleAdapter, match="holds adapter digest .*, not 0123456789ab: send it whole"):
+            pool.clients[0].relabel(2, "0123456789abcdef")
+
+
 def test_a_round_is_cut_into_shards_and_merged_in_prompt_order(bases):
     snap = snapshot(trained_policy(), 0)
     with serving(bases[0]) as servers:
