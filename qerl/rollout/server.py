@@ -65,8 +65,8 @@ class Refused(UsageError):
 
 
 class RolloutServer:
-    """The server's state and its three operations, one at a time under one lock: an adapter is never swapped while
-    a round samples. `info` takes no lock, so that a trainer can look during a round."""
+    """The server's state and its operations (put_adapter, relabel, generate), one at a time under one lock: an
+    adapter is never swapped while a round samples. `info` takes no lock, so that a trainer can look during a round."""
 
     def __init__(self, engine: ServerEngine, model_path: str, *, lora_rank: int, seed: int, name: str = ""):
         self.engine, self.model_path, self.lora_rank, self.seed = engine, model_path, lora_rank, seed
@@ -147,7 +147,7 @@ class RolloutServer:
 
 
 def make_http_server(core: RolloutServer, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
-    """The four calls on (host, port) (port 0: any free one, `server.server_address` says which); one thread per
+    """The five calls on (host, port) (port 0: any free one, `server.server_address` says which); one thread per
     request, so that /health and /qerl/info answer while a round holds the lock. Call serve_forever() to serve."""
     handler = type("Handler", (_Handler,), {"core": core})
     server = ThreadingHTTPServer((host, port), handler)
