@@ -160,13 +160,9 @@ class ServerPool:
         """Send `snap` to every server that does not hold it already (its version and digest): whole, or only its
         new version to a server that holds the same tensors under an older one. Returns how many were sent it whole."""
         behind = [c for c in self.clients if self.held.get(c.url) != (snap.version, snap.digest)]
-        same = [c for c in behind if (self.held.get(c.url) or (None, None))[1] == snap.digest]
-        whole = [c for c in behind if c not in same]
-        if whole:
-            blob = encode_adapter(snap)
-            _each(whole, lambda client: self._put(client, snap, blob))
-        if same:
-            _each(same, lambda client: self._relabel(client, snap))
+        whole = [c for c in behind if (self.held.get(c.url) or (None, None))[1] != snap.digest]
+        blob = encode_adapter(snap) if whole else None
+        _each(behind, lambda client: self._send(client, snap, blob if client in whole else None))
         return len(whole)
 
     def generate(
@@ -216,14 +212,13 @@ class ServerPool:
                 f"{self.lora_rank}: restart it with --lora-rank {self.lora_rank}"
             )
 
-    def _relabel(self, client: ServerClient, snap: AdapterSnapshot) -> None:
+    def _send(self, client: ServerClient, snap: AdapterSnapshot, blob: bytes | None) -> None:
+        """`snap` to `client`: the blob, or with None only its version (the server holds its tensors)."""
         self.held[client.url] = None  # until the server says what it holds now
-        reply = client.relabel(snap.version, snap.digest)
-        self.held[client.url] = (reply["version"], reply["digest"])
-
-    def _put(self, client: ServerClient, snap: AdapterSnapshot, blob: bytes) -> None:
-        self.held[client.url] = None  # until the server says what it holds now
-        reply = client.put_adapter(snap, blob)
+        if blob is None:
+            reply = client.relabel(snap.version, snap.digest)
+        else:
+            reply = client.put_adapter(snap, blob)
         if reply["digest"] != snap.digest:
             raise AdapterMismatch(
                 f"rollout server {client.url} holds adapter v{reply['version']} digest {reply['digest'][:12]}, "
@@ -262,6 +257,8 @@ def _merge(round_index: int, results: list[RoundResult]) -> RoundResult:
 def _each(items: Sequence[T], call: Callable[[T], Any]) -> list[Any]:
     """call(item) for every item at once, on threads: the results in order, or the first error as soon as there is
     one (a server that died is reported without waiting for the others' rounds)."""
+    if not items:
+        return []
     threads = ThreadPoolExecutor(len(items), thread_name_prefix="qerl-rollout-server")
     try:
         futures = [threads.submit(call, item) for item in items]
@@ -289,7 +286,7 @@ class RolloutPipeline:
         self.pool, self.max_staleness, self.wait_timeout = pool, max_staleness, wait_timeout
         self._state = threading.Condition()  # guards what follows; notified on every change
         self._newest: AdapterSnapshot | None = None
-        self._results: dict[int, RoundResult | Exception] = {}
+        self._results: dict[int, tuple[RoundResult | Exception, int]] = {}  # round -> (outcome, its step)
         self._unwanted: set[int] = set()  # rounds whose result nobody will ask for (discard)
         self._closed = False
         self._jobs: queue.Queue = queue.Queue()
