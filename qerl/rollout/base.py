@@ -139,6 +139,16 @@ class RolloutOutput:
     adapter_version: int | None = None  # the optimizer steps of the adapter that sampled (rollout servers), else None
 
 
+@torch.no_grad()
+def copy_norms(params: dict[str, torch.Tensor], norms: dict[str, torch.Tensor], model_name: str) -> None:
+    """The trained norm scales, under vLLM's names (transformers' own, without peft's prefix), into an engine's
+    parameters of those names (`params`); a name the engine lacks is an error naming `model_name`."""
+    for name, value in norms.items():
+        if name not in params:
+            raise KeyError(f"trained norm {name!r} has no counterpart in {model_name}")
+        params[name].copy_(value)
+
+
 def truncate_at_eos(completion_ids: list[list[int]], logprobs: list[list[float]], eos_token_ids) -> RolloutOutput:
     """Keep each completion up to and including its first EOS (what follows is padding, or nothing)."""
     eos = set(eos_token_ids)

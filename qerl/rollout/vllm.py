@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from qerl import master_port
-from qerl.rollout.base import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, truncate_at_eos
+from qerl.rollout.base import Perturb, RolloutBackend, RolloutOutput, RolloutSetup, copy_norms, truncate_at_eos
 from qerl.sharding import whole
 
 LORA_ID = 1  # one adapter, re-registered under the same id every round
@@ -249,11 +249,7 @@ class VLLMEngine:
     def load_norms(self, norms: dict[str, torch.Tensor]) -> None:
         if self._params is None:  # vLLM's Parameter objects stay the same across rounds and sleeps
             self._params = dict(self.model.named_parameters())
-        params = self._params
-        for name, value in norms.items():
-            if name not in params:
-                raise KeyError(f"trained norm {name!r} has no counterpart in vLLM's {type(self.model).__name__}")
-            params[name].copy_(value)
+        copy_norms(self._params, norms, f"vLLM's {type(self.model).__name__}")
 
     def generate(self, prompt_ids: list[list[int]], sampling: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
         from vllm import SamplingParams

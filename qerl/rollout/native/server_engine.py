@@ -24,7 +24,7 @@ from qerl import base_model
 from qerl.errors import UsageError
 from qerl.norms import find_norms
 from qerl.nvfp4.linear import NVFP4Linear
-from qerl.rollout.base import NativeSettings, RolloutSetup, no_noise
+from qerl.rollout.base import NativeSettings, RolloutSetup, copy_norms, no_noise
 from qerl.rollout.native import NativeRollout
 
 # The sampling settings a round carries (vLLM's SamplingParams, qerl.rollout.vllm.sampling_kwargs) that the engine
@@ -74,12 +74,8 @@ class NativeServerEngine:
                 f"missing {missing[:3]}"
             )
 
-    @torch.no_grad()
     def load_norms(self, norms: dict[str, torch.Tensor]) -> None:
-        for name, value in norms.items():
-            if name not in self.params:
-                raise KeyError(f"trained norm {name!r} has no counterpart in the server's {type(self.model).__name__}")
-            self.params[name].copy_(value)
+        copy_norms(self.params, norms, f"the server's {type(self.model).__name__}")
 
     def generate(self, prompt_ids: list[list[int]], sampling: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
         """The round's completions and sampled-token log-probs, under the noise the server has drawn on the norms."""
