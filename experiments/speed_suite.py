@@ -138,7 +138,7 @@ def rollout_servers(args, name: str, gpu_ids: list[int], model: str, engine: str
     if engine == "native":
         memory = ["--engine", "native", *(["--kv-cache-gib", "20"] if shared else [])]
     else:
-        memory = ["--gpu-memory-utilization", "0.3" if shared else "0.85"]
+        memory = ["--engine", "vllm", "--gpu-memory-utilization", "0.3" if shared else "0.85"]
     servers, urls = [], []
     try:
         for i, gpu in enumerate(gpu_ids):

@@ -1,11 +1,12 @@
-"""Serve rollouts from one GPU to a trainer elsewhere: an engine (vLLM's, or --engine native) on the trainer's base
-checkpoint, sampling each round with the adapter and the AQN noise the trainer sends (qerl/rollout/server.py; the
+"""Serve rollouts from one GPU to a trainer elsewhere: an engine (the native one, or --engine vllm) on the trainer's
+base checkpoint, sampling each round with the adapter and the AQN noise the trainer sends (qerl/rollout/server.py; the
 design: docs/multi_gpu.md).
 
     CUDA_VISIBLE_DEVICES=1 python -m qerl.rollout_server --model ckpt/qwen-1.5b-nvfp4 --port 8001 --seed 1
 
 One server per rollout GPU, each with its own port and --seed (the trainer refuses two alike: they would draw the
-same completions for the same prompts).
+same completions for the same prompts). The native engine is the default: on two H200s it sampled the real 1.5B's
+rounds ahead faster than vLLM (docs/multi_gpu.md, "What two H200s showed"); vLLM's takes a repetition penalty.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import logging
 import sys
 
 from qerl import cli
+
+VLLM_MEMORY = 0.85  # vLLM's share of a GPU of its own
+ENGINE_FLAGS = {  # each engine's own flags (their names in the parsed arguments)
+    "vllm": ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "enforce_eager"),
+    "native": ("kv_cache_gib",),
+}
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -25,12 +32,14 @@ def build_parser() -> cli.ArgumentParser:
     parser.add_argument("--seed", type=cli.SEED, default=0, help="the engine's sampling seed: give each server its own")
     parser.add_argument(
         "--engine",
-        choices=("vllm", "native"),
-        default="vllm",
-        help="the engine that samples: vLLM's, or the native one (faster decode with LoRA; no repetition penalty)",
+        choices=("native", "vllm"),
+        default="native",
+        help="the engine that samples: the native one (faster decode with LoRA), or vLLM's (a repetition penalty too)",
     )
     vllm = parser.add_argument_group("--engine vllm")
-    vllm.add_argument("--gpu-memory-utilization", type=cli.FRACTION, default=0.85, help="vLLM's share of the GPU")
+    vllm.add_argument(
+        "--gpu-memory-utilization", type=cli.FRACTION, help=f"vLLM's share of the GPU (default: {VLLM_MEMORY})"
+    )
     vllm.add_argument("--max-model-len", type=cli.COUNT, help="the engine's context (default: the model's)")
     vllm.add_argument("--max-num-seqs", type=cli.COUNT, help="sequences per batch (default: vLLM's)")
     vllm.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -43,8 +52,20 @@ def build_parser() -> cli.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None):
+    """The flags, a flag of the other engine's group refused in one line (it would be ignored)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for engine, names in ENGINE_FLAGS.items():
+        given = [name for name in names if getattr(args, name) not in (None, False)]
+        if given and engine != args.engine:
+            flag = "--" + given[0].replace("_", "-")
+            parser.error(f"{flag} is a flag of --engine {engine}; this server runs --engine {args.engine}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from qerl.rollout.server import serve
     from qerl.rollout.wire import base_fingerprint
 
@@ -53,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = {"kv_cache_gib": args.kv_cache_gib}
     else:
         settings = dict(
-            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_memory_utilization=args.gpu_memory_utilization or VLLM_MEMORY,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             enforce_eager=args.enforce_eager,

@@ -8,9 +8,10 @@
 # From the user: MODEL_PATH (required: the base checkpoint folder the servers load too; python -m qerl.quantize makes
 # an NVFP4 one), CONFIG (default configs/dapo_gsm8k_nvfp4.yaml), ROLLOUT_GPUS and TRAIN_GPUS (comma-separated GPU
 # indices, default 1 and 0), PORT (the first server's, default 8001; the next take the ports after it), LORA_RANK (the
-# largest the servers take, default 16: the recipes'), SERVER_MEMORY (vLLM's share of a server's GPU, default 0.85),
-# CKPTS_DIR (default ./ckpt/<run name>), PYTHON, DRY_RUN=1 (print the commands instead of running them). Extra flags
-# go to qerl.train and override the recipe.
+# largest the servers take, default 16: the recipes'), ENGINE (the servers' engine: native, the default, or vllm),
+# SERVER_MEMORY (with ENGINE=vllm: vLLM's share of a server's GPU, default 0.85), CKPTS_DIR (default
+# ./ckpt/<run name>), PYTHON, DRY_RUN=1 (print the commands instead of running them). Extra flags go to qerl.train and
+# override the recipe.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +21,7 @@ ROLLOUT_GPUS="${ROLLOUT_GPUS:-1}"
 TRAIN_GPUS="${TRAIN_GPUS:-0}"
 PORT="${PORT:-8001}"
 LORA_RANK="${LORA_RANK:-16}"
+ENGINE="${ENGINE:-native}"
 SERVER_MEMORY="${SERVER_MEMORY:-0.85}"
 PYTHON="${PYTHON:-python}"
 IFS=, read -ra rollout_gpus <<< "$ROLLOUT_GPUS"
@@ -27,6 +29,8 @@ IFS=, read -ra train_gpus <<< "$TRAIN_GPUS"
 runname="$(basename "$CONFIG" .yaml)_servers${#rollout_gpus[@]}_trainers${#train_gpus[@]}"
 CKPTS_DIR="${CKPTS_DIR:-./ckpt/${runname}}"
 
+engine=(--engine "$ENGINE")
+[ "$ENGINE" = vllm ] && engine+=(--gpu-memory-utilization "$SERVER_MEMORY")
 servers=()
 pids=()
 trap '[ ${#pids[@]} -eq 0 ] || kill "${pids[@]}" 2> /dev/null || true' EXIT
@@ -35,7 +39,7 @@ for i in "${!rollout_gpus[@]}"; do
     servers+=("http://127.0.0.1:${port}")
     # Seeds of their own: servers seeded alike would draw the same completions for the same prompts.
     server=(env CUDA_VISIBLE_DEVICES="${rollout_gpus[$i]}" "$PYTHON" -m qerl.rollout_server --model "$MODEL_PATH"
-            --port "$port" --seed "$((i + 1))" --lora-rank "$LORA_RANK" --gpu-memory-utilization "$SERVER_MEMORY")
+            --port "$port" --seed "$((i + 1))" --lora-rank "$LORA_RANK" "${engine[@]}")
     if [ -n "${DRY_RUN:-}" ]; then
         echo "${server[*]}"
     else

@@ -1,4 +1,4 @@
-"""A rollout server: one engine on one GPU of its own (vLLM's, or the native one: --engine native), sampling rounds for
+"""A rollout server: one engine on one GPU of its own (the native one, or vLLM's: --engine vllm), sampling rounds for
 a trainer elsewhere (issue 51). Its program is `python -m qerl.rollout_server` (qerl/rollout_server.py, which reads its
 flags before importing torch).
 
@@ -197,9 +197,9 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("%s %s", self.address_string(), format % args)
 
 
-def serve(model: str, host: str, port: int, lora_rank: int, seed: int, engine: str = "vllm", **settings) -> None:
+def serve(model: str, host: str, port: int, lora_rank: int, seed: int, engine: str, **settings) -> None:
     """Load `model` into `engine` on this process's GPU and serve it on (host, port) until the process is stopped:
-    "vllm", a VLLMEngine (`settings`: its keywords), or "native", the native engine (`settings`: kv_cache_gib)."""
+    "native", the native engine (`settings`: kv_cache_gib), or "vllm", a VLLMEngine (`settings`: its keywords)."""
     if engine == "native":
         from qerl.rollout.native.server_engine import NativeServerEngine
 

@@ -42,6 +42,8 @@ def test_each_cli_as_a_process(world, tmp_path):
         (["-m", "eval.gsm8k", *E, "--adapter", "no_adapter"], "eval.gsm8k", "adapter_config.json"),
         (["-m", "eval.gsm8k", *E, "--adapter", "other_base"], "eval.gsm8k", "down_proj is [64, 128] (out, in)"),
         (["-m", "eval.competition_math", *E[:2], "--limit", "0"], "eval.competition_math", "--limit"),
+        (["-m", "qerl.rollout_server", "--model", "parent", "--port", "8001", "--gpu-memory-utilization", "0.5"],
+         "qerl.rollout_server", "--gpu-memory-utilization is a flag of --engine vllm", "runs --engine native"),
     ]  # fmt: skip
     warned = ["-m", "eval.gsm8k", "--model", "eos_elsewhere", "--data", "arithmetic", "--limit", "1", "--protocol",
               "greedy", "--max-new-tokens", "1", "--device", "cpu", "--out", str(tmp_path / "eos.jsonl")]  # fmt: skip

@@ -200,24 +200,28 @@ def test_the_helps_defaults_are_the_configs(capsys):
     assert "(recipes: 5e-06, 1e-05" in text  # --learning-rate: what the recipes set beside TRL's 1e-06
 
 
-@pytest.mark.parametrize("train_gpus", ["0", "0,3"])
-def test_the_rollout_servers_script_starts_a_server_per_gpu_and_points_the_run_at_them(train_gpus, tmp_path):
-    """training/dapo_rollout_servers.sh (issue 51): one server per rollout GPU, each with its own port and seed, parsed
-    by the server's own parser; the run (one process, or accelerate's DDP over several) on the recipe, with every
-    server's address."""
+@pytest.mark.parametrize(("train_gpus", "engine"), [("0", None), ("0,3", "vllm")])
+def test_the_rollout_servers_script_starts_a_server_per_gpu_and_points_the_run_at_them(train_gpus, engine, tmp_path):
+    """training/dapo_rollout_servers.sh (issue 51): one server per rollout GPU, each with its own port and seed, on
+    the native engine unless ENGINE says vllm (then with vLLM's memory share), parsed by the server's own parser; the
+    run (one process, or accelerate's DDP over several) on the recipe, with every server's address."""
     from qerl import rollout_server
 
     env = dict(os.environ, DRY_RUN="1", MODEL_PATH="/models/x", CKPTS_DIR=str(tmp_path), ROLLOUT_GPUS="1,2",
                TRAIN_GPUS=train_gpus, PORT="8100", PYTHON="python")  # fmt: skip
+    if engine:
+        env["ENGINE"] = engine
     script = os.path.join(REPO, "training", "dapo_rollout_servers.sh")
     out = subprocess.run(["bash", script, "--use-cpu", "True"], env=env, check=True, capture_output=True, text=True)
     *server_lines, train_line = [shlex.split(line) for line in out.stdout.splitlines()]
     servers = []
     for gpu, argv in zip(("1", "2"), server_lines, strict=True):
         assert argv[:4] == ["env", f"CUDA_VISIBLE_DEVICES={gpu}", "python", "-m"] and argv[4] == "qerl.rollout_server"
-        servers.append(rollout_server.build_parser().parse_args(argv[5:]))
+        servers.append(rollout_server.parse_args(argv[5:]))
     expected = [("/models/x", 8100, 1, 16), ("/models/x", 8101, 2, 16)]  # own ports and seeds, the recipes' rank
     assert [(s.model, s.port, s.seed, s.lora_rank) for s in servers] == expected
+    memory = 0.85 if engine == "vllm" else None
+    assert [(s.engine, s.gpu_memory_utilization) for s in servers] == [(engine or "native", memory)] * 2
     assert train_line[1] == f"CUDA_VISIBLE_DEVICES={train_gpus}"
     module = train_line.index("qerl.train")
     if "," in train_gpus:

@@ -24,7 +24,7 @@ def setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("server")
     folder, policy = random_nvfp4_policy(root)
-    vllm_flags = ["--gpu-memory-utilization", "0.25", "--max-model-len", "512"]
+    vllm_flags = ["--engine", "vllm", "--gpu-memory-utilization", "0.25", "--max-model-len", "512"]
     with server_process(folder, root / "server.log", *vllm_flags) as pool:
         generation_config = policy.generation_config
         generation_config.update(max_new_tokens=24, do_sample=False, top_p=1.0, top_k=0)

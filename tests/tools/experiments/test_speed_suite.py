@@ -186,8 +186,9 @@ def test_a_server_job_trains_on_its_first_gpu_and_serves_from_the_others(tmp_pat
 @pytest.mark.parametrize(
     ("engine", "shared", "flags"),
     [
-        ("vllm", False, ["--gpu-memory-utilization", "0.85"]),
-        ("vllm", True, ["--gpu-memory-utilization", "0.3"]),  # a third of the card beside the trainer
+        ("vllm", False, ["--engine", "vllm", "--gpu-memory-utilization", "0.85"]),
+        # a third of the card beside the trainer
+        ("vllm", True, ["--engine", "vllm", "--gpu-memory-utilization", "0.3"]),
         ("native", False, ["--engine", "native"]),
         ("native", True, ["--engine", "native", "--kv-cache-gib", "20"]),
     ],
