@@ -17,8 +17,11 @@ def run_under_interpreter(test_file: str) -> None:
     pytest.importorskip("triton")
     env = child_env(TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), env["PYTHONPATH"]])
+    # The timeout only guards against a hang: the longest checks take ~45 s alone on the 2-core machine, several
+    # times that beside other work (issue 53 item 7: 156 s beside two busy processes, the likeliest cause of a native
+    # test that failed once under load with the timeout at 300 s).
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(test_file)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, os.path.abspath(test_file)], env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "interpreter checks passed" in proc.stdout
