@@ -43,7 +43,9 @@ logger = logging.getLogger(__name__)
 
 
 class ServerEngine(Protocol):
-    """What the server needs of an engine; qerl.rollout.vllm.VLLMEngine and NativeServerEngine have it."""
+    """What the server needs of an engine; qerl.rollout.vllm.VLLMEngine and NativeServerEngine have it. An engine
+    that can read its LoRA back also has `lora_held(names)` (NativeServerEngine; vLLM's slots are not read): the
+    tensors it samples with, of which the server then takes the adapter's digest, instead of those it received."""
 
     model: nn.Module  # holds the RMSNorms that load_norms fills and AQN perturbs
 
@@ -75,6 +77,7 @@ class RolloutServer:
         # Found once, before any round: info() runs during rounds, when the norms are noisy (or swapped for a copy).
         self.norm_keys = sorted(find_norms(engine.model).keyed(include_final=True, include_heads=True))
         self.held: tuple[int, str] | None = None  # (version, digest) of the adapter the engine holds
+        self.reads_lora_back = hasattr(engine, "lora_held")
         self.lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
@@ -86,17 +89,20 @@ class RolloutServer:
             "seed": self.seed,
             "norm_keys": self.norm_keys,
             "held": None if version is None else {"version": version, "digest": digest},
+            "lora_digest_of": "held" if self.reads_lora_back else "received",
             "torch": torch.__version__,
         }
 
     def put_adapter(self, blob: bytes) -> dict[str, Any]:
-        """Load an adapter; its digest is taken of the LoRA as received and of the norms as the engine holds them."""
+        """Load an adapter; its digest is taken of the norms as the engine holds them, and of the LoRA as it holds it
+        where it can read it back (else as received): the trainer compares it with its own, bit for bit."""
         snap = decode_adapter(blob)
         with self.lock:
             self.held = None  # a load that fails half way leaves an adapter no version names
             self.engine.load_lora(snap.lora, snap.settings)
             self.engine.load_norms(snap.norms)
-            self.held = (snap.version, adapter_digest(snap.lora, self._norms_held(snap.norms)))
+            lora = self.engine.lora_held(list(snap.lora)) if self.reads_lora_back else snap.lora
+            self.held = (snap.version, adapter_digest(lora, self._norms_held(snap.norms)))
         # What a sync costs: the adapter's bytes, never the base's (issue 51's measure of it)
         logger.info("adapter v%d: %.1f MB received, digest %s", snap.version, len(blob) / 1e6, self.held[1][:12])
         return {"version": self.held[0], "digest": self.held[1]}

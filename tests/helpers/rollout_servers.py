@@ -25,23 +25,28 @@ def fake_sample(digest: str, prompt: list[int]) -> tuple[list[int], list[float]]
 
 
 class FakeEngine:
-    """VLLMEngine's surface on a tiny base model whose norm scales are FP32 (as vLLM's with fp32_norms, unless
-    `fp32_norms=False`); `during_round` runs inside generate, for a test to hold or kill a round."""
+    """A server engine's surface on a tiny base model whose norm scales are FP32 (as vLLM's with fp32_norms, unless
+    `fp32_norms=False`), holding the LoRA as sent (or in `lora_dtype`) and reading it back as the native engine does;
+    `during_round` runs inside generate, for a test to hold or kill a round."""
 
-    def __init__(self, fp32_norms: bool = True):
+    def __init__(self, fp32_norms: bool = True, lora_dtype: torch.dtype | None = None):
         self.model = build_tiny(dtype=torch.bfloat16)[0]
         if fp32_norms:
             for module in find_norms(self.model).select(include_final=True, include_heads=True).values():
                 module.weight.data = module.weight.data.float()
         self.lora: dict[str, torch.Tensor] = {}
+        self.lora_dtype = lora_dtype  # None: as sent
         self.norm_names: list[str] = []
         self.loads, self.prompts_seen = 0, 0
         self.during_round = lambda: None
 
     def load_lora(self, tensors, settings):
         assert settings["r"] == 4 and settings["modules_to_save"] is None
-        self.lora = {name: tensor.clone() for name, tensor in tensors.items()}
+        self.lora = {name: tensor.to(self.lora_dtype or tensor.dtype, copy=True) for name, tensor in tensors.items()}
         self.loads += 1
+
+    def lora_held(self, names):
+        return {name: self.lora[name] for name in names}
 
     @torch.no_grad()
     def load_norms(self, norms):

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 import torch
-from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
+from peft import PeftConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import GenerationConfig
 
 from qerl import base_model
@@ -30,6 +30,7 @@ from qerl.rollout.native import NativeRollout
 # The sampling settings a round carries (vLLM's SamplingParams, qerl.rollout.vllm.sampling_kwargs) that the engine
 # is built with; max_tokens is read every round (n, logprobs and detokenize are vLLM's alone).
 ENGINE_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_token_ids")
+ACTIVATIONS = torch.bfloat16  # the base's compute dtype, and the LoRA buffers' the engine samples with
 
 
 class NativeServerEngine:
@@ -38,7 +39,7 @@ class NativeServerEngine:
 
     def __init__(self, model_path: str, device: torch.device, seed: int, kv_cache_gib: float | None = None):
         torch.manual_seed(seed)  # the sampler draws from the default generators (CPU and every GPU)
-        self.model = base_model.load_base_model(model_path, dtype=torch.bfloat16, device=device)
+        self.model = base_model.load_base_model(model_path, dtype=ACTIVATIONS, device=device)
         self.model.eval().requires_grad_(False)
         with torch.no_grad():
             for norm in find_norms(self.model).select(include_final=True, include_heads=True).values():
@@ -73,6 +74,12 @@ class NativeServerEngine:
                 f"the adapter sent does not fit the server's LoRA: unexpected {result.unexpected_keys[:3]}, "
                 f"missing {missing[:3]}"
             )
+
+    def lora_held(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The LoRA tensors `names` as the engine samples with them: the policy's (peft keeps them in FP32 beside an
+        NVFP4 base) in the activations' dtype, as each round's refresh gathers them into the engine's buffers."""
+        held = get_peft_model_state_dict(self.policy)
+        return {name: held[name].to(ACTIVATIONS) for name in names}
 
     def load_norms(self, norms: dict[str, torch.Tensor]) -> None:
         copy_norms(self.params, norms, f"the server's {type(self.model).__name__}")

@@ -49,7 +49,9 @@ def test_the_server_holds_the_adapter_and_samples_the_colocated_engines_tokens_c
     pool = ServerPool([url], nvfp4_dir, lora_rank=4, timeout=60)
     pool.handshake(60)
     snap = snapshot(policy, 0)
-    assert pool.sync(snap) == 1 and pool.held[url] == (0, snap.digest)  # the LoRA held, the FP32 norms read back
+    # the LoRA and the FP32 norms read back from the engine, bit for bit the trainer's BF16 LoRA and FP32 norms
+    assert pool.clients[0].info()["lora_digest_of"] == "held"
+    assert pool.sync(snap) == 1 and pool.held[url] == (0, snap.digest)
     colocated, sampling, prompts = _colocated(policy, eos), sampling_kwargs(GREEDY, eos), _prompts()
 
     served_clean = pool.generate(0, 0, NO_NOISE, sampling, prompts)

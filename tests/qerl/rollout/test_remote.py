@@ -273,6 +273,18 @@ def test_an_engine_that_rounds_the_norms_is_a_mismatch(bases):
     assert f"the trainer sent {snap.digest[:12]}" in str(caught.value)
 
 
+def test_an_engine_that_holds_the_lora_otherwise_than_sent_is_a_mismatch(bases):
+    """The digest a server returns is of the LoRA its engine reads back (the native one's), so an engine that holds it
+    in another dtype than the trainer's BF16 is caught at the sync, not in the rounds' log-probs."""
+    with serving(bases[0], seeds=(1,), lora_dtype=torch.float16) as servers:
+        pool = pool_of(servers, bases[0])
+        assert pool.clients[0].info()["lora_digest_of"] == "held"
+        snap = snapshot(trained_policy(), 3)
+        with pytest.raises(AdapterMismatch) as caught:
+            pool.sync(snap)
+    assert f"{servers[0][0]} holds adapter v3 digest" in one_line_error(caught)
+
+
 def test_a_round_for_another_adapter_version_is_refused(bases):
     with serving(bases[0]) as servers:
         pool = pool_of(servers, bases[0])
