@@ -6,6 +6,7 @@
     python -m experiments.arms train --model smollm2-135m-instruct --seeds 0,1,2 --steps 51 --mps --bases
     python -m experiments.arms train --model smollm2-135m-instruct --arms bf16_lora,nvfp4_lora --other-base
     python -m experiments.arms train --model smollm2-135m-instruct --arms nvfp4_gptq_lora,nvfp4_lora   # GPTQ base
+    python -m experiments.arms train --model smollm2-135m-instruct --arms nvfp4_lora_ahead   # rounds one ahead
     python -m experiments.arms report --model smollm2-135m-instruct    # tables, JSON and PNG from the records
 
 probe compares prompt formats and their rewards, sweep each arm's learning rate, train the arms x seeds (each run
@@ -47,6 +48,7 @@ from experiments.arms_report import report
 from experiments.arms_results import RESULTS, late_reward, metrics, record_path, seconds_per_step
 from experiments.arms_runs import (
     ARMS,
+    SAMPLED_AHEAD,
     RunPace,
     eval_tasks,
     experiment_setting,
@@ -163,7 +165,7 @@ def sweep(args) -> None:
         for seed in args.sweep_seeds
     }
     tasks = [
-        train_task(args, name, bases[ARMS[arm][0]], ARMS[arm][1], lr, seed, args.steps)
+        train_task(args, name, bases[ARMS[arm][0]], ARMS[arm][1], lr, seed, args.steps, ahead=arm in SAMPLED_AHEAD)
         for (arm, lr, seed), name in runs.items()
     ]
     with mps_daemon(args.out) if args.mps else contextlib.nullcontext({}) as env:
@@ -249,7 +251,7 @@ def train(args) -> None:
             lr = args.lr if args.lr is not None else sweep_record["chosen_lr"][arm]
             first = seed == args.seeds[0]
             every = save_every if first else 0
-            trained = train_task(args, name, bases[base], aqn, lr, seed, steps, every)
+            trained = train_task(args, name, bases[base], aqn, lr, seed, steps, every, ahead=arm in SAMPLED_AHEAD)
             trained.expected_seconds = pace.estimate if pace else None
             run = {**setting, "arm": arm, "precision": precision, "base": base, "aqn": aqn, "seed": seed, "lr": lr}
             other = bases["nvfp4" if precision == "bf16" else "bf16"] if args.other_base else None

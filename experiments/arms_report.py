@@ -35,6 +35,8 @@ COMPARISONS = (
     # Fixed 2026-11-29, before any run of the arm (issue 49 lever 3c): what GPTQ rounding of the base buys back.
     ("nvfp4_gptq_lora", "nvfp4_lora", "GPTQ vs round-to-nearest NVFP4 base (LoRA)"),
     ("nvfp4_gptq_lora", "bf16_lora", "NVFP4 (GPTQ) LoRA vs BF16 LoRA"),
+    # Fixed 2026-11-29, before any run of the arm (issue 51): what sampling one round ahead on a server costs.
+    ("nvfp4_lora_ahead", "nvfp4_lora", "NVFP4 LoRA sampled one round ahead vs colocated"),
 )
 MARGIN = 0.02  # equivalence margin on accuracy: 2 points
 # Per-run measures compared between arms: accuracy under each protocol, then the training-side ones.

@@ -38,7 +38,11 @@ ARMS = {
     "nvfp4_lora_aqn": ("nvfp4", True),
     "bf16_lora_aqn": ("bf16", True),
     "nvfp4_gptq_lora": ("nvfp4_gptq", False),
+    "nvfp4_lora_ahead": ("nvfp4", False),
 }
+# Arms whose rounds a native rollout server beside the trainer samples one round ahead (experiments.beside_server):
+# NVFP4 + LoRA trained on rounds one optimizer step behind, against the colocated nvfp4_lora (issue 51's accuracy).
+SAMPLED_AHEAD = {"nvfp4_lora_ahead"}
 # Issue 49's adapters tried on another base: arm -> the base it trained on; and the names tables give those bases.
 LORA_ARMS = {arm: base for arm, (base, aqn) in ARMS.items() if not aqn}
 BASE_NAMES = {"bf16": "BF16", "nvfp4": "NVFP4", "nvfp4_gptq": "NVFP4 (GPTQ)"}
@@ -49,6 +53,7 @@ ARM_NAMES = {  # as tables and plots name them
     "nvfp4_lora_aqn": "NVFP4 + LoRA + AQN",
     "bf16_lora_aqn": "BF16 + LoRA + AQN",
     "nvfp4_gptq_lora": "NVFP4 (GPTQ) + LoRA",
+    "nvfp4_lora_ahead": "NVFP4 + LoRA, one round ahead",
 }
 
 
@@ -187,10 +192,16 @@ def mps_daemon(folder: Path):
         subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **env})
 
 
-def train_task(args, name: str, base: str, aqn: bool, lr: float, seed: int, steps: int, save_every: int = 0) -> Task:
+def train_task(
+    args, name: str, base: str, aqn: bool, lr: float, seed: int, steps: int, save_every: int = 0, ahead: bool = False
+) -> Task:
+    """`python -m qerl.train` of the run; `ahead`: through experiments.beside_server, its rounds sampled one round
+    ahead by a native rollout server beside it (the run's own flags are the same)."""
     folder = args.out / name
     config = launch.recipe_for(args.model, args.recipe)
-    command = [sys.executable, "-m", "qerl.train", "--config", str(config), "--model-name", base, "--dataset",
+    beside = ["-m", "experiments.beside_server", "--model", base, "--seed", str(seed), "--"]
+    program = beside if ahead else ["-m", "qerl.train"]
+    command = [sys.executable, *program, "--config", str(config), "--model-name", base, "--dataset",
                str(args.train_data), "--dataset-format", args.format, "--aqn", str(aqn).lower(), "--learning-rate",
                str(lr), "--seed", str(seed), "--max-steps", str(steps), "--output-dir", str(folder), "--temperature",
                str(args.temperature), "--overwrite-output-dir", "true"]  # fmt: skip
