@@ -54,8 +54,13 @@ def wrap_phases(timer, trainer) -> None:
     timer.wrap(trainer.accelerator, "backward", "backward")
 
 
+def checkpoint_folder(size: str, precision: str, workdir: Path) -> Path:
+    """Where `checkpoint` writes the random model of `size` and `precision` (what rollout servers load)."""
+    return workdir / f"qwen2.5-{size}-random-{precision}"
+
+
 def checkpoint(size: str, precision: str, workdir: Path) -> str:
-    folder = workdir / f"qwen2.5-{size}-random-{precision}"
+    folder = checkpoint_folder(size, precision, workdir)
     if (folder / "config.json").is_file():
         return str(folder)
     import torch
@@ -209,6 +214,12 @@ def main(argv=None) -> None:
         help="build the random model on the GPU instead of writing a checkpoint (not for vllm)",
     )
     parser.add_argument(
+        "--write-checkpoint",
+        action="store_true",
+        help="only write the random checkpoint of --size and --precision under --workdir (what rollout servers load "
+        "before a run on it) and print its folder",
+    )
+    parser.add_argument(
         "--phases",
         action="store_true",
         help="split each step into its phases (a GPU synchronisation at every boundary, which the step times then "
@@ -239,6 +250,9 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.step needs a CUDA GPU")
+    if args.write_checkpoint:
+        print(checkpoint(args.size, args.precision, Path(args.workdir)))
+        return
 
     model = None
     if args.model:

@@ -22,6 +22,8 @@ redoes only what was lost); a job whose inputs are still arriving waits for them
   server-*     benchmarks.step on one GPU with --rollout-backend server, rollout servers (python -m
                qerl.rollout_server) beside it (-shared) or on 1 or 3 more GPUs, the batch grown with the GPUs;
                -ahead: --rollout-max-staleness 1; -native: the servers on the native engine, else vLLM
+  step7b-colocated, server7b-*   the same on the random 7B (default recipe, 2,048 tokens; its checkpoint written
+               once by the first job that needs it): colocated on one GPU, and 1 + 1 and 1 + 3 native servers ahead
   gpu-tests    the GPU tests of the dense training weights, the kernels and the native engine       (needs --site)
   vllm-rollout benchmarks.rollout --rollout-backend vllm at 1.5B (vLLM's share from the free memory)  (needs --site)
 Results: OUT/results/<job>.json (each benchmark's own JSON); logs: OUT/logs/. `summarize` writes OUT/summary.md
@@ -32,16 +34,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
-import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.launch import RECIPES, child_env, free_port, gpu_count, kill_session, last_error, run_logged
+from benchmarks.step import checkpoint_folder
 from experiments.multi_gpu_runner import Job, run_phase, say
-from experiments.multi_gpu_summary import bundle, load_results
+from experiments.speed_summary import summarize
 
 REAL_MODEL = "qwen2.5-coder-1.5b-instruct"
 REAL_RECIPE = RECIPES[REAL_MODEL]
@@ -96,6 +101,24 @@ SERVER_RUNS = {
     "server-1p3-native-ahead": (3, "native", ["--gradient-accumulation-steps", "16", *AHEAD]),
     "server-1p3-ahead": (3, "vllm", ["--gradient-accumulation-steps", "16", *AHEAD]),
 }
+# The random 7B on the default recipe (one prompt x 2 samples, 2,048 tokens: rollout ~85% of a colocated step), as
+# issue 51's goal names it: colocated on one GPU against 1 + 1 and 1 + 3 native servers one round ahead, the batch
+# grown with the GPUs, all on one checkpoint written once (benchmarks.step --write-checkpoint).
+RANDOM_7B = ["--size", "7b", "--precision", "nvfp4"]
+SERVER_7B_RUNS = {
+    "server7b-1p1-native-ahead": (1, "native", ["--gradient-accumulation-steps", "2", *AHEAD]),
+    "server7b-1p3-native-ahead": (3, "native", ["--gradient-accumulation-steps", "4", *AHEAD]),
+}
+
+
+@dataclass(frozen=True)
+class ServedBase:
+    """What a server job's trainer and servers load: the checkpoint's folder, benchmarks.step's flags that name it,
+    and `ready(gpu_ids)`, which returns once the folder holds it."""
+
+    folder: str
+    flags: list[str]
+    ready: Callable[[list[int]], None]
 
 
 def wait_for(path: Path, what: str, timeout: float) -> None:
@@ -163,18 +186,37 @@ def rollout_servers(args, name: str, gpu_ids: list[int], model: str, engine: str
             kill_session(server)
 
 
-def server_job(args, name: str, servers: int, engine: str, flags: list[str], steps: list[str]) -> Job:
+def real_base(args) -> ServedBase:
+    folder = checkpoints(args)["nvfp4"]
+    return ServedBase(folder, ["--model", folder, "--config", str(REAL_RECIPE)], lambda gpu_ids: real_prepared(args))
+
+
+def random_7b_base(args) -> ServedBase:
+    workdir = Path(args.out) / "random"
+    flags = [*RANDOM_7B, "--workdir", str(workdir)]
+
+    def ready(gpu_ids):
+        workdir.mkdir(parents=True, exist_ok=True)
+        with open(workdir / ".lock", "w") as lock:  # jobs on other GPUs at once: one writes, the others then find it
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            write = ["-m", "benchmarks.step", *flags, "--write-checkpoint"]
+            failed = run_commands(args, "random-7b", [write], gpu_ids[:1], site=True)
+        if failed:
+            raise RuntimeError("; ".join(failed))
+
+    return ServedBase(str(checkpoint_folder("7b", "nvfp4", workdir)), flags, ready)
+
+
+def server_job(args, name: str, servers: int, engine: str, flags: list[str], steps: list[str], base: ServedBase) -> Job:
     """benchmarks.step on the first of the job's GPUs, its rounds sampled by rollout servers on the others (no others:
     one server beside it)."""
     out = Path(args.out) / "json" / f"{name}.json"
-    model = checkpoints(args)["nvfp4"]
 
     def work(gpu_ids):
-        real_prepared(args)
-        with rollout_servers(args, name, gpu_ids[1:] or gpu_ids[:1], model, engine, shared=servers == 0) as urls:
-            command = ["-m", "benchmarks.step", "--out", str(out), "--model", model, "--config", str(REAL_RECIPE),
-                       "--rollout-backend", "server", "--profile", *steps, "--",
-                       "--rollout-servers", *urls, *flags]  # fmt: skip
+        base.ready(gpu_ids)
+        with rollout_servers(args, name, gpu_ids[1:] or gpu_ids[:1], base.folder, engine, shared=servers == 0) as urls:
+            command = ["-m", "benchmarks.step", "--out", str(out), *base.flags, "--rollout-backend", "server",
+                       "--profile", *steps, "--", "--rollout-servers", *urls, *flags]  # fmt: skip
             failed = run_commands(args, name, [command], gpu_ids[:1], site=True)
         if failed and not out.is_file():
             raise RuntimeError("; ".join(failed))
@@ -193,7 +235,7 @@ def bench_job(args, name: str, commands: list[tuple[str | None, list[str]]], sit
 
     def work(gpu_ids):
         if after is not None:
-            after()
+            after(gpu_ids)
         failed = run_commands(args, name, [argv(key, cmd) for key, cmd in commands], gpu_ids, site)
         found = {
             key: json.loads((out / f"{key}.json").read_text())
@@ -273,100 +315,32 @@ def jobs(args) -> list[Job]:
             "--new-tokens", "512"]  # fmt: skip
     found.append(bench_job(args, "vllm-rollout", [("vllm-rollout-1.5b", vllm)], site=True))
     if args.gguf:
-        folders = checkpoints(args)
+        folders, real = checkpoints(args), real_base(args)
         found.append(real_prep_job(args, share=args.gpus - 1))
         for name, (precision, flags) in REAL_RUNS.items():
             command = ["-m", "benchmarks.step", "--model", folders[precision], "--config", str(REAL_RECIPE),
                        "--rollout-backend", "native", "--profile", *steps, "--", *flags]  # fmt: skip
-            found.append(bench_job(args, name, [(name, command)], site=True, after=lambda: real_prepared(args)))
+            found.append(bench_job(args, name, [(name, command)], site=True, after=real.ready))
             if name == "real-bf16":  # the anchor runs beside the first three
                 anchor = ["-m", "benchmarks.trl_baseline", "--model", folders["bf16"], "--config", str(REAL_RECIPE),
                           "--steps", str(args.steps)]  # fmt: skip
-                found.append(
-                    bench_job(
-                        args, "trl-baseline", [("trl-baseline", anchor)], site=True, after=lambda: real_prepared(args)
-                    )  # fmt: skip
-                )
+                found.append(bench_job(args, "trl-baseline", [("trl-baseline", anchor)], site=True, after=real.ready))
         # those the machine has the GPUs for (a job waits for as many free GPUs as it holds)
         found += [
-            server_job(args, name, n, engine, flags, steps)
+            server_job(args, name, n, engine, flags, steps, real)
             for name, (n, engine, flags) in SERVER_RUNS.items()
             if 1 + n <= args.gpus
         ]
+    random_7b = random_7b_base(args)
+    colocated_7b = ["-m", "benchmarks.step", *random_7b.flags, "--rollout-backend", "native", "--profile", *steps]
+    found.append(bench_job(args, "step7b-colocated", [("step7b-colocated", colocated_7b)], site=True,
+                           after=random_7b.ready))  # fmt: skip
+    found += [
+        server_job(args, name, n, engine, flags, steps, random_7b)
+        for name, (n, engine, flags) in SERVER_7B_RUNS.items()
+        if 1 + n <= args.gpus
+    ]
     return found
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Summary
-
-
-def step_lines(name: str, result: dict) -> list[str]:
-    profile = result.get("profile", result)
-    seconds = profile.get("step_seconds") or result.get("step_seconds") or []
-    lengths = profile.get("completion_lengths") or result.get("completion_lengths") or []
-    if not seconds:
-        return [f"- {name}: no steps"]
-    device = profile.get("device", result.get("device"))
-    if "median_step_seconds" in result:  # the benchmark's own, over its timed steps (trl_baseline: steps 2-N)
-        line = f"- {name}: median {result['median_step_seconds']:.2f} s of {len(seconds)} steps run, {device}"
-    else:  # benchmarks.step --profile: step_seconds holds its timed steps only
-        line = f"- {name}: median {statistics.median(seconds):.2f} s over {len(seconds)} steps, {device}"
-    longest = [int(length[0]) for length in lengths]
-    if longest:
-        line += f"; longest completions {min(longest)}-{max(longest)} (median {statistics.median(longest):.0f})"
-    if "dense_weight_rounds" in profile:
-        line += f"; dense-weight rounds {profile['dense_weight_rounds']}"
-    lines = [line]
-    phases = profile.get("phases")
-    if phases:
-        split = ", ".join(f"{k} {v:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
-        lines.append(f"  phases (s/step): {split}")
-    return lines
-
-
-def summarize(args) -> str:
-    out = Path(args.out)
-    results = load_results(out)
-    text = ["# Speed suite (issue 41)", ""]
-    for name, result in results.items():
-        if "error" in result:
-            text.append(f"- {name}: FAILED: {result['error']}")
-            continue
-        text += [f"- {name}: FAILED: {line}" for line in result.get("failed", [])]
-        for key, value in result.items():
-            if not isinstance(value, dict):
-                continue
-            if "rows" in value:  # benchmarks.rollout
-                for row in value["rows"]:
-                    if "error" in row:
-                        text.append(f"- {key} {row['precision']} batch {row['batch']}: {row['error']}")
-                    else:
-                        text.append(
-                            f"- {key} {row['precision']} batch {row['batch']}: {row['tokens_per_s']:.0f} tok/s, "
-                            f"{row['ms_per_step']:.2f} ms/step"
-                            + (f" (floor {row['floor_ms']:.2f})" if "floor_ms" in row else "")
-                            + f", {value['device']}"
-                        )
-            elif "step_seconds" in value or "profile" in value:
-                text += step_lines(key, value)
-            elif "layer_seconds" in next(iter(value.get("sizes", {}).values()), {}):  # benchmarks.gptq_speed
-                text += [
-                    f"- {key} {size}{label}: {s['layer_seconds']:.2f} s a layer, ~{s['model_seconds'] / 60:.1f} min "
-                    f"a model, {value['card']}"
-                    for size, eager in value["sizes"].items()
-                    for label, s in ((" eager", eager), (" graph", eager.get("graph")))
-                    if s is not None
-                ]
-    kernels_log = out / "logs" / "kernels-1.log"
-    if kernels_log.is_file():
-        text += ["", "## probe_gemm small", ""]
-        text += [line for line in kernels_log.read_text().splitlines() if line.startswith("|")]
-    summary = "\n".join(text) + "\n"
-    (out / "summary.md").write_text(summary)
-    print(summary)
-    if args.bundle:
-        bundle(out, Path(args.bundle), results, summary)
-    return summary
 
 
 def main(argv=None) -> None:

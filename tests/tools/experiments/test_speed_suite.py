@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments import speed_suite
+from experiments import speed_suite, speed_summary
 
 
 def _args(tmp_path, gguf=None):
@@ -15,9 +15,12 @@ def _args(tmp_path, gguf=None):
                               retry_failed=False, bundle=None, gpu_ids=[])  # fmt: skip
 
 
+SEVEN_B = ["step7b-colocated", "server7b-1p1-native-ahead", "server7b-1p3-native-ahead"]
+
+
 def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
     without = [job.name for job in speed_suite.jobs(_args(tmp_path))]
-    assert without == ["kernels", "gptq", "rollout", "step-7b", "gpu-tests", "vllm-rollout"]
+    assert without == ["kernels", "gptq", "rollout", "step-7b", "gpu-tests", "vllm-rollout", *SEVEN_B]
     with_gguf = [job.name for job in speed_suite.jobs(_args(tmp_path, gguf="/tmp/q15.gguf"))]
     # the defaults' pair and TRL first, then the newest questions: a lease that ends early loses the oldest
     assert with_gguf == [
@@ -27,16 +30,16 @@ def test_the_real_model_jobs_come_with_the_gguf(tmp_path):
         "real-nvfp4-dense-kept-mb32", "real-bf16-kept-mb32", "real-nvfp4-dense-random-split",
         "real-bf16-random-split", "real-nvfp4-dense-compiled", "real-bf16-compiled", "server-shared-native-ahead",
         "server-shared-ahead", "server-shared", "server-1p1-native-ahead", "server-1p1-ahead", "server-1p1",
-        "server-1p3-native-ahead", "server-1p3-ahead",
+        "server-1p3-native-ahead", "server-1p3-ahead", *SEVEN_B,
     ]  # fmt: skip
     two_gpus = _args(tmp_path, gguf="x")
     two_gpus.gpus = 2  # 1 + 3 does not fit
-    assert [job.name for job in speed_suite.jobs(two_gpus)][-3:] == [
-        "server-1p1-native-ahead", "server-1p1-ahead", "server-1p1"
+    assert [job.name for job in speed_suite.jobs(two_gpus)][-5:] == [
+        "server-1p1-native-ahead", "server-1p1-ahead", "server-1p1", *SEVEN_B[:2]
     ]  # fmt: skip
     two_gpus.gpus = 1
-    assert [job.name for job in speed_suite.jobs(two_gpus)][-3:] == [
-        "server-shared-native-ahead", "server-shared-ahead", "server-shared"
+    assert [job.name for job in speed_suite.jobs(two_gpus)][-4:] == [
+        "server-shared-native-ahead", "server-shared-ahead", "server-shared", "step7b-colocated"
     ]  # fmt: skip
     prep = next(job for job in speed_suite.jobs(_args(tmp_path, gguf="x")) if job.name == "real-prep")
     assert prep.gpus == 0 and prep.share == 3  # beside the others, on the last GPU
@@ -89,6 +92,43 @@ def test_a_server_job_trains_on_its_first_gpu_and_samples_on_the_others_or_besid
     assert command[0][command[0].index("--rollout-servers") + 1] == "http://127.0.0.1:1"
 
 
+def test_the_random_7b_jobs_write_one_checkpoint_that_trainer_and_servers_load(tmp_path, monkeypatch):
+    """server7b-1p1-native-ahead: benchmarks.step --write-checkpoint on the job's first GPU (under a lock: another
+    7B job may be writing it), a native server on the second loading that folder, and the trainer on the first with
+    the random 7B's flags, the batch doubled and one round ahead; step7b-colocated writes it the same way first."""
+    started, ran = [], []
+
+    @contextlib.contextmanager
+    def servers(args, job, gpu_ids, model, engine, shared):
+        started.append((gpu_ids, model, engine, shared))
+        yield ["http://127.0.0.1:1"]
+
+    def run_commands(args, job, commands, gpu_ids, site):
+        ran.append((job, commands, gpu_ids))
+        return []
+
+    monkeypatch.setattr(speed_suite, "rollout_servers", servers)
+    monkeypatch.setattr(speed_suite, "run_commands", run_commands)
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "server7b-1p1-native-ahead.json").write_text("{}")
+    found = {job.name: job for job in speed_suite.jobs(_args(tmp_path))}
+    assert found["server7b-1p1-native-ahead"].work([2, 3]) == {"server7b-1p1-native-ahead": {}}
+    workdir = tmp_path / "random"
+    folder = str(workdir / "qwen2.5-7b-random-nvfp4")  # where benchmarks.step writes it
+    assert started == [([3], folder, "native", False)]
+    (write_job, (write,), write_gpus), (step_job, (step,), step_gpus) = ran
+    assert (write_job, write_gpus, step_job, step_gpus) == ("random-7b", [2], "server7b-1p1-native-ahead", [2])
+    seven_b = ["--size", "7b", "--precision", "nvfp4", "--workdir", str(workdir)]
+    assert write == ["-m", "benchmarks.step", *seven_b, "--write-checkpoint"]
+    assert step[step.index("--out") + 2 : step.index("--rollout-backend")] == seven_b
+    assert step[step.index("--") + 1 :] == ["--rollout-servers", "http://127.0.0.1:1", "--gradient-accumulation-steps",
+                                            "2", "--rollout-max-staleness", "1"]  # fmt: skip
+    ran.clear()
+    found["step7b-colocated"].work([1])
+    assert [(job, gpus) for job, _, gpus in ran] == [("random-7b", [1]), ("step7b-colocated", [1])]
+    assert ran[1][1][0][ran[1][1][0].index("--rollout-backend") + 1] == "native"
+
+
 def test_summary_gives_medians_lengths_phases_and_failures(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
@@ -109,7 +149,7 @@ def test_summary_gives_medians_lengths_phases_and_failures(tmp_path):
         "sizes": {"1.5b": {"layer_seconds": 2.5, "model_seconds": 70.0, "passes": {}, "graph": graph}},
     }
     (results / "gptq.json").write_text(json.dumps({"gptq": gptq}))
-    text = speed_suite.summarize(_args(tmp_path))
+    text = speed_summary.summarize(_args(tmp_path))
     assert "- gptq 1.5b eager: 2.50 s a layer, ~1.2 min a model, NVIDIA H200" in text
     assert "- gptq 1.5b graph: 0.50 s a layer, ~0.2 min a model, NVIDIA H200" in text
     assert "- real-nvfp4-dense: median 3.50 s over 3 steps, NVIDIA H100 80GB HBM3" in text
