@@ -66,6 +66,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_rollout_server(
+    model: str, seed: int, flags: list[str], log: Path, env: dict[str, str]
+) -> tuple[subprocess.Popen, str]:
+    """`python -m qerl.rollout_server` on `model` with `flags` on a free port, in a session of its own (kill_session
+    stops it), its output to `log`: (the process, its address). The trainer's handshake waits for it to load."""
+    port = free_port()
+    command = [sys.executable, "-m", "qerl.rollout_server", "--model", model, "--port", str(port), "--seed", str(seed),
+               *flags]  # fmt: skip
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+        )
+    return server, f"http://127.0.0.1:{port}"
+
+
 def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL to the process group of `proc`, started with start_new_session (it and every child it made)."""
     try:

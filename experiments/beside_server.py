@@ -17,20 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.launch import child_env, free_port, kill_session
-
-
-def start_server(model: str, seed: int, kv_cache_gib: float, log: Path) -> tuple[subprocess.Popen, str]:
-    """A native rollout server on a free port, in a session of its own; (its process, its address). The trainer's
-    handshake waits for it to load (--rollout-server-timeout)."""
-    port = free_port()
-    command = [sys.executable, "-m", "qerl.rollout_server", "--model", model, "--port", str(port), "--seed", str(seed),
-               "--engine", "native", "--kv-cache-gib", str(kv_cache_gib)]  # fmt: skip
-    with open(log, "a") as out:
-        server = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True
-        )
-    return server, f"http://127.0.0.1:{port}"
+from benchmarks.launch import child_env, kill_session, start_rollout_server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(flags[flags.index("--output-dir") + 1])
     output.mkdir(parents=True, exist_ok=True)
     log = output / "rollout-server.log"
-    server, url = start_server(args.model, args.seed, args.kv_cache_gib, log)
+    engine = ["--engine", "native", "--kv-cache-gib", str(args.kv_cache_gib)]
+    server, url = start_rollout_server(args.model, args.seed, engine, log, child_env())
     ahead = ["--rollout-backend", "server", "--rollout-servers", url, "--rollout-max-staleness", "1"]
     trainer = subprocess.Popen([sys.executable, "-m", "qerl.train", *flags, *ahead], env=child_env(),
                                start_new_session=True)  # fmt: skip

@@ -36,14 +36,21 @@ import argparse
 import contextlib
 import fcntl
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.launch import RECIPES, child_env, free_port, gpu_count, kill_session, last_error, run_logged
+from benchmarks.launch import (
+    RECIPES,
+    child_env,
+    gpu_count,
+    kill_session,
+    last_error,
+    run_logged,
+    start_rollout_server,
+)
 from benchmarks.step import checkpoint_folder
 from experiments.multi_gpu_runner import Job, run_phase, say
 from experiments.speed_summary import summarize
@@ -165,17 +172,12 @@ def rollout_servers(args, name: str, gpu_ids: list[int], model: str, engine: str
     servers, urls = [], []
     try:
         for i, gpu in enumerate(gpu_ids):
-            port = free_port()
-            command = [sys.executable, "-m", "qerl.rollout_server", "--model", model, "--port", str(port),
-                       "--seed", str(i + 1), *memory]  # fmt: skip
             env = site_env(args, CUDA_VISIBLE_DEVICES=str(args.gpu_ids[gpu] if args.gpu_ids else gpu))
             log = Path(args.out) / "logs" / f"{name}-server{i}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "w") as out:
-                servers.append(
-                    subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                )
-            urls.append(f"http://127.0.0.1:{port}")
+            server, url = start_rollout_server(model, i + 1, memory, log, env)
+            servers.append(server)
+            urls.append(url)
         if shared:
             from qerl.rollout.remote import ServerPool  # torch: only where a job runs
 

@@ -67,24 +67,16 @@ class FakeEngine:
 def server_process(folder: str, log_path, *flags: str):
     """`python -m qerl.rollout_server --model folder` with `flags` in a process of its own (a free port, seed 1), its
     output to `log_path`; yields a ServerPool (LoRA rank 16) that has shaken hands with it, and stops it after."""
-    import subprocess
-    import sys
-
-    from benchmarks.launch import REPO, child_env, free_port
+    from benchmarks.launch import child_env, kill_session, start_rollout_server
     from qerl.rollout.remote import ServerPool
 
-    port = free_port()
-    command = [sys.executable, "-m", "qerl.rollout_server", "--model", folder, "--port", str(port), "--seed", "1",
-               *flags]  # fmt: skip
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=child_env())
+    server, url = start_rollout_server(folder, 1, list(flags), log_path, child_env())
     try:
-        pool = ServerPool([f"http://127.0.0.1:{port}"], folder, lora_rank=16, timeout=300)
+        pool = ServerPool([url], folder, lora_rank=16, timeout=300)
         pool.handshake(timeout=300)
         yield pool
     finally:
-        server.terminate()
-        server.wait(60)
+        kill_session(server)
 
 
 @contextlib.contextmanager

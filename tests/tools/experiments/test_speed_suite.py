@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from benchmarks import launch
 from experiments import speed_suite, speed_summary
 
 
@@ -195,7 +196,7 @@ def test_a_server_job_trains_on_its_first_gpu_and_serves_from_the_others(tmp_pat
         def __init__(self, command, env, **kwargs):
             started.append((command, env["CUDA_VISIBLE_DEVICES"]))
 
-    monkeypatch.setattr(speed_suite.subprocess, "Popen", Server)
+    monkeypatch.setattr(launch.subprocess, "Popen", Server)
     monkeypatch.setattr(speed_suite, "kill_session", killed.append)
 
     def run_commands(args, name, commands, gpu_ids, site):
@@ -241,7 +242,7 @@ def test_each_server_gets_its_engine_port_seed_and_share_and_one_beside_the_trai
     started, waited = [], []
     monkeypatch.setattr(speed_suite, "site_env", lambda args, **extra: extra)
     monkeypatch.setattr(speed_suite, "kill_session", lambda proc: None)
-    monkeypatch.setattr(speed_suite.subprocess, "Popen", lambda command, env, **kw: started.append((command, env)))
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda command, env, **kw: started.append((command, env)))
     monkeypatch.setattr(
         qerl.rollout.remote.ServerPool, "handshake", lambda pool, timeout: waited.append(len(pool.clients))
     )
